@@ -1,0 +1,72 @@
+"""Shared fixtures: a real in-process GCS emulator, the repo root, and a python that runs the repo's code."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Emulator:
+    """A running gcp-storage-emulator; `url` is what STORAGE_EMULATOR_HOST holds."""
+
+    def __init__(self, bucket: str = "test-bucket"):
+        from gcp_storage_emulator.server import create_server
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.bucket = bucket
+        self._server = create_server("127.0.0.1", self.port, in_memory=True, default_bucket=bucket)
+        self._server.start()
+        self.running = True
+
+    def client(self):
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(project="test", credentials=AnonymousCredentials())
+
+    def stop(self):
+        if self.running:
+            self._server.stop()
+            self.running = False
+
+
+@pytest.fixture
+def gcs_emulator(monkeypatch):
+    """A fresh emulator with one bucket (`emu.bucket`); STORAGE_EMULATOR_HOST points at it for this test
+    and for any subprocess it starts (they inherit os.environ)."""
+    emu = Emulator()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emu.url)
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    yield emu
+    emu.stop()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture
+def subprocess_env() -> dict:
+    """Environment for running the repo's scripts in a subprocess: repo on PYTHONPATH, the test's python
+    first on PATH (so `accelerate`, `torchrun` resolve to this venv), quiet and single-threaded."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
