@@ -1,0 +1,632 @@
+"""Google Cloud Storage: the one module that talks to GCS.
+
+Every transfer is verified: downloads land under a temporary name and are renamed into place only after their
+size and crc32c match the object's; uploads are checked against the local file's crc32c. Transient errors
+(HTTP 408/429/5xx, dropped connections, checksum mismatches) are retried here, by `retry_call`, with
+exponential backoff and jitter; the library's own retries are switched off so that `retries` bounds the
+time a call can take. `STORAGE_EMULATOR_HOST` (e.g. `http://127.0.0.1:9023`) points every call at an emulator.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import google_crc32c
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CREDENTIALS_DIR = REPO_ROOT / "credentials"
+CHUNK_BYTES = 8 * 1024 * 1024
+MAX_BACKOFF_S = 30.0
+_PARTIAL_RE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<host>[^/]*)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+
+
+class StorageError(RuntimeError):
+    """A GCS operation failed; the message names the object or file and what to do."""
+
+
+class CredentialsError(StorageError):
+    """No usable credentials; the message names the key file (never its contents) and what to do."""
+
+
+class ChecksumMismatch(StorageError):
+    """A transfer's size or crc32c disagreed with the other side. Transient: `retry_call` retries it."""
+
+
+# ---------------------------------------------------------------------------------------------- URLs, client
+
+
+def parse_gs_url(url: str) -> tuple[str, str]:
+    """`gs://bucket/a/b/` -> ("bucket", "a/b"); `gs://bucket` -> ("bucket", "")."""
+    if not isinstance(url, str) or not url.startswith("gs://"):
+        raise ValueError(f"expected a GCS url like gs://BUCKET/PREFIX, got {url!r}")
+    bucket, _, prefix = url[len("gs://"):].partition("/")
+    if not bucket:
+        raise ValueError(f"no bucket name in {url!r}: expected gs://BUCKET/PREFIX")
+    if not _BUCKET_RE.match(bucket):
+        raise ValueError(
+            f"{bucket!r} in {url!r} is not a valid bucket name "
+            "(3-222 characters: lowercase letters, digits, '-', '_', '.')"
+        )
+    return bucket, prefix.strip("/")
+
+
+def gs_url(bucket: str, name: str = "") -> str:
+    return f"gs://{bucket}/{name}" if name else f"gs://{bucket}"
+
+
+def _join(prefix: str, rel: str) -> str:
+    return f"{prefix}/{rel}" if prefix else rel
+
+
+def _folder(prefix: str) -> str:
+    """A prefix as a folder: "a/b" -> "a/b/" so that "a/bc/..." is not listed; "" stays ""."""
+    return f"{prefix}/" if prefix else ""
+
+
+def make_client():
+    """A `google.cloud.storage.Client`. Credentials, first match wins:
+    STORAGE_EMULATOR_HOST (anonymous), GOOGLE_APPLICATION_CREDENTIALS (a service-account key file),
+    the single `*.json` key in `credentials/`, the machine's default credentials."""
+    from google.cloud import storage
+
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
+    if emulator:
+        from google.auth.credentials import AnonymousCredentials
+
+        options = None if "://" in emulator else {"api_endpoint": f"http://{emulator}"}
+        project = os.environ.get("GOOGLE_CLOUD_PROJECT") or "test"
+        return storage.Client(project=project, credentials=AnonymousCredentials(), client_options=options)
+
+    env_key = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "").strip()
+    if env_key:
+        credentials, project = _load_service_account(Path(env_key).expanduser(), "GOOGLE_APPLICATION_CREDENTIALS")
+        return storage.Client(project=project, credentials=credentials)
+
+    keys = sorted(CREDENTIALS_DIR.glob("*.json")) if CREDENTIALS_DIR.is_dir() else []
+    if len(keys) > 1:
+        names = ", ".join(k.name for k in keys)
+        raise CredentialsError(
+            f"{CREDENTIALS_DIR} holds several key files ({names}); "
+            "set GOOGLE_APPLICATION_CREDENTIALS to the one to use, or keep only one there"
+        )
+    if keys:
+        credentials, project = _load_service_account(keys[0], f"the key in {CREDENTIALS_DIR}")
+        return storage.Client(project=project, credentials=credentials)
+
+    import google.auth
+    from google.auth.exceptions import DefaultCredentialsError
+
+    try:
+        credentials, project = google.auth.default()
+    except DefaultCredentialsError:
+        raise CredentialsError(
+            "no GCS credentials found: put a service-account key (JSON) in "
+            f"{CREDENTIALS_DIR}/, or set GOOGLE_APPLICATION_CREDENTIALS to its path, or run "
+            "`gcloud auth application-default login`; to use an emulator set STORAGE_EMULATOR_HOST"
+        ) from None
+    return storage.Client(project=project, credentials=credentials)
+
+
+def _load_service_account(path: Path, source: str):
+    """(credentials, project_id) from a service-account key. Errors name the path, never the contents."""
+    from google.oauth2 import service_account
+
+    fix = "point GOOGLE_APPLICATION_CREDENTIALS at a service-account key (JSON) downloaded from the GCP console"
+    if not path.exists():
+        raise CredentialsError(f"credentials file {path} (from {source}) does not exist; {fix}")
+    if not path.is_file():
+        raise CredentialsError(f"credentials path {path} (from {source}) is not a file; {fix}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CredentialsError(
+            f"cannot read credentials file {path} (from {source}): {type(exc).__name__}; check its permissions"
+        ) from None
+    try:
+        info = json.loads(text)
+    except ValueError:
+        raise CredentialsError(f"credentials file {path} (from {source}) is not valid JSON; {fix}") from None
+    if not isinstance(info, dict) or info.get("type") != "service_account":
+        kind = info.get("type") if isinstance(info, dict) else None
+        kind = kind if isinstance(kind, str) and len(kind) < 40 else "missing"
+        raise CredentialsError(
+            f"credentials file {path} (from {source}) is not a service-account key (its type is {kind}); {fix}"
+        )
+    try:
+        credentials = service_account.Credentials.from_service_account_info(info)
+    except Exception as exc:  # a malformed key: never echo the library's message, it may quote the key
+        raise CredentialsError(
+            f"credentials file {path} (from {source}) is not a usable service-account key "
+            f"({type(exc).__name__}: missing fields or an unparsable private key); {fix}"
+        ) from None
+    return credentials, info.get("project_id")
+
+
+# ----------------------------------------------------------------------------------------------- retries
+
+
+def _transient_types() -> tuple[type, ...]:
+    import http.client
+
+    import requests
+    import urllib3
+    from google.api_core import exceptions as api
+
+    types = [
+        api.TooManyRequests, api.InternalServerError, api.BadGateway, api.ServiceUnavailable,
+        api.GatewayTimeout, ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout,
+        requests.exceptions.ChunkedEncodingError, http.client.IncompleteRead, http.client.BadStatusLine,
+        http.client.ResponseNotReady, urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError,
+        urllib3.exceptions.PoolError, ChecksumMismatch,
+    ]
+    try:
+        from google.cloud.storage.exceptions import DataCorruption
+
+        types.append(DataCorruption)
+    except ImportError:
+        pass
+    try:
+        from google.resumable_media.common import DataCorruption as ResumableDataCorruption
+
+        types.append(ResumableDataCorruption)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+_TRANSIENT_STATUS = (408, 429, 500, 502, 503, 504)
+_transient_cache: tuple[type, ...] | None = None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying: HTTP 408/429/5xx, dropped or refused connections, timeouts,
+    checksum mismatches (also a 400 that reports one). 401/403/404 and other 4xx are not."""
+    global _transient_cache
+    if _transient_cache is None:
+        _transient_cache = _transient_types()
+    if isinstance(exc, _transient_cache):
+        return True
+    from google.api_core import exceptions as api
+    from google.auth import exceptions as auth_exceptions
+
+    if isinstance(exc, api.GoogleAPICallError):
+        if exc.code in _TRANSIENT_STATUS:
+            return True
+        # GCS answers 400 when the crc32c/md5 sent with an upload does not match what arrived.
+        return exc.code == 400 and bool(re.search(r"crc32c|md5", str(exc), re.IGNORECASE))
+    if isinstance(exc, auth_exceptions.TransportError):
+        return bool(exc.args) and isinstance(exc.args[0], BaseException) and is_transient(exc.args[0])
+    response = getattr(exc, "response", None)  # google.resumable_media InvalidResponse
+    status = getattr(response, "status_code", None)
+    return type(exc).__name__ == "InvalidResponse" and status in _TRANSIENT_STATUS
+
+
+def _backoff(attempt: int, base_delay: float) -> float:
+    return min(MAX_BACKOFF_S, base_delay * 2**attempt) * random.uniform(0.5, 1.0)
+
+
+def retry_call(fn: Callable, *, what: str, retries: int = 5, base_delay: float = 0.5):
+    """`fn()`, retried up to `retries` more times with exponential backoff and jitter on transient errors.
+    A non-transient error (e.g. 403, 404) is raised at once, unchanged; running out of retries raises
+    StorageError naming `what` and chained to the last error."""
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            if attempt >= retries:
+                raise StorageError(
+                    f"{what} failed after {attempt + 1} attempts: {_short(exc)}; "
+                    "check the network / GCS status and run again"
+                ) from exc
+            time.sleep(_backoff(attempt, base_delay))
+            attempt += 1
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _explain(exc: BaseException, url: str) -> StorageError:
+    """A StorageError a user can act on, for a non-transient library error about `url`."""
+    from google.api_core import exceptions as api
+
+    if isinstance(exc, StorageError):
+        return exc
+    if isinstance(exc, api.NotFound):
+        return StorageError(f"{url} not found (HTTP 404): check the bucket and path")
+    if isinstance(exc, (api.Forbidden, api.Unauthorized)):
+        return StorageError(
+            f"access denied to {url} (HTTP {exc.code}): the credentials in use lack permission on this "
+            "bucket; grant the service account Storage Object Admin (or Viewer for reads) on it"
+        )
+    return StorageError(f"{url}: {_short(exc)}")
+
+
+# ---------------------------------------------------------------------------------------------- checksums
+
+
+def file_crc32c(path) -> str:
+    """The file's crc32c as GCS reports it (`blob.crc32c`): base64 of the 4 big-endian bytes."""
+    checksum = google_crc32c.Checksum()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
+            checksum.update(chunk)
+    return base64.b64encode(checksum.digest()).decode("ascii")
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    name: str
+    size: int
+    crc32c: str
+
+
+def local_matches(path, obj: RemoteObject) -> bool:
+    """True when `path` is a file with the object's size and crc32c."""
+    path = Path(path)
+    try:
+        if not path.is_file() or path.stat().st_size != obj.size:
+            return False
+        return file_crc32c(path) == obj.crc32c
+    except OSError:
+        return False
+
+
+class _HashingWriter:
+    """A write-only file wrapper that counts bytes and computes crc32c on the way to disk."""
+
+    def __init__(self, f, on_bytes: Callable[[int], None] | None = None):
+        self._f = f
+        self._crc = google_crc32c.Checksum()
+        self._on_bytes = on_bytes
+        self.size = 0
+
+    def write(self, data) -> int:
+        self._f.write(data)
+        self._crc.update(bytes(data))
+        self.size += len(data)
+        if self._on_bytes is not None:
+            self._on_bytes(len(data))
+        return len(data)
+
+    def flush(self):
+        self._f.flush()
+
+    @property
+    def crc32c(self) -> str:
+        return base64.b64encode(self._crc.digest()).decode("ascii")
+
+
+# ------------------------------------------------------------------------------------------------ listing
+
+
+def list_objects(client, bucket: str, prefix: str, suffix: str | None = ".npz") -> list[RemoteObject]:
+    """Every object under the folder `prefix` (recursive) whose name ends in `suffix` (None: all), by name."""
+
+    def fetch():
+        blobs = client.list_blobs(bucket, prefix=_folder(prefix.strip("/")), retry=None)
+        return [
+            RemoteObject(b.name, int(b.size or 0), b.crc32c or "")
+            for b in blobs
+            if not b.name.endswith("/") and (suffix is None or b.name.endswith(suffix))
+        ]
+
+    url = gs_url(bucket, prefix)
+    try:
+        objects = retry_call(fetch, what=f"listing {url}")
+    except Exception as exc:
+        raise _explain(exc, url) from exc
+    return sorted(objects, key=lambda o: o.name)
+
+
+def list_subdirectories(client, gs_url_: str) -> list[str]:
+    """Immediate "folder" names under a prefix (e.g. checkpoint names under .../checkpoints/RUN), sorted."""
+    bucket, prefix = parse_gs_url(gs_url_)
+    folder = _folder(prefix)
+
+    def fetch():
+        iterator = client.list_blobs(bucket, prefix=folder, delimiter="/", retry=None)
+        for _ in iterator:  # prefixes are collected page by page while iterating
+            pass
+        return sorted(p[len(folder):].strip("/") for p in iterator.prefixes)
+
+    try:
+        return [n for n in retry_call(fetch, what=f"listing {gs_url_}") if n]
+    except Exception as exc:
+        raise _explain(exc, gs_url_) from exc
+
+
+def object_exists(client, gs_url_: str) -> bool:
+    bucket, name = parse_gs_url(gs_url_)
+    if not name:
+        raise ValueError(f"{gs_url_!r} names a bucket, not an object")
+    try:
+        return retry_call(lambda: client.bucket(bucket).blob(name).exists(retry=None), what=f"checking {gs_url_}")
+    except Exception as exc:
+        raise _explain(exc, gs_url_) from exc
+
+
+# ---------------------------------------------------------------------------------------------- downloads
+
+
+def _temp_name(dest: Path) -> Path:
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
+    return dest.with_name(f".{dest.name}.partial-{host}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_partials(root) -> int:
+    """Remove temporary files/folders left under `root` by killed downloads of this host (their pid is
+    gone). Returns how many were removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
+    removed = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for entry in list(filenames) + list(dirnames):
+            m = _PARTIAL_RE.match(entry)
+            if not m or m["host"] != host or _pid_alive(int(m["pid"])):
+                continue
+            path = Path(dirpath, entry)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+                dirnames.remove(entry)
+            else:
+                path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def download_verified(client, bucket: str, obj: RemoteObject, dest, retries: int = 5,
+                      on_bytes: Callable[[int], None] | None = None) -> int:
+    """Download `obj` to `dest` through a temporary file in the same folder; rename it into place only when
+    its size and crc32c match the object's. Returns the bytes written. `on_bytes(n)` is told of progress
+    (negative when a failed attempt's bytes are discarded)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    url = gs_url(bucket, obj.name)
+
+    def attempt() -> int:
+        temp = _temp_name(dest)
+        writer = None
+        try:
+            with open(temp, "wb") as f:
+                writer = _HashingWriter(f, on_bytes)
+                blob = client.bucket(bucket).blob(obj.name)
+                blob.download_to_file(writer, checksum="crc32c", retry=None)
+                f.flush()
+                os.fsync(f.fileno())
+            if writer.size != obj.size or (obj.crc32c and writer.crc32c != obj.crc32c):
+                raise ChecksumMismatch(
+                    f"{url}: got {writer.size} bytes with crc32c {writer.crc32c}, "
+                    f"expected {obj.size} bytes with crc32c {obj.crc32c}"
+                )
+            os.replace(temp, dest)
+            return writer.size
+        except BaseException:
+            if writer is not None and on_bytes is not None and writer.size:
+                on_bytes(-writer.size)
+            raise
+        finally:
+            temp.unlink(missing_ok=True)
+
+    try:
+        return retry_call(attempt, what=f"downloading {url} to {dest}", retries=retries)
+    except Exception as exc:
+        raise _explain(exc, url) from exc
+
+
+@dataclass
+class SyncReport:
+    downloaded: int = 0
+    skipped: int = 0
+    failed: list[str] = field(default_factory=list)  # gs:// urls
+    bytes: int = 0
+    seconds: float = 0.0
+    dry_run: bool = False
+
+    def summary(self) -> str:
+        mb = self.bytes / 1e6
+        rate = mb / self.seconds if self.seconds > 0 else 0.0
+        if self.dry_run:
+            return (f"dry run: would download {self.downloaded} ({mb:.1f} MB), skip {self.skipped}; "
+                    f"nothing was transferred")
+        return (f"downloaded {self.downloaded}, skipped {self.skipped}, failed {len(self.failed)}, "
+                f"{mb:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s)")
+
+
+def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max_files: int = -1,
+                dry_run: bool = False, suffix: str = ".npz", progress: bool = True) -> SyncReport:
+    """Mirror every object ending in `suffix` under `source_url` into `dest_dir` (same relative paths).
+    A local file is skipped only when its size and crc32c match; everything else is downloaded, verified
+    and renamed into place. `max_files` >= 0 takes the first N objects by name. Clients are created here,
+    one per worker thread, so this is safe to call after a fork."""
+    from tqdm import tqdm
+
+    started = time.monotonic()
+    bucket, prefix = parse_gs_url(source_url)
+    dest_dir = Path(dest_dir)
+    objects = list_objects(client_factory(), bucket, prefix, suffix)
+    if not objects:
+        raise StorageError(f"no objects ending in {suffix!r} under {source_url}: check --source")
+    if max_files is not None and max_files >= 0:
+        objects = objects[:max_files]
+    report = SyncReport(dry_run=dry_run)
+    root = dest_dir.resolve()
+    targets: list[tuple[RemoteObject, Path]] = []
+    folder = _folder(prefix)
+    for obj in objects:
+        target = (root / obj.name[len(folder):]).resolve()
+        if root not in target.parents:  # an object name with ".." must not escape dest_dir
+            print(f"refusing {gs_url(bucket, obj.name)}: its name leaves {dest_dir}", file=sys.stderr)
+            report.failed.append(gs_url(bucket, obj.name))
+            continue
+        targets.append((obj, target))
+    if not dry_run:
+        clean_stale_partials(root)
+
+    workers = max(1, workers)
+    local = threading.local()
+
+    def client():
+        if getattr(local, "client", None) is None:
+            local.client = client_factory()
+        return local.client
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-check") as pool:
+        matches = list(pool.map(lambda t: local_matches(t[1], t[0]), targets))
+    todo = [t for t, ok in zip(targets, matches) if not ok]
+    report.skipped = len(targets) - len(todo)
+    if dry_run:
+        for obj, target in todo:
+            print(f"would download {gs_url(bucket, obj.name)} ({obj.size} bytes) -> {target}")
+        report.downloaded = len(todo)
+        report.bytes = sum(o.size for o, _ in todo)
+        report.seconds = time.monotonic() - started
+        return report
+
+    lock = threading.Lock()
+    bar = tqdm(total=sum(o.size for o, _ in todo), unit="B", unit_scale=True, desc="download",
+               disable=not progress or not todo, mininterval=0.5)
+
+    def on_bytes(n: int):
+        with lock:
+            bar.update(n)
+
+    def fetch(item: tuple[RemoteObject, Path]):
+        obj, target = item
+        try:
+            n = download_verified(client(), bucket, obj, target, on_bytes=on_bytes)
+        except Exception as exc:
+            with lock:
+                report.failed.append(gs_url(bucket, obj.name))
+                tqdm.write(f"FAILED {gs_url(bucket, obj.name)}: {_short(exc, 500)}", file=sys.stderr)
+            return
+        with lock:
+            report.downloaded += 1
+            report.bytes += n
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-download") as pool:
+            list(pool.map(fetch, todo))
+    finally:
+        bar.close()
+    report.failed.sort()
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def download_directory(client, gs_url_: str, dest_dir, retries: int = 5) -> int:
+    """Download every object under `gs_url_` (e.g. a checkpoint) into a temporary sibling of `dest_dir`,
+    verified, then rename it to `dest_dir` in one step. `dest_dir` must not exist yet. Returns bytes."""
+    bucket, prefix = parse_gs_url(gs_url_)
+    dest_dir = Path(dest_dir)
+    if dest_dir.exists():
+        raise StorageError(f"cannot download {gs_url_} to {dest_dir}: it already exists; remove it or pick another")
+    objects = list_objects(client, bucket, prefix, suffix=None)
+    if not objects:
+        raise StorageError(f"nothing to download: no objects under {gs_url_}; check the url")
+    dest_dir.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_partials(dest_dir.parent)
+    temp = _temp_name(dest_dir)
+    temp.mkdir()
+    folder = _folder(prefix)
+    total = 0
+    try:
+        for obj in objects:
+            target = (temp / obj.name[len(folder):]).resolve()
+            if temp.resolve() not in target.parents:
+                raise StorageError(f"refusing {gs_url(bucket, obj.name)}: its name leaves {dest_dir}")
+            total += download_verified(client, bucket, obj, target, retries=retries)
+        os.replace(temp, dest_dir)
+    finally:
+        if temp.exists():
+            shutil.rmtree(temp, ignore_errors=True)
+    return total
+
+
+# ------------------------------------------------------------------------------------------------ uploads
+
+
+def upload_verified(client, bucket: str, local_path, object_name: str, retries: int = 5) -> None:
+    """Upload a file, then check the object's crc32c (and size) against the local file's; retry on a
+    mismatch or transient error, finally StorageError."""
+    local_path = Path(local_path)
+    url = gs_url(bucket, object_name)
+    try:
+        expected = file_crc32c(local_path)
+        size = local_path.stat().st_size
+    except OSError as exc:
+        raise StorageError(f"cannot read {local_path} for upload to {url}: {exc}") from exc
+
+    def attempt():
+        blob = client.bucket(bucket).blob(object_name)
+        blob.upload_from_filename(str(local_path), checksum="crc32c", retry=None,
+                                  crc32c_checksum_value=expected)
+        # upload_from_filename sets blob's properties from the server's answer; reload if it did not.
+        if blob.crc32c is None or blob.size is None:
+            blob.reload(retry=None)
+        if blob.crc32c != expected or int(blob.size) != size:
+            raise ChecksumMismatch(
+                f"{url}: stored {blob.size} bytes with crc32c {blob.crc32c}, "
+                f"but {local_path} has {size} bytes with crc32c {expected}"
+            )
+
+    try:
+        retry_call(attempt, what=f"uploading {local_path} to {url}", retries=retries)
+    except Exception as exc:
+        raise _explain(exc, url) from exc
+
+
+def _upload_order(local_dir: Path, last: Iterable[str]) -> list[Path]:
+    last = tuple(last)
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+    rank = {name: i for i, name in enumerate(last)}
+    first = [p for p in files if p.name not in rank]
+    final = sorted((p for p in files if p.name in rank), key=lambda p: (rank[p.name], str(p)))
+    return first + final
+
+
+def upload_directory(client, local_dir, gs_url_: str, last: tuple[str, ...] = ("manifest.json",),
+                     retries: int = 5) -> list[str]:
+    """Upload every file under `local_dir` to `gs_url_/<relative path>`, verified; files named in `last`
+    go after all the others, so a remote folder without its manifest is known to be incomplete.
+    Returns the object names in upload order."""
+    local_dir = Path(local_dir)
+    bucket, prefix = parse_gs_url(gs_url_)
+    if not local_dir.is_dir():
+        raise StorageError(f"cannot upload {local_dir} to {gs_url_}: not a directory")
+    names = []
+    for path in _upload_order(local_dir, last):
+        name = _join(prefix, path.relative_to(local_dir).as_posix())
+        upload_verified(client, bucket, path, name, retries=retries)
+        names.append(name)
+    return names
