@@ -310,6 +310,8 @@ def verify_checkpoint(path) -> dict:
     manifest = _read_manifest(path)
     for rel, expected in manifest["files"].items():
         file = path / rel
+        if not isinstance(expected, dict) or not {"size", "crc32c"} <= expected.keys():
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry for {rel} is malformed; the checkpoint is corrupt")
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path}: file {rel} is missing; the checkpoint is corrupt")
         size = file.stat().st_size
@@ -384,22 +386,24 @@ def _stale_temps(root: Path) -> list[Path]:
     return stale
 
 
-def apply_retention(root, keep: int, protect=frozenset(), log=print) -> list[Path]:
-    """Deletes complete checkpoints older than the newest `keep` (at least 1 is always kept), except those
-    in `protect` (e.g. still uploading), and temp dirs left by dead processes. Returns what it deleted.
-    Directories named like a checkpoint but incomplete are left alone and not counted."""
+def apply_retention(root, keep: int | None, protect=frozenset(), log=print) -> list[Path]:
+    """Deletes complete checkpoints older than the newest `keep` (at least 1 is always kept; None keeps
+    all), except those in `protect` (e.g. still uploading), and temp dirs left by dead processes. Returns
+    what it deleted. Directories named like a checkpoint but incomplete are left alone and not counted."""
     root = Path(root)
     if not root.is_dir():
         return []
-    protected = {Path(p).resolve() for p in protect}
-    complete = [p for p in list_checkpoints(root) if _looks_complete(p)]
     deleted = []
-    for path in complete[:max(0, len(complete) - max(1, keep))]:
-        if path.resolve() in protected:
-            continue
-        _remove_tree(path)
-        log(f"retention: deleted {path.name} (keeping the newest {max(1, keep)})")
-        deleted.append(path)
+    if keep is not None:
+        keep = max(1, keep)
+        protected = {Path(p).resolve() for p in protect}
+        complete = [p for p in list_checkpoints(root) if _looks_complete(p)]
+        for path in complete[:max(0, len(complete) - keep)]:
+            if path.resolve() in protected:
+                continue
+            _remove_tree(path)
+            log(f"retention: deleted {path.name} (keeping the newest {keep})")
+            deleted.append(path)
     for path in _stale_temps(root):
         shutil.rmtree(path, ignore_errors=True)
         log(f"retention: removed stale temporary directory {path.name}")
@@ -560,12 +564,19 @@ def _download(client, url: str, local_root: Path, name: str, log) -> Path:
     log(f"resume: downloading {url} -> {dest}")
     try:
         storage.download_directory(client, url, dest)
-    except storage.StorageError as e:
-        raise CheckpointError(f"downloading checkpoint {url} failed: {e}") from e
+    except Exception as e:  # noqa: BLE001 - incl. losing a race to another process downloading the same one
+        try:
+            verify_checkpoint(dest)
+            log(f"resume: another process downloaded {name} to {dest} meanwhile; using it")
+            return dest
+        except CheckpointError:
+            pass
+        raise CheckpointError(f"downloading checkpoint {url} failed: {type(e).__name__}: {e}") from e
     try:
         verify_checkpoint(dest)
     except CheckpointError as e:
-        raise CheckpointError(f"checkpoint downloaded from {url} does not verify: {e}") from e
+        _remove_tree(dest)
+        raise CheckpointError(f"checkpoint downloaded from {url} does not verify (deleted the copy): {e}") from e
     return dest
 
 
