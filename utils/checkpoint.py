@@ -184,7 +184,7 @@ def _model_tensors(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"model_state['{key}'] is a {type(t).__name__}, not a tensor")
         t = t.detach().contiguous()
-        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
+        ptr = t.untyped_storage().data_ptr() if t.numel() else None
         if ptr is not None and ptr in seen:
             t = t.clone()
         elif ptr is not None:
