@@ -165,6 +165,37 @@ def test_download_verified_rejects_a_checksum_mismatch(gcs_emulator, tmp_path):
         download_verified(client, gcs_emulator.bucket, missing, tmp_path / "out" / "m.npz")
 
 
+def test_empty_object_round_trip(gcs_emulator, tmp_path):
+    client = make_client()
+    empty = write(tmp_path / "empty.npz", b"")
+    upload_verified(client, gcs_emulator.bucket, empty, "e/empty.npz")
+    [obj] = list_objects(client, gcs_emulator.bucket, "e")
+    assert (obj.size, obj.crc32c) == (0, file_crc32c(empty))
+    assert download_verified(client, gcs_emulator.bucket, obj, tmp_path / "back" / "empty.npz") == 0
+    assert (tmp_path / "back" / "empty.npz").read_bytes() == b""
+
+
+def test_clean_stale_partials(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    host = storage._host_tag()
+    root = tmp_path / "data"
+    dead_ours = write(root / "a" / f".x.npz.partial-{host}-{dead_pid}-ab12", b"1")
+    live_ours = write(root / "a" / f".y.npz.partial-{host}-{os.getpid()}-cd34", b"1")
+    other_fresh = write(root / f".z.npz.partial-otherhost-{dead_pid}-ef56", b"1")
+    other_old = write(root / "b" / f".w.npz.partial-otherhost-{dead_pid}-0a0b", b"1")
+    os.utime(other_old, (1, 1))
+    dead_dir = root / f".checkpoint-x.partial-{host}-{dead_pid}-99"
+    write(dead_dir / "model.bin", b"1")
+    keep = write(root / "a" / "x.npz", b"real shard")
+    assert storage.clean_stale_partials(root) == 3
+    assert not dead_ours.exists() and not other_old.exists() and not dead_dir.exists()
+    assert live_ours.exists() and other_fresh.exists() and keep.exists()
+
+
 def test_list_objects_is_recursive_sorted_and_folder_scoped(gcs_emulator):
     client = make_client()
     bucket = client.bucket(gcs_emulator.bucket)

@@ -30,6 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CREDENTIALS_DIR = REPO_ROOT / "credentials"
 CHUNK_BYTES = 8 * 1024 * 1024
 MAX_BACKOFF_S = 30.0
+STALE_PARTIAL_AGE_S = 3600.0
 _PARTIAL_RE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<host>[^/]*)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
@@ -231,8 +232,9 @@ def retry_call(fn: Callable, *, what: str, retries: int = 5, base_delay: float =
             if not is_transient(exc):
                 raise
             if attempt >= retries:
+                tries = f"{attempt + 1} attempt" + ("s" if attempt else "")
                 raise StorageError(
-                    f"{what} failed after {attempt + 1} attempts: {_short(exc)}; "
+                    f"{what} failed after {tries}: {_short(exc)}; "
                     "check the network / GCS status and run again"
                 ) from exc
             time.sleep(_backoff(attempt, base_delay))
@@ -367,9 +369,14 @@ def object_exists(client, gs_url_: str) -> bool:
 # ---------------------------------------------------------------------------------------------- downloads
 
 
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
+
+
 def _temp_name(dest: Path) -> Path:
-    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
-    return dest.with_name(f".{dest.name}.partial-{host}-{os.getpid()}-{secrets.token_hex(4)}")
+    """`.NAME.partial-HOST-PID-RAND` next to `dest`: hidden, never ends in the shard suffix, and says who
+    wrote it so a later run can tell a dead process's leftovers from a live transfer."""
+    return dest.with_name(f".{dest.name}.partial-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -382,20 +389,29 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def clean_stale_partials(root) -> int:
-    """Remove temporary files/folders left under `root` by killed downloads of this host (their pid is
-    gone). Returns how many were removed."""
+def clean_stale_partials(root, max_age_s: float = STALE_PARTIAL_AGE_S) -> int:
+    """Remove temporary files/folders left under `root` by killed downloads: this host's whose process is
+    gone, and any untouched for `max_age_s` (a live transfer writes constantly; hostnames change when a
+    container restarts). Returns how many were removed."""
     root = Path(root)
     if not root.is_dir():
         return 0
-    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
+    host = _host_tag()
+    now = time.time()
     removed = 0
     for dirpath, dirnames, filenames in os.walk(root):
         for entry in list(filenames) + list(dirnames):
             m = _PARTIAL_RE.match(entry)
-            if not m or m["host"] != host or _pid_alive(int(m["pid"])):
+            if not m:
                 continue
             path = Path(dirpath, entry)
+            try:
+                age = now - path.stat().st_mtime
+            except OSError:
+                continue
+            dead = m["host"] == host and not _pid_alive(int(m["pid"]))
+            if not dead and age < max_age_s:
+                continue
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
                 dirnames.remove(entry)
@@ -421,7 +437,8 @@ def download_verified(client, bucket: str, obj: RemoteObject, dest, retries: int
             with open(temp, "wb") as f:
                 writer = _HashingWriter(f, on_bytes)
                 blob = client.bucket(bucket).blob(obj.name)
-                blob.download_to_file(writer, checksum="crc32c", retry=None)
+                # raw_download: the stored bytes, which the listed size and crc32c describe (no gzip transcoding)
+                blob.download_to_file(writer, raw_download=True, checksum="crc32c", retry=None)
                 f.flush()
                 os.fsync(f.fileno())
             if writer.size != obj.size or (obj.crc32c and writer.crc32c != obj.crc32c):
