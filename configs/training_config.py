@@ -23,7 +23,8 @@ class TrainingConfig:
     dataloader_num_workers: int = 4
     prefetch_factor: int = 4
     # optimisation
-    max_steps: int = 10000
+    max_steps: int = 10000  # the LR schedule's horizon and where training ends
+    stop_at_step: int = 0  # >0: save and exit 0 after this step, schedule unchanged (time-limited jobs)
     per_device_train_batch_size: int = 4
     gradient_accumulation_steps: int = 4
     learning_rate: float = 3e-4
@@ -75,7 +76,7 @@ class TrainingConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
-        for name in ("warmup_steps", "dataloader_num_workers", "val_files", "seq_len"):
+        for name in ("warmup_steps", "dataloader_num_workers", "val_files", "seq_len", "stop_at_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must not be negative")
         if self.prefetch_factor < 1:

@@ -76,9 +76,14 @@ class RunLogger:
         self._log.handlers.clear()
         self._log.propagate = False
         self._log.setLevel(logging.INFO if is_main else logging.WARNING)
-        console = logging.StreamHandler(sys.stdout if is_main else sys.stderr)
-        console.setFormatter(logging.Formatter("%(message)s"))
-        self._log.addHandler(console)
+        # Info to stdout, warnings and errors to stderr (on other ranks only those reach the console).
+        out = logging.StreamHandler(sys.stdout)
+        out.addFilter(lambda record: record.levelno < logging.WARNING)
+        err = logging.StreamHandler(sys.stderr)
+        err.setLevel(logging.WARNING)
+        for handler in (out, err):
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            self._log.addHandler(handler)
         self._metrics = None
         self._tb = None
         if not is_main:

@@ -1,0 +1,111 @@
+"""Checkpoints end to end: exact resume, SIGTERM, uploads to a real GCS emulator, resume from GCS."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import torch
+
+from tests.trainkit import load_weights, make_shards, metrics, run, train_cmd, train_rows
+
+COMMON = ("per_device_train_batch_size=4", "gradient_accumulation_steps=2", "max_steps=8", "save_steps=4",
+          "dataloader_num_workers=2")
+
+
+def _final_weights(out):
+    return load_weights(out / "final_model" / "model.safetensors")
+
+
+def test_exact_resume_bitwise(tmp_path, subprocess_env):
+    """8 steps straight == 4 steps, stop, --resume latest, 4 more: identical losses and weights (bitwise)."""
+    data = make_shards(tmp_path / "data")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(train_cmd(straight, data, *COMMON), subprocess_env)
+    first = run(train_cmd(split, data, *COMMON, "stop_at_step=4"), subprocess_env)
+    assert "Stopped by stop_at_step after step 4" in first.stdout
+    assert not (split / "final_model").exists()
+    second = run(train_cmd(split, data, *COMMON, extra=("--resume", "latest")), subprocess_env)
+    assert "Resumed from" in second.stdout and "at step 4" in second.stdout
+
+    a, b = train_rows(straight), train_rows(split)
+    assert sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert a[step]["loss"] == b[step]["loss"], (step, a[step]["loss"], b[step]["loss"])
+        assert a[step]["lr"] == b[step]["lr"] and a[step]["tokens"] == b[step]["tokens"]
+    wa, wb = _final_weights(straight), _final_weights(split)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the resumed run continued the logs rather than starting new ones
+    assert (split / "logs" / "training.log").read_text().count("Training demo") == 2
+    state = json.loads((split / "checkpoints" / "checkpoint-epoch0-step8-files1" / "trainer_state.json").read_text())
+    assert state["step"] == 8 and state["tokens"] == 8 * 8 * 64 and state["world_size"] == 1
+
+
+def test_sigterm_saves_and_resume_continues(tmp_path, subprocess_env):
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    cmd = train_cmd(out, data, "per_device_train_batch_size=2", "max_steps=100000", "save_steps=100000")
+    proc = subprocess.Popen(cmd, env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        rows = (out / "logs" / "metrics.jsonl")
+        if rows.exists() and sum('"loss"' in line for line in rows.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    line = next(l for l in stdout.splitlines() if l.startswith("Stopped by SIGTERM after step"))
+    stopped = int(line.split("after step ")[1].split(":")[0])
+    assert stopped >= 3
+    ckpt = out / "checkpoints" / line.split("checkpoint ")[1].strip().split("/")[-1]
+    assert ckpt.exists() and f"-step{stopped}-" in ckpt.name
+    resumed = run(train_cmd(out, data, "per_device_train_batch_size=2", "max_steps=100000",
+                            "save_steps=100000", f"stop_at_step={stopped + 2}", extra=("--resume", "latest")),
+                  subprocess_env)
+    assert f"at step {stopped}" in resumed.stdout
+    assert max(train_rows(out)) == stopped + 2
+
+
+def test_upload_to_emulator_and_resume_from_gcs(tmp_path, subprocess_env, gcs_emulator):
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    sets = ("per_device_train_batch_size=2", "max_steps=4", "save_steps=2", f"gcs_bucket={gcs_emulator.bucket}",
+            "gcs_prefix=runs", "run_name=r1")
+    subprocess_env["STORAGE_EMULATOR_HOST"] = gcs_emulator.url
+    run(train_cmd(out, data, *sets, "stop_at_step=2"), subprocess_env)
+    client = gcs_emulator.client()
+    names = {b.name for b in client.list_blobs(gcs_emulator.bucket, prefix="runs/checkpoints/r1/")}
+    prefix = "runs/checkpoints/r1/checkpoint-epoch0-step2-files0/"
+    assert prefix + "manifest.json" in names and prefix + "model.safetensors" in names
+    from utils.storage import file_crc32c
+
+    local = out / "checkpoints" / "checkpoint-epoch0-step2-files0"
+    for f in local.iterdir():
+        blob = client.bucket(gcs_emulator.bucket).get_blob(prefix + f.name)
+        assert blob is not None and blob.crc32c == file_crc32c(f), f.name
+
+    # a machine with no local checkpoint resumes from GCS
+    fresh = tmp_path / "fresh"
+    proc = run(train_cmd(fresh, data, *sets, extra=("--resume", "latest")), subprocess_env)
+    assert "at step 2" in proc.stdout
+    assert (fresh / "checkpoints" / "checkpoint-epoch0-step4-files0").exists()
+    assert max(train_rows(fresh)) == 4
+
+
+def test_upload_failure_keeps_training_and_exits_nonzero(tmp_path, subprocess_env, gcs_emulator):
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    subprocess_env["STORAGE_EMULATOR_HOST"] = gcs_emulator.url
+    gcs_emulator.stop()  # the bucket is unreachable for the whole run
+    proc = run(train_cmd(out, data, "per_device_train_batch_size=2", "max_steps=4", "save_steps=2",
+                         f"gcs_bucket={gcs_emulator.bucket}", "run_name=r2"), subprocess_env, check=False,
+               timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    assert max(train_rows(out)) == 4  # training went on
+    assert "upload of gs://test-bucket/checkpoints/r2/checkpoint-epoch0-step4-files0 failed" in proc.stderr
+    from utils.checkpoint import verify_checkpoint
+
+    for name in ("checkpoint-epoch0-step2-files0", "checkpoint-epoch0-step4-files0"):
+        verify_checkpoint(out / "checkpoints" / name)

@@ -1,0 +1,132 @@
+"""The training loop, run for real on tiny data: accumulation math, the LR schedule, errors, outputs."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from configs import get_model_spec, get_training_config, parse_overrides
+from tests.trainkit import TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
+from utils.model import build_model
+from utils.optim import schedule_from_config
+
+
+def _without_key_bias(name: str, tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """The key part of the fused QKV bias has an exactly zero true gradient (softmax ignores a constant
+    added to every score), so Adam turns its float noise into +-lr steps; compare the rest."""
+    if name.endswith("query_key_value.bias"):
+        return tensor.view(heads, 3, -1)[:, [0, 2], :].reshape(-1)
+    return tensor
+
+
+def test_accumulation_matches_one_big_batch(tmp_path, subprocess_env):
+    """fp32 on CPU: one step of micro-batch 2 x accumulation 4 == micro-batch 8 x accumulation 1."""
+    data = make_shards(tmp_path / "data")
+    outs = {}
+    for micro, accum in ((2, 4), (8, 1)):
+        out = tmp_path / f"m{micro}a{accum}"
+        run(train_cmd(out, data, f"per_device_train_batch_size={micro}",
+                      f"gradient_accumulation_steps={accum}", "max_steps=1", "save_steps=100"), subprocess_env)
+        outs[micro] = out
+    a, b = train_rows(outs[2])[1], train_rows(outs[8])[1]
+    assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5)
+    assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5)
+    wa = load_weights(outs[2] / "final_model" / "model.safetensors")
+    wb = load_weights(outs[8] / "final_model" / "model.safetensors")
+    init = build_model(get_model_spec("tiny"), seed=42).lm.state_dict()
+    init["embed_out.weight"] = init.pop("lm_head.weight")  # save_pretrained keeps GPT-NeoX's legacy name
+    assert wa.keys() == wb.keys() == init.keys()
+    heads = get_model_spec("tiny").num_attention_heads
+    diff2 = norm2 = 0.0
+    for name in wa:
+        x, y = _without_key_bias(name, wa[name], heads), _without_key_bias(name, wb[name], heads)
+        rel = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+        assert rel <= 1e-5, (name, rel)
+        diff2 += (wa[name] - wb[name]).norm().item() ** 2
+        norm2 += wb[name].norm().item() ** 2
+    assert (diff2 / norm2) ** 0.5 <= 1e-6
+    moved = sum((wb[k] - init[k]).norm().item() ** 2 for k in wb) ** 0.5
+    assert moved > 1e3 * diff2 ** 0.5  # the step really changed the weights, far beyond the mismatch
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_logged_lr_equals_lr_at(tmp_path, subprocess_env, accum):
+    data = make_shards(tmp_path / "data")
+    sets = [f"gradient_accumulation_steps={accum}", "per_device_train_batch_size=2", "max_steps=8",
+            "warmup_steps=3", "save_steps=100"]
+    out = tmp_path / "out"
+    run(train_cmd(out, data, *sets), subprocess_env)
+    cfg = get_training_config("demo", parse_overrides(TINY + sets))
+    schedule = schedule_from_config(cfg)
+    rows = train_rows(out)
+    assert sorted(rows) == list(range(1, 9))
+    for step, row in rows.items():
+        assert math.isclose(row["lr"], schedule(step), rel_tol=1e-12), (step, row["lr"], schedule(step))
+    # and the optimizer really used it: the scheduler state in the final checkpoint is at step 8
+    ckpt = next((out / "checkpoints").glob("checkpoint-*-step8-*"))
+    sched = torch.load(ckpt / "scheduler.pt", weights_only=False)
+    assert sched["last_epoch"] == 8 and math.isclose(sched["_last_lr"][0], schedule(9), rel_tol=1e-12)
+
+
+def test_run_writes_logs_metrics_tensorboard_and_export(tmp_path, subprocess_env):
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    proc = run(train_cmd(out, data, "per_device_train_batch_size=4", "max_steps=4", "save_steps=2",
+                        "eval_interval=2"), subprocess_env)
+    assert "Step 4: loss=" in proc.stdout and "steps/sec" in proc.stdout and "tok/s" in proc.stdout
+    log_text = (out / "logs" / "training.log").read_text()
+    assert "Step 4: loss=" in log_text
+    rows = metrics(out)
+    train = [r for r in rows if "loss" in r]
+    for key in ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "data_wait_frac"):
+        assert key in train[-1], key
+    assert train[-1]["mfu"] is None  # CPU: peak unknown
+    assert train[-1]["tokens"] == 4 * 4 * 64  # steps x global batch (4 x 1 x 1) x seq_len
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    assert list((out / "logs" / "tensorboard").glob("events.out.tfevents.*"))
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["checkpoint-epoch0-step2-files0", "checkpoint-epoch0-step4-files0"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final_model")
+    assert model.config.model_type == "gpt_neox" and model.config.vocab_size == 512
+
+
+def _one_error_line(proc) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_unknown_set_key(tmp_path, subprocess_env):
+    proc = run(train_cmd(tmp_path / "o", tmp_path / "d", "not_a_field=3"), subprocess_env, check=False)
+    assert "not_a_field" in _one_error_line(proc) and proc.returncode == 2
+
+
+def test_unknown_preset(tmp_path, subprocess_env):
+    proc = run(train_cmd(tmp_path / "o", tmp_path / "d", config="prodution"), subprocess_env, check=False)
+    assert "valid configs: demo, test, production" in _one_error_line(proc)
+
+
+def test_missing_data_dir(tmp_path, subprocess_env):
+    missing = tmp_path / "nowhere"
+    proc = run(train_cmd(tmp_path / "o", missing, "demo_data=false"), subprocess_env, check=False)
+    line = _one_error_line(proc)
+    assert str(missing) in line and "download_training_data.py" in line
+
+
+def test_nonfinite_loss_stops_naming_the_step(tmp_path, subprocess_env):
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    proc = run(train_cmd(out, data, "learning_rate=1e12", "warmup_steps=0", "max_grad_norm=1e30",
+                         "max_steps=6", "save_steps=1", "logging_steps=3"), subprocess_env, check=False)
+    line = _one_error_line(proc)
+    assert "non-finite loss at step" in line
+    bad_step = int(re.search(r"non-finite loss at step (\d+)", line).group(1))
+    saved = [int(p.name.split("-step")[1].split("-")[0]) for p in (out / "checkpoints").glob("checkpoint-*")]
+    assert all(s < bad_step for s in saved), (saved, bad_step)

@@ -1,0 +1,62 @@
+"""Helpers for tests that run the real train.py / start_training.sh in subprocesses on tiny data."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Settings every tiny run shares: the tiny model, fp32 on CPU, no compile, fast loader, frequent logs.
+TINY = ["model=tiny", "compile_model=false", "mixed_precision=no", "dataloader_num_workers=0",
+        "logging_steps=1", "eval_interval=1000", "eval_batches=2", "warmup_steps=2", "val_files=1",
+        "learning_rate=3e-3"]
+
+
+def make_shards(data_dir: Path, n_files: int = 4, rows: int = 64, seq_len: int = 64, vocab: int = 512,
+                seed: int = 0) -> Path:
+    """Nested 2-D shards of learnable token sequences (arithmetic runs mod vocab, random starts)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n_files):
+        sub = data_dir / f"part-{i % 2}" / f"sub-{i // 2}"
+        sub.mkdir(parents=True, exist_ok=True)
+        start = rng.integers(0, vocab, size=(rows, 1))
+        stride = rng.integers(1, 4, size=(rows, 1))
+        ids = (start + stride * np.arange(seq_len)[None, :]) % vocab
+        np.savez(sub / f"shard-{i:03d}.npz", input_ids=ids.astype(np.uint16))
+    return data_dir
+
+
+def train_cmd(out: Path, data: Path, *sets: str, extra: tuple = (), config: str = "demo") -> list[str]:
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), "--config", config, "--output-dir", str(out),
+           "--data-dir", str(data)]
+    for s in TINY + list(sets):
+        cmd += ["--set", s]
+    return cmd + list(extra)
+
+
+def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+                             f"stderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def metrics(out: Path) -> list[dict]:
+    path = out / "logs" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_rows(out: Path) -> dict[int, dict]:
+    """Per-step training rows (the last one written for each step wins, as after a resume)."""
+    return {r["step"]: r for r in metrics(out) if "loss" in r}
+
+
+def load_weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
