@@ -267,7 +267,9 @@ def test_all_bad_files_are_reported_at_once(tmp_path):
     with pytest.raises(ShardError) as err:
         ShardIndex.build(tmp_path, SEQ, VOCAB, log=quiet)
     message = str(err.value)
-    assert message.startswith("2 bad shard file(s)") and "a.npz: " in message and "c.npz: " in message
+    assert message.startswith(f"2 shard files in {tmp_path} break the shard format")
+    assert f"{tmp_path}/a.npz: 'input_ids' has dtype float64" in message
+    assert f"{tmp_path}/c.npz: holds id {VOCAB + 1} but vocab_size is {VOCAB}" in message
 
 
 def test_missing_or_empty_data_dir(tmp_path):
@@ -361,7 +363,11 @@ def test_validation_is_cached_and_invalidated_by_changes(tmp_path, monkeypatch):
     make_mixed(tmp_path)
     scanned = []
     real = data._inspect_shard
-    monkeypatch.setattr(data, "_inspect_shard", lambda path, rel, seq_len: scanned.append(rel) or real(path, rel, seq_len))
+    def counting(path, name, seq_len):
+        scanned.append(Path(path).relative_to(tmp_path).as_posix())
+        return real(path, name, seq_len)
+
+    monkeypatch.setattr(data, "_inspect_shard", counting)
 
     first = ShardIndex.build(tmp_path, SEQ, VOCAB, log=quiet).fingerprint()
     assert sorted(scanned) == ["a/00.npz", "a/b/01.npz", "c.npz"]
@@ -403,6 +409,15 @@ def test_validation_is_cached_and_invalidated_by_changes(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------------------------
 # Processes and memory
+
+
+def test_open_files_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "MAX_OPEN_FILES", 2)
+    for f in range(5):
+        save(tmp_path / f"{f}.npz", seqs(3 * f, 3, np.uint16))
+    dataset = TokenSequenceDataset(ShardIndex.build(tmp_path, SEQ, VOCAB, log=quiet))
+    order = [14, 0, 7, 3, 12, 1, 9, 6, 13, 2]
+    assert dataset.get_batch(order)[:, 0].tolist() == order and len(dataset._fds) == 2
 
 
 def test_dataset_pickles_without_open_files(mixed):

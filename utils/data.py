@@ -45,6 +45,8 @@ ALLOWED_DTYPES = ("uint16", "int32", "uint32", "int64")
 INPUT_KEY = "input_ids"
 CACHE_NAME = ".shard_index.json"
 CACHE_VERSION = 1
+# Shard files kept open per process (least recently used closed first): well under the usual 1024 limit.
+MAX_OPEN_FILES = 128
 # Decompressed shards kept per process (workers included); at least one shard is always kept.
 COMPRESSED_CACHE_BYTES = 512 << 20
 _SCAN_CHUNK_BYTES = 16 << 20
@@ -90,11 +92,11 @@ class _Layout:
 # Reading and checking one shard
 
 
-def _fail(rel: str, rule: str, advice: str) -> ShardError:
-    return ShardError(f"{rel}: {rule}; {advice}")
+def _fail(name: str, rule: str, advice: str) -> ShardError:
+    return ShardError(f"{name}: {rule}; {advice}")
 
 
-def _read_npy_header(fp, rel: str) -> tuple[tuple, bool, np.dtype]:
+def _read_npy_header(fp, name: str) -> tuple[tuple, bool, np.dtype]:
     fmt = np.lib.format
     try:
         version = fmt.read_magic(fp)
@@ -105,53 +107,53 @@ def _read_npy_header(fp, rel: str) -> tuple[tuple, bool, np.dtype]:
         else:  # 3.0 (utf-8 field names) has no public reader
             shape, fortran, dtype = fmt._read_array_header(fp, version)
     except Exception as e:  # numpy raises ValueError/EOFError/SyntaxError on a bad header
-        raise _fail(rel, f"'{INPUT_KEY}' is not a readable .npy array ({e})",
+        raise _fail(name, f"'{INPUT_KEY}' is not a readable .npy array ({e})",
                     "regenerate the shard with np.savez(path, input_ids=array)") from None
     return shape, fortran, dtype
 
 
-def _check_header(rel: str, shape: tuple, dtype: np.dtype, seq_len: int) -> tuple[str, int]:
+def _check_header(name: str, shape: tuple, dtype: np.dtype, seq_len: int) -> tuple[str, int]:
     """Format rules visible from the header alone -> (kind, num_sequences)."""
     if dtype.hasobject:
-        raise _fail(rel, f"'{INPUT_KEY}' is an object array (dtype={dtype}), which only pickle can load "
+        raise _fail(name, f"'{INPUT_KEY}' is an object array (dtype={dtype}), which only pickle can load "
                          "and pickle is never used", f"save token ids as an integer array ({', '.join(ALLOWED_DTYPES)})")
     if dtype.kind not in "iu" or dtype.name not in ALLOWED_DTYPES:
-        raise _fail(rel, f"'{INPUT_KEY}' has dtype {dtype} which is not allowed",
+        raise _fail(name, f"'{INPUT_KEY}' has dtype {dtype} which is not allowed",
                     f"convert it to one of {', '.join(ALLOWED_DTYPES)} (uint16 fits vocabularies up to 65536)")
     if len(shape) == 1:
         kind, count = "stream", shape[0] // seq_len
         size_note = f"a 1-D stream of {shape[0]} tokens"
     elif len(shape) == 2:
         if shape[1] < seq_len:
-            raise _fail(rel, f"2-D '{INPUT_KEY}' rows hold {shape[1]} tokens but seq_len is {seq_len}; rows "
+            raise _fail(name, f"2-D '{INPUT_KEY}' rows hold {shape[1]} tokens but seq_len is {seq_len}; rows "
                              "must be at least seq_len long (longer rows are truncated to seq_len)",
                         "re-cut the data with rows of seq_len tokens, save it as a 1-D token stream, "
                         "or lower seq_len")
         kind, count = "rows", shape[0]
         size_note = f"{shape[0]} rows"
     else:
-        raise _fail(rel, f"'{INPUT_KEY}' is {len(shape)}-D (shape {tuple(shape)}); it must be 1-D (a token "
+        raise _fail(name, f"'{INPUT_KEY}' is {len(shape)}-D (shape {tuple(shape)}); it must be 1-D (a token "
                          "stream) or 2-D [rows, seq_len]", "reshape it before saving")
     if count == 0:
-        raise _fail(rel, f"holds 0 sequences of seq_len={seq_len} ({size_note})",
+        raise _fail(name, f"holds 0 sequences of seq_len={seq_len} ({size_note})",
                     "remove the empty shard or merge it into another one")
     return kind, count
 
 
-def _local_data_start(fh, info: zipfile.ZipInfo, rel: str) -> int:
+def _local_data_start(fh, info: zipfile.ZipInfo, name: str) -> int:
     """Offset of a member's bytes: after its local header (whose extra field may differ from the
     central directory's, so it is read from the local header itself)."""
     fh.seek(info.header_offset)
     raw = fh.read(_LOCAL_HEADER.size)
     if len(raw) != _LOCAL_HEADER.size or raw[:4] != _LOCAL_HEADER_SIG:
-        raise _fail(rel, "is not a readable .npz (zip) archive (bad local header)",
+        raise _fail(name, "is not a readable .npz (zip) archive (bad local header)",
                     "re-download or regenerate the shard")
     fields = _LOCAL_HEADER.unpack(raw)
     name_len, extra_len = fields[9], fields[10]
     return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
 
 
-def _scan_ids(fp, dtype: np.dtype, count: int, rel: str, crc: int | None = None) -> tuple[int, int, int]:
+def _scan_ids(fp, dtype: np.dtype, count: int, name: str, crc: int | None = None) -> tuple[int, int, int]:
     """Read `count` items of `dtype` from `fp` in chunks -> (min id, max id, running crc32).
 
     Chunked reads into one buffer (no mmap) so validating a big shard does not grow the resident set."""
@@ -168,7 +170,7 @@ def _scan_ids(fp, dtype: np.dtype, count: int, rel: str, crc: int | None = None)
         while got < want:
             r = fp.readinto(view[got:want])
             if not r:
-                raise _fail(rel, f"is truncated: '{INPUT_KEY}' ends after {count - left} of {count} items "
+                raise _fail(name, f"is truncated: '{INPUT_KEY}' ends after {count - left} of {count} items "
                                  f"plus {got} bytes", "re-download or regenerate the shard")
             got += r
         if crc is not None:
@@ -181,7 +183,7 @@ def _scan_ids(fp, dtype: np.dtype, count: int, rel: str, crc: int | None = None)
     return lo, hi, running
 
 
-def _inspect_shard(path: Path, rel: str, seq_len: int) -> _Layout:
+def _inspect_shard(path: Path, name: str, seq_len: int) -> _Layout:
     """Open one shard, check every format rule except the vocabulary bound, scan its ids (min/max)
     and, for stored members, verify the zip crc32. Raises ShardError."""
     try:
@@ -189,7 +191,7 @@ def _inspect_shard(path: Path, rel: str, seq_len: int) -> _Layout:
             try:
                 zf = zipfile.ZipFile(fh)
             except (zipfile.BadZipFile, EOFError, OSError) as e:
-                raise _fail(rel, f"is not a readable .npz (zip) archive ({e})",
+                raise _fail(name, f"is not a readable .npz (zip) archive ({e})",
                             "it may be truncated or not an npz at all: re-download it "
                             "(download_training_data.py verifies size and crc32c) or regenerate it") from None
             with zf:
@@ -198,51 +200,51 @@ def _inspect_shard(path: Path, rel: str, seq_len: int) -> _Layout:
                     info = zf.getinfo(member)
                 except KeyError:
                     found = ", ".join(sorted(n.removesuffix(".npy") for n in zf.namelist())) or "nothing"
-                    raise _fail(rel, f"has no '{INPUT_KEY}' array (found: {found})",
+                    raise _fail(name, f"has no '{INPUT_KEY}' array (found: {found})",
                                 f"save shards with np.savez(path, {INPUT_KEY}=token_ids)") from None
                 if info.flag_bits & 0x1:
-                    raise _fail(rel, f"'{INPUT_KEY}' is encrypted", "save shards with plain np.savez")
+                    raise _fail(name, f"'{INPUT_KEY}' is encrypted", "save shards with plain np.savez")
                 if info.compress_type == zipfile.ZIP_STORED:
-                    return _inspect_stored(fh, info, path, rel, seq_len)
-                return _inspect_compressed(zf, info, rel, seq_len)
+                    return _inspect_stored(fh, info, path, name, seq_len)
+                return _inspect_compressed(zf, info, name, seq_len)
     except ShardError:
         raise
     except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError, RuntimeError, ValueError) as e:
-        raise _fail(rel, f"is not a readable .npz (zip) archive ({e})",
+        raise _fail(name, f"is not a readable .npz (zip) archive ({e})",
                     "re-download or regenerate the shard") from None
     except OSError as e:
-        raise _fail(rel, f"cannot be read ({e})", "check the file's permissions and the disk") from None
+        raise _fail(name, f"cannot be read ({e})", "check the file's permissions and the disk") from None
 
 
-def _inspect_stored(fh, info: zipfile.ZipInfo, path: Path, rel: str, seq_len: int) -> _Layout:
-    start = _local_data_start(fh, info, rel)
+def _inspect_stored(fh, info: zipfile.ZipInfo, path: Path, name: str, seq_len: int) -> _Layout:
+    start = _local_data_start(fh, info, name)
     fh.seek(start)
-    shape, fortran, dtype = _read_npy_header(fh, rel)
-    kind, _ = _check_header(rel, shape, dtype, seq_len)
+    shape, fortran, dtype = _read_npy_header(fh, name)
+    kind, _ = _check_header(name, shape, dtype, seq_len)
     data_offset = fh.tell()
     count = int(np.prod(shape, dtype=np.int64))
     nbytes = count * dtype.itemsize
     header_len = data_offset - start
     if info.file_size != header_len + nbytes or data_offset + nbytes > os.path.getsize(path):
-        raise _fail(rel, f"is truncated or inconsistent: '{INPUT_KEY}' header promises {nbytes} data bytes "
+        raise _fail(name, f"is truncated or inconsistent: '{INPUT_KEY}' header promises {nbytes} data bytes "
                          f"but the zip member holds {info.file_size - header_len}",
                     "re-download or regenerate the shard")
     fh.seek(start)
     crc = zlib.crc32(fh.read(header_len))
-    lo, hi, crc = _scan_ids(fh, dtype, count, rel, crc)
+    lo, hi, crc = _scan_ids(fh, dtype, count, name, crc)
     if crc != info.CRC:
-        raise _fail(rel, "fails its zip crc32 check (the data is corrupt)", "re-download or regenerate the shard")
+        raise _fail(name, "fails its zip crc32 check (the data is corrupt)", "re-download or regenerate the shard")
     return _Layout(False, data_offset, dtype.str, tuple(int(s) for s in shape), bool(fortran), lo, hi)
 
 
-def _inspect_compressed(zf: zipfile.ZipFile, info: zipfile.ZipInfo, rel: str, seq_len: int) -> _Layout:
+def _inspect_compressed(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, seq_len: int) -> _Layout:
     with zf.open(info) as fp:
-        shape, fortran, dtype = _read_npy_header(fp, rel)
-        _check_header(rel, shape, dtype, seq_len)
+        shape, fortran, dtype = _read_npy_header(fp, name)
+        _check_header(name, shape, dtype, seq_len)
         count = int(np.prod(shape, dtype=np.int64))
-        lo, hi, _ = _scan_ids(fp, dtype, count, rel)
+        lo, hi, _ = _scan_ids(fp, dtype, count, name)
         if fp.read(1):  # reading to the end also makes zipfile check the member's crc32
-            raise _fail(rel, f"'{INPUT_KEY}' holds more bytes than its header describes",
+            raise _fail(name, f"'{INPUT_KEY}' holds more bytes than its header describes",
                         "re-download or regenerate the shard")
     return _Layout(True, -1, dtype.str, tuple(int(s) for s in shape), bool(fortran), lo, hi)
 
@@ -251,11 +253,11 @@ def _sequences_in(layout: _Layout, seq_len: int) -> int:
     return layout.shape[0] // seq_len if len(layout.shape) == 1 else layout.shape[0]
 
 
-def _check_vocab(rel: str, layout: _Layout, vocab_size: int) -> None:
+def _check_vocab(name: str, layout: _Layout, vocab_size: int) -> None:
     if layout.min_id < 0:
-        raise _fail(rel, f"holds id {layout.min_id} < 0", "token ids must be non-negative: check the tokenizer output")
+        raise _fail(name, f"holds id {layout.min_id} < 0", "token ids must be non-negative: check the tokenizer output")
     if layout.max_id >= vocab_size:
-        raise _fail(rel, f"holds id {layout.max_id} but vocab_size is {vocab_size} (ids must be < vocab_size)",
+        raise _fail(name, f"holds id {layout.max_id} but vocab_size is {vocab_size} (ids must be < vocab_size)",
                     "the shard was tokenized for a bigger vocabulary: use the matching tokenizer/model or "
                     "re-tokenize")
 
@@ -352,16 +354,20 @@ class ShardIndex:
         cache_path = root / CACHE_NAME
         cache = _load_cache(cache_path, log)
         layouts: dict[str, _Layout] = {}
+        errors: dict[str, ShardError] = {}
         to_scan: list[tuple[str, int, int]] = []
         for rel in files:
-            st = (root / rel).stat()
+            try:
+                st = (root / rel).stat()
+            except OSError as e:  # e.g. a dangling symlink
+                errors[rel] = _fail((root / rel).as_posix(), f"cannot be read ({e})", "fix or remove the file")
+                continue
             layout = _layout_from_cache(cache.get(rel), st.st_size, st.st_mtime_ns)
             if layout is not None:
                 layouts[rel] = layout
             else:
                 to_scan.append((rel, st.st_size, st.st_mtime_ns))
 
-        errors: dict[str, ShardError] = {}
         if to_scan:
             t0 = time.perf_counter()
             total = sum(s for _, s, _ in to_scan)
@@ -379,7 +385,7 @@ class ShardIndex:
                               "min_id": result.min_id, "max_id": result.max_id}
             existing = set(all_files)
             _write_cache(cache_path, {k: v for k, v in cache.items() if k in existing}, log)
-            log(f"data: validated {len(to_scan)} file(s) in {time.perf_counter() - t0:.1f} s")
+            log(f"data: checked {len(to_scan)} file(s) in {time.perf_counter() - t0:.1f} s")
 
         shards = []
         for rel in files:
@@ -387,17 +393,19 @@ class ShardIndex:
                 continue
             layout = layouts[rel]
             try:  # header rules again: seq_len may differ from the run that filled the cache
-                kind, count = _check_header(rel, layout.shape, layout.dtype, seq_len)
-                _check_vocab(rel, layout, vocab_size)
+                kind, count = _check_header((root / rel).as_posix(), layout.shape, layout.dtype, seq_len)
+                _check_vocab((root / rel).as_posix(), layout, vocab_size)
             except ShardError as e:
                 errors[rel] = e
                 continue
             shards.append(ShardInfo(rel, kind, int(np.prod(layout.shape)), count, layout.dtype.name))
+        if len(errors) == 1:
+            raise next(iter(errors.values()))
         if errors:
             bad = [str(errors[rel]) for rel in files if rel in errors]
             more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
-            raise ShardError(f"{len(bad)} bad shard file(s) in {root}; nothing was trained:\n  "
-                             + "\n  ".join(bad[:10]) + more)
+            raise ShardError(f"{len(bad)} shard files in {root} break the shard format (training has not "
+                             "started):\n  " + "\n  ".join(bad[:10]) + more)
 
         compressed = [s.path for s in shards if layouts[s.path].compressed]
         if compressed:
@@ -462,7 +470,8 @@ def _scan_all(root: Path, to_scan, seq_len: int, log: Callable) -> list:
     """Inspect files on a few threads (reads, crc32 and min/max release the GIL); keeps input order."""
     def one(item):
         try:
-            return _inspect_shard(root / item[0], item[0], seq_len)
+            path = root / item[0]
+            return _inspect_shard(path, path.as_posix(), seq_len)
         except ShardError as e:
             return e
 
@@ -502,13 +511,13 @@ class TokenSequenceDataset(Dataset):
 
     def _reset(self) -> None:
         self._pid = os.getpid()
-        self._fds: dict[int, int] = {}
+        self._fds: OrderedDict[int, int] = OrderedDict()
         self._maps: dict[int, np.ndarray] = {}
         self._decompressed: OrderedDict[int, np.ndarray] = OrderedDict()
         self._decompressed_bytes = 0
 
     def _close(self) -> None:
-        fds, self._fds = self._fds, {}
+        fds, self._fds = self._fds, OrderedDict()
         for fd in fds.values():
             try:
                 os.close(fd)
@@ -536,8 +545,12 @@ class TokenSequenceDataset(Dataset):
 
     def _fd(self, f: int) -> int:
         fd = self._fds.get(f)
-        if fd is None:
-            fd = self._fds[f] = os.open(self._paths[f], os.O_RDONLY)
+        if fd is not None:
+            self._fds.move_to_end(f)
+            return fd
+        while len(self._fds) >= MAX_OPEN_FILES:
+            os.close(self._fds.popitem(last=False)[1])
+        fd = self._fds[f] = os.open(self._paths[f], os.O_RDONLY)
         return fd
 
     def _array(self, f: int) -> np.ndarray:
@@ -574,7 +587,7 @@ class TokenSequenceDataset(Dataset):
         want = n * dtype.itemsize
         got = os.preadv(self._fd(f), [buf[:n]], layout.data_offset + first * dtype.itemsize)
         if got != want:
-            raise ShardError(f"{self.index.shards[f].path}: read {got} of {want} bytes of sequence {j}; the file "
+            raise ShardError(f"{self._paths[f]}: read {got} of {want} bytes of sequence {j}; the file "
                              "changed or shrank since it was indexed: restart to re-validate it")
         if buf is not out:
             out[:] = buf
