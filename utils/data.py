@@ -21,7 +21,6 @@ with `length >= seq_len` (each row is one sequence; rows longer than `seq_len` a
 """
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -459,11 +458,6 @@ class ShardIndex:
             return 0
         epoch, consumed = divmod(int(position), n)
         return epoch * len(self.shards) + int(np.searchsorted(self._cumulative, consumed, side="right"))
-
-    def locate(self, i: int) -> tuple[int, int]:
-        """Global sequence number -> (file number, sequence within the file)."""
-        f = int(np.searchsorted(self._cumulative, i, side="right"))
-        return f, i - (int(self._cumulative[f - 1]) if f else 0)
 
 
 def _scan_all(root: Path, to_scan, seq_len: int, log: Callable) -> list:
