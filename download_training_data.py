@@ -53,7 +53,8 @@ def main(argv=None) -> int:
         return 130
     print(report.summary(), flush=True)
     if report.failed:
-        print(f"error: {len(report.failed)} objects failed: {' '.join(report.failed)}; "
+        n = len(report.failed)
+        print(f"error: {n} object{'s' if n != 1 else ''} failed: {' '.join(report.failed)}; "
               "run the same command again to retry them", file=sys.stderr)
         return 1
     return 0

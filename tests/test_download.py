@@ -201,3 +201,16 @@ def test_interrupted_download_leaves_no_bad_final_file(gcs_emulator, env, repo_r
         path = dest / obj.name[len("big/"):]
         assert file_crc32c(path) == obj.crc32c and path.stat().st_size == obj.size
     assert list(dest.rglob(".*.partial-*")) == []
+
+
+def test_a_failed_object_fails_the_run_and_names_it(gcs_emulator, bucket_of_shards, env, repo_root, tmp_path):
+    dest = tmp_path / "d"
+    blocked = "part-1/sub-0/shard-001.npz"
+    (dest / blocked).mkdir(parents=True)  # a folder where the shard must go: that one download cannot land
+    proc = run_cli(env, repo_root, "--source", f"gs://{gcs_emulator.bucket}/{PREFIX}", "--dest", str(dest))
+    assert proc.returncode == 1
+    assert summary(proc) == (23, 0, 1)
+    url = f"gs://{gcs_emulator.bucket}/{PREFIX}/{blocked}"
+    assert f"error: 1 object failed: {url}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (dest / blocked).is_dir() and len([p for p in dest.rglob("*.npz") if p.is_file()]) == 23
