@@ -150,8 +150,9 @@ def train(cfg, args) -> int:
     from utils.data import DataDirError, ResumableLoader, ShardError, ShardIndex, TokenSequenceDataset
     from utils.data import build_eval_batches
     from utils.metrics import RunLogger, format_step_line, local_device_stats, mfu, peak_flops
-    from utils.model import build_model, count_parameters, flops_per_token
+    from utils.model import build_model, count_parameters, flops_per_token, preflight_problem
     from utils.optim import build_optimizer, build_scheduler, schedule_from_config
+    from utils.profiles import resolve_profile
     from utils.storage import CredentialsError, StorageError, make_client
     from utils.uploader import BackgroundUploader
 
@@ -173,6 +174,12 @@ def train(cfg, args) -> int:
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
     seed_everything(cfg.seed + rank)
+
+    device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+    try:
+        cfg, profile = resolve_profile(cfg, device.type, device_gib)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
 
     output_dir = Path(args.output_dir).resolve()
     ckpt_root = output_dir / "checkpoints"
@@ -270,6 +277,10 @@ def train(cfg, args) -> int:
              f"{world} = {global_batch} sequences of {seq_len} tokens per step; "
              f"{len(train_set):,} train / {len(val_set):,} val sequences in {len(train_index.shards)}/"
              f"{len(val_index.shards)} files; steps {step} -> {cfg.max_steps}")
+    if profile is not None:
+        log.info(f"  memory profile {profile.name}" + (f" (auto, {device_gib:.0f} GiB device)" if device_gib else "")
+                 + f": micro-batch {cfg.per_device_train_batch_size}, activation checkpointing "
+                 f"{'on' if cfg.gradient_checkpointing else 'off'}, AdamW moments in {cfg.optimizer_state_dtype}")
     if remote_root:
         log.info(f"  checkpoints upload to {remote_root}/ ({'background' if cfg.background_upload else 'synchronous'})")
     else:
@@ -352,6 +363,17 @@ def train(cfg, args) -> int:
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not is_main, desc="train", unit="step",
                dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
     try:
+        if cfg.preflight_steps and val_batches:
+            checks = [b.to(device) for b in val_batches[:cfg.preflight_steps]]
+            problem = preflight_problem(model, checks)
+            failed = accelerator.reduce(torch.tensor(float(problem is not None), device=device), reduction="sum")
+            if failed.item():
+                others = [m for m in ("bf16", "no") if m != cfg.mixed_precision]
+                raise UserError(f"preflight: {problem or 'another rank saw a non-finite loss or gradient'} in "
+                                f"{cfg.mixed_precision} precision before training; try --mixed-precision "
+                                f"{' or '.join(others)}")
+            log.info(f"Preflight: {len(checks)} forward/backward pass(es) in {cfg.mixed_precision} precision "
+                     f"gave a finite loss and gradients")
         if step == 0:
             val = evaluate()
             if val is not None:

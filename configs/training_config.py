@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, fields, replace
 from configs.model_config import ConfigError, get_model_spec
 
 MIXED_PRECISION_MODES = ("bf16", "fp16", "no")
-MEMORY_PROFILES = ("auto", "conservative", "balanced", "aggressive")
+MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
+OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass
@@ -40,7 +41,9 @@ class TrainingConfig:
     mixed_precision: str = "bf16"
     compile_model: bool = True
     gradient_checkpointing: bool = False
-    profile: str = "auto"  # memory profile on CUDA: auto picks from device memory
+    profile: str = "auto"  # memory profile (utils/profiles.py): auto picks by GPU memory; off keeps the config
+    optimizer_state_dtype: str = "fp32"  # bf16 halves AdamW's moment memory (the conservative profile)
+    preflight_steps: int = 2  # forward/backward passes checked for finite loss and gradients before step 1
     # logging, eval, checkpoints
     logging_steps: int = 100
     eval_interval: int = 500
@@ -70,13 +73,17 @@ class TrainingConfig:
             )
         if self.profile not in MEMORY_PROFILES:
             raise ConfigError(f"profile='{self.profile}' is not valid; use one of {', '.join(MEMORY_PROFILES)}")
+        if self.optimizer_state_dtype not in OPTIMIZER_STATE_DTYPES:
+            raise ConfigError(f"optimizer_state_dtype='{self.optimizer_state_dtype}' is not valid; use one of "
+                              f"{', '.join(OPTIMIZER_STATE_DTYPES)}")
         positive = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
                     "logging_steps", "eval_interval", "save_steps", "save_total_limit", "eval_batches",
                     "process_group_timeout_s")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
-        for name in ("warmup_steps", "dataloader_num_workers", "val_files", "seq_len", "stop_at_step"):
+        for name in ("warmup_steps", "dataloader_num_workers", "val_files", "seq_len", "stop_at_step",
+                     "preflight_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must not be negative")
         if self.prefetch_factor < 1:

@@ -50,3 +50,22 @@ def flops_per_token(spec: ModelSpec, seq_len: int, matmul_params: int) -> float:
     """PaLM's training FLOPs per token: 6N + 12·L·H·Q·T (N matmul parameters, L layers, H heads,
     Q head dim, T sequence length). The second term is attention's score and value matmuls."""
     return 6.0 * matmul_params + 12.0 * spec.num_hidden_layers * spec.num_attention_heads * spec.head_dim * seq_len
+
+
+def preflight_problem(model: nn.Module, batches: list[torch.Tensor]) -> str | None:
+    """Forward + backward on each batch in the run's precision. None when the loss and every gradient are
+    finite, else what was not. Gradients are cleared afterwards; no weight changes."""
+    problem = None
+    for i, batch in enumerate(batches, 1):
+        loss = model(batch)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not bool(torch.isfinite(loss.detach())):
+            problem = f"the loss is {loss.item()} on preflight batch {i}"
+        elif grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            problem = f"gradients are not finite on preflight batch {i}"
+        for p in model.parameters():
+            p.grad = None
+        if problem:
+            break
+    return problem

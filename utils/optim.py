@@ -31,15 +31,48 @@ def schedule_from_config(cfg):
                               max_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)
 
 
-def build_optimizer(model: torch.nn.Module, cfg, fused: bool) -> torch.optim.AdamW:
+class BF16MomentAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled decay, bias correction as torch.optim.AdamW) whose two moment estimates are stored
+    in bfloat16: half of AdamW's state memory. The update itself is computed in fp32."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                state["step"] += 1
+                step = state["step"].item()
+                grad = p.grad.float()
+                exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+                exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                state["exp_avg"].copy_(exp_avg)
+                state["exp_avg_sq"].copy_(exp_avg_sq)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                denom = (exp_avg_sq.sqrt_() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
+                p.addcdiv_(exp_avg, denom, value=-group["lr"] / (1 - beta1 ** step))
+
+
+def build_optimizer(model: torch.nn.Module, cfg, fused: bool) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices (dim >= 2) only, never on biases and norm gains."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps, fused=fused or None)
+    kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if getattr(cfg, "optimizer_state_dtype", "fp32") == "bf16":
+        return BF16MomentAdamW(groups, **kwargs)
+    return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg) -> LambdaLR:
