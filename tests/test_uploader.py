@@ -2,7 +2,7 @@
 failures reported (never raised), the local copy untouched."""
 from __future__ import annotations
 
-import os
+import random
 import subprocess
 import sys
 import threading
@@ -18,7 +18,7 @@ from utils.uploader import BackgroundUploader
 def make_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
     path = root / name
     (path / "rng").mkdir(parents=True)
-    rnd = __import__("random").Random(seed)
+    rnd = random.Random(seed)
     (path / "model.safetensors").write_bytes(rnd.randbytes(2_000_000))
     (path / "optimizer.pt").write_bytes(rnd.randbytes(500_000))
     (path / "rng" / "rank0.pt").write_bytes(rnd.randbytes(100))
@@ -170,7 +170,7 @@ def test_the_upload_thread_never_keeps_the_process_alive(gcs_emulator, subproces
         "from utils.uploader import BackgroundUploader\n"
         "def stuck():\n"
         "    threading.Event().wait()\n"  # a client that never comes: an upload that never ends
-        f"u = BackgroundUploader(client_factory=stuck)\n"
+        "u = BackgroundUploader(client_factory=stuck)\n"
         f"u.submit({str(ck)!r}, 'gs://{gcs_emulator.bucket}/x')\n"
         "print('report', u.drain(timeout=0.1).failed[0][1][:9])\n"
     )
