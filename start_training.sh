@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# Launch train.py through `accelerate launch` on 1..N GPUs, N CPU processes, or several nodes.
+# Run with --help for the options. Everything accelerate needs is passed on its command line;
+# no `accelerate config` file is required.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PROG="start_training.sh"
+
+usage() {
+    cat <<EOF
+Usage: ./$PROG --config NAME [options] [-- extra train.py args]
+
+Launches train.py with accelerate. The command is printed on one line before it runs.
+
+Required:
+  --config NAME            training preset: demo | test | production
+
+Where it runs:
+  --gpus N                 processes per node (default: every visible GPU). Without --cpu each
+                           process gets one GPU; N may not exceed the visible GPUs.
+  --cpu                    run on the CPU: --gpus N starts N processes over gloo (default 1).
+                           Same distributed code path as GPUs; useful for tests and laptops.
+                           With no GPU visible and neither --cpu nor --gpus, one CPU process runs.
+  --strategy ddp|fsdp      data parallel (default ddp) or FSDP FULL_SHARD via accelerate's FSDP flags
+  --nodes N                number of machines (default 1); run this script once on each of them
+  --node-rank R            this machine's rank, 0..N-1 (default 0)
+  --main-addr HOST         address of the rank-0 machine (required when --nodes > 1)
+  --main-port P            port on the rank-0 machine (default 29500)
+
+Forwarded to train.py:
+  --resume X               latest | a checkpoint name | a local path | a gs:// URL
+  --max-steps N            stop after N optimizer steps
+  --mixed-precision M      bf16 | fp16 | no (default: the preset's)
+  --no-background-upload   upload checkpoints in the foreground
+  -- ARGS...               everything after -- goes to train.py unchanged (e.g. --set save_steps=50)
+
+Other:
+  --dry-run                print the accelerate command and exit without running it
+  -h, --help               this text
+
+Environment:
+  CUDA_VISIBLE_DEVICES     limits the GPUs counted and used
+  TRAIN_SCRIPT             script to launch instead of train.py (used by the tests)
+  OMP_NUM_THREADS          CPU threads per process (CPU runs default to cores / processes)
+
+Examples:
+  ./$PROG --config demo                                  # anywhere: one process (GPU if present)
+  ./$PROG --config demo --cpu --gpus 2                   # two CPU processes over gloo
+  ./$PROG --config production --gpus 8                   # one node, 8 GPUs
+  ./$PROG --config production --resume latest            # continue the newest checkpoint
+  ./$PROG --config production --gpus 8 --nodes 2 --node-rank 0 --main-addr 10.0.0.1   # on node 0
+  ./$PROG --config production --gpus 8 --nodes 2 --node-rank 1 --main-addr 10.0.0.1   # on node 1
+EOF
+}
+
+usage_error() {
+    echo "$PROG: $1" >&2
+    usage | sed -n 1p >&2
+    echo "Run ./$PROG --help for the options." >&2
+    exit 2
+}
+
+fail() {
+    echo "$PROG: error: $1" >&2
+    exit 1
+}
+
+is_count() { [[ "$1" =~ ^[0-9]+$ ]]; }
+
+# --- arguments ---------------------------------------------------------------------------------------
+config="" gpus="" cpu=0 nodes=1 node_rank=0 main_addr="" main_port="" strategy="ddp" dry_run=0
+train_args=()
+extra_args=()
+
+need_value() {  # need_value FLAG NUMBER_OF_REMAINING_ARGS
+    [[ "$2" -ge 2 ]] || usage_error "$1 needs a value"
+}
+
+while [[ $# -gt 0 ]]; do
+    arg="$1"
+    if [[ "$arg" == --*=* ]]; then  # --flag=value -> --flag value
+        set -- "${arg%%=*}" "${arg#*=}" "${@:2}"
+        arg="$1"
+    fi
+    case "$arg" in
+        -h|--help) usage; exit 0 ;;
+        --config) need_value "$1" $#; config="$2"; shift 2 ;;
+        --gpus) need_value "$1" $#; gpus="$2"; shift 2 ;;
+        --cpu) cpu=1; shift ;;
+        --nodes) need_value "$1" $#; nodes="$2"; shift 2 ;;
+        --node-rank) need_value "$1" $#; node_rank="$2"; shift 2 ;;
+        --main-addr) need_value "$1" $#; main_addr="$2"; shift 2 ;;
+        --main-port) need_value "$1" $#; main_port="$2"; shift 2 ;;
+        --strategy) need_value "$1" $#; strategy="$2"; shift 2 ;;
+        --resume) need_value "$1" $#; train_args+=(--resume "$2"); shift 2 ;;
+        --max-steps) need_value "$1" $#; is_count "$2" || usage_error "--max-steps '$2' is not a whole number"
+                     train_args+=(--max-steps "$2"); shift 2 ;;
+        --mixed-precision) need_value "$1" $#
+                     case "$2" in bf16|fp16|no) ;; *) usage_error "--mixed-precision '$2': use bf16, fp16 or no" ;; esac
+                     train_args+=(--mixed-precision "$2"); shift 2 ;;
+        --no-background-upload) train_args+=(--no-background-upload); shift ;;
+        --dry-run) dry_run=1; shift ;;
+        --) shift; extra_args=("$@"); break ;;
+        *) usage_error "unknown option '$1'" ;;
+    esac
+done
+
+[[ -n "$config" ]] || usage_error "--config NAME is required (demo, test or production)"
+[[ -z "$gpus" ]] || is_count "$gpus" || usage_error "--gpus '$gpus' is not a whole number"
+[[ -z "$gpus" || "$gpus" -ge 1 ]] || usage_error "--gpus must be at least 1"
+is_count "$nodes" && [[ "$nodes" -ge 1 ]] || usage_error "--nodes '$nodes' must be a whole number >= 1"
+is_count "$node_rank" || usage_error "--node-rank '$node_rank' is not a whole number"
+[[ "$node_rank" -lt "$nodes" ]] || usage_error "--node-rank $node_rank must be below --nodes $nodes"
+[[ -z "$main_port" ]] || { is_count "$main_port" && [[ "$main_port" -ge 1 && "$main_port" -le 65535 ]]; } \
+    || usage_error "--main-port '$main_port' is not a port number"
+case "$strategy" in ddp|fsdp) ;; *) usage_error "--strategy '$strategy': use ddp or fsdp" ;; esac
+if [[ "$nodes" -gt 1 && -z "$main_addr" ]]; then
+    usage_error "--nodes $nodes needs --main-addr HOST (the address of the node with --node-rank 0)"
+fi
+
+# --- environment -------------------------------------------------------------------------------------
+if [[ -x "$SCRIPT_DIR/.venv/bin/python" ]]; then
+    export VIRTUAL_ENV="$SCRIPT_DIR/.venv"
+    export PATH="$VIRTUAL_ENV/bin:$PATH"
+fi
+train_script="${TRAIN_SCRIPT:-$SCRIPT_DIR/train.py}"
+[[ -f "$train_script" ]] || fail "training script not found: $train_script"
+
+# GPUs this process may use: `nvidia-smi -L` lines, narrowed by CUDA_VISIBLE_DEVICES when it is set.
+visible_gpus() {
+    command -v nvidia-smi >/dev/null 2>&1 || { echo 0; return; }
+    local listing count
+    if ! listing="$(nvidia-smi -L 2>&1)"; then
+        if ! grep -qi "no devices" <<<"$listing"; then
+            echo "$PROG: warning: 'nvidia-smi -L' failed (${listing%%$'\n'*}); counting no GPUs" >&2
+        fi
+        echo 0; return
+    fi
+    count="$(grep -cE '^GPU [0-9]+:' <<<"$listing" || true)"
+    if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+        local ids=() id listed=0
+        IFS=',' read -ra ids <<<"${CUDA_VISIBLE_DEVICES// /}"
+        for id in "${ids[@]}"; do  # CUDA stops at the first invalid entry
+            [[ -n "$id" && "$id" != -* && "$id" != NoDevFiles ]] || break
+            listed=$((listed + 1))
+        done
+        [[ "$listed" -lt "$count" ]] && count="$listed"
+    fi
+    echo "$count"
+}
+
+visible="$(visible_gpus)"
+if [[ "$cpu" -eq 1 ]]; then
+    per_node="${gpus:-1}"
+elif [[ "$visible" -eq 0 ]]; then
+    if [[ -n "$gpus" ]]; then
+        fail "asked for $gpus GPU(s) but no NVIDIA GPU is visible; add --cpu to run $gpus process(es) on the CPU"
+    fi
+    echo "$PROG: no NVIDIA GPU visible: running one CPU process (--cpu --gpus N runs N CPU processes)"
+    cpu=1
+    per_node=1
+else
+    per_node="${gpus:-$visible}"
+    if [[ "$per_node" -gt "$visible" ]]; then
+        [[ "$visible" -eq 1 ]] && verb="is" || verb="are"
+        fail "asked for $per_node GPUs but $visible $verb visible (nvidia-smi -L, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset})"
+    fi
+fi
+total=$((per_node * nodes))
+
+# --- the accelerate command --------------------------------------------------------------------------
+env_args=()
+launch=()
+if [[ -x "$(dirname "$(command -v python3 || echo /nonexistent)")/accelerate" ]]; then
+    launch=(accelerate launch)
+else
+    launch=(python3 -m accelerate.commands.launch)
+fi
+launch+=(--num_processes "$total" --num_machines "$nodes" --dynamo_backend no)
+if [[ "$total" -gt 1 ]]; then
+    launch+=(--multi_gpu)
+fi
+if [[ "$cpu" -eq 1 ]]; then
+    # `accelerate launch --cpu` starts a single process whatever --num_processes says; several CPU
+    # processes go through the multi-GPU (torchrun) launcher with ACCELERATE_USE_CPU, which selects gloo.
+    env_args+=(ACCELERATE_USE_CPU=true)
+    [[ "$total" -eq 1 ]] && launch+=(--cpu)
+    if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+        cores="$(nproc 2>/dev/null || echo 1)"
+        threads=$((cores / per_node)); [[ "$threads" -ge 1 ]] || threads=1
+        env_args+=(OMP_NUM_THREADS="$threads")
+    fi
+fi
+if [[ "$nodes" -gt 1 ]]; then
+    launch+=(--machine_rank "$node_rank" --main_process_ip "$main_addr" --main_process_port "${main_port:-29500}")
+elif [[ -n "$main_port" ]]; then
+    launch+=(--main_process_port "$main_port")
+fi
+if [[ "$strategy" == "fsdp" ]]; then
+    launch+=(--use_fsdp --fsdp_version 1 --fsdp_sharding_strategy FULL_SHARD
+             --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap GPTNeoXLayer
+             --fsdp_state_dict_type FULL_STATE_DICT --fsdp_use_orig_params true --fsdp_sync_module_states true)
+fi
+
+cmd=("${launch[@]}" "$train_script" --config "$config" "${train_args[@]}" "${extra_args[@]}")
+printed="$(printf '%q ' "${cmd[@]}")"
+echo "+ ${env_args[*]:+${env_args[*]} }${printed% }"
+[[ "$dry_run" -eq 1 ]] && exit 0
+
+for assignment in "${env_args[@]}"; do
+    export "${assignment?}"
+done
+exec "${cmd[@]}"

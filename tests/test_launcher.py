@@ -1,0 +1,239 @@
+"""start_training.sh: argument handling, GPU counting, and real launches of a probe script through accelerate."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+# Launched in place of train.py: records what each process saw, and proves the processes form one
+# gloo group by all-reducing (rank + 1).
+PROBE = '''
+import json, os, sys
+from accelerate import Accelerator
+import torch, torch.distributed as dist
+
+state = Accelerator().state  # as train.py builds it: reads ACCELERATE_USE_CPU and the torchrun variables
+total = None
+if state.num_processes > 1:
+    t = torch.tensor([float(state.process_index + 1)])
+    dist.all_reduce(t)
+    total = t.item()
+record = {"rank": state.process_index, "local_rank": state.local_process_index,
+          "world_size": state.num_processes, "device": state.device.type,
+          "backend": state.backend, "all_reduce": total, "argv": sys.argv[1:],
+          "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}}
+with open(os.path.join(os.environ["PROBE_OUT"], f"rank{state.process_index}.json"), "w") as f:
+    json.dump(record, f)
+if dist.is_initialized():
+    dist.destroy_process_group()  # without it gloo may abort at exit ("terminate called without an active exception")
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def launcher(repo_root) -> Path:
+    return repo_root / "start_training.sh"
+
+
+@pytest.fixture
+def probe(tmp_path) -> Path:
+    path = tmp_path / "probe.py"
+    path.write_text(PROBE)
+    (tmp_path / "out").mkdir()
+    return path
+
+
+def fake_gpus(tmp_path: Path, env: dict, count: int) -> dict:
+    """`env` with a fake `nvidia-smi` first on PATH listing `count` GPUs (none: fails like the real one)."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir(exist_ok=True)
+    lines = "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})"\n' for i in range(count))
+    body = lines if count else 'echo "No devices were found"\nexit 6\n'
+    script = bin_dir / "nvidia-smi"
+    script.write_text('#!/bin/sh\n[ "$1" = "-L" ] || exit 2\n' + body)
+    script.chmod(0o755)
+    env = dict(env, PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def start(launcher: Path, args: list[str], env: dict) -> subprocess.Popen:
+    """The launcher in its own process group, so a hung run can be stopped with all its workers."""
+    return subprocess.Popen([str(launcher), *args], env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 120) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{proc.args} ran past {timeout}s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(launcher: Path, args: list[str], env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
+    return finish(start(launcher, args, env), timeout)
+
+
+def printed_command(stdout: str) -> list[str]:
+    """The launcher's `+ ...` line as argv, environment assignments included."""
+    lines = [line for line in stdout.splitlines() if line.startswith("+ ")]
+    assert len(lines) == 1, stdout
+    return shlex.split(lines[0][2:])
+
+
+def accelerate_args(argv: list[str]):
+    """Parse the printed command with accelerate's own parser: proves every flag exists in this version."""
+    from accelerate.commands.launch import launch_command_parser
+
+    i = argv.index("launch")
+    assert argv[i - 1].endswith("accelerate")
+    return launch_command_parser().parse_args(argv[i + 1:])
+
+
+def records(out_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+
+
+def test_help(launcher, subprocess_env):
+    res = run(launcher, ["--help"], subprocess_env)
+    assert res.returncode == 0
+    for flag in ("--config", "--gpus", "--cpu", "--nodes", "--node-rank", "--main-addr", "--main-port",
+                 "--resume", "--max-steps", "--strategy", "--dry-run", "TRAIN_SCRIPT"):
+        assert flag in res.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "demo", "--bogus"], "unknown option '--bogus'"),
+    (["--gpus", "1"], "--config NAME is required"),
+    (["--config", "demo", "--nodes", "2"], "needs --main-addr"),
+    (["--config", "demo", "--nodes", "2", "--node-rank", "2", "--main-addr", "h"], "must be below --nodes 2"),
+    (["--config", "demo", "--strategy", "zero3"], "use ddp or fsdp"),
+    (["--config", "demo", "--gpus", "two"], "not a whole number"),
+    (["--config"], "--config needs a value"),
+])
+def test_usage_errors_exit_2(launcher, subprocess_env, args, message):
+    res = run(launcher, args, subprocess_env)
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert "Usage:" in res.stderr
+    assert res.stdout == ""
+
+
+def test_gpus_without_gpu_suggests_cpu(launcher, tmp_path, subprocess_env):
+    env = fake_gpus(tmp_path, subprocess_env, 0)
+    res = run(launcher, ["--config", "demo", "--gpus", "3"], env)
+    assert res.returncode == 1
+    assert res.stderr.strip().count("\n") == 0, res.stderr
+    assert "asked for 3 GPU(s) but no NVIDIA GPU is visible" in res.stderr and "--cpu" in res.stderr
+
+
+def test_more_gpus_than_visible(launcher, tmp_path, subprocess_env):
+    env = fake_gpus(tmp_path, subprocess_env, 8)
+    res = run(launcher, ["--config", "production", "--gpus", "9"], env)
+    assert res.returncode == 1
+    assert "asked for 9 GPUs but 8 are visible" in res.stderr
+    res = run(launcher, ["--config", "production", "--gpus", "3"], dict(env, CUDA_VISIBLE_DEVICES="4,5"))
+    assert res.returncode == 1
+    assert "asked for 3 GPUs but 2 are visible" in res.stderr
+
+
+def test_gpu_count_comes_from_nvidia_smi(launcher, tmp_path, subprocess_env, probe):
+    env = dict(fake_gpus(tmp_path, subprocess_env, 8), TRAIN_SCRIPT=str(probe))
+    res = run(launcher, ["--config", "production", "--dry-run"], env)
+    assert res.returncode == 0, res.stderr
+    argv = printed_command(res.stdout)
+    assert not any(a.startswith("ACCELERATE_USE_CPU") for a in argv)
+    args = accelerate_args(argv)
+    assert (args.num_processes, args.num_machines, args.multi_gpu, args.cpu) == (8, 1, True, False)
+    res = run(launcher, ["--config", "production", "--dry-run"], dict(env, CUDA_VISIBLE_DEVICES="1,3,5"))
+    assert accelerate_args(printed_command(res.stdout)).num_processes == 3
+    res = run(launcher, ["--config", "production", "--gpus", "1", "--dry-run"], env)
+    args = accelerate_args(printed_command(res.stdout))
+    assert (args.num_processes, args.multi_gpu) == (1, False)
+    assert list(tmp_path.joinpath("out").iterdir()) == [], "--dry-run must not start anything"
+
+
+def test_no_gpu_runs_one_cpu_process_with_forwarded_args(launcher, tmp_path, subprocess_env, probe):
+    env = dict(fake_gpus(tmp_path, subprocess_env, 0), TRAIN_SCRIPT=str(probe), PROBE_OUT=str(tmp_path / "out"))
+    forwarded = ["--resume", "checkpoint-epoch0-step5-files1", "--max-steps", "7", "--no-background-upload",
+                 "--mixed-precision", "no"]
+    extra = ["--set", "save_steps=5", "--output-dir", str(tmp_path / "with space")]
+    res = run(launcher, ["--config", "demo", *forwarded, "--", *extra], env)
+    assert res.returncode == 0, res.stderr
+    assert "no NVIDIA GPU visible: running one CPU process" in res.stdout
+    argv = printed_command(res.stdout)
+    assert "ACCELERATE_USE_CPU=true" in argv
+    assert argv[-(len(extra) + len(forwarded) + 3):] == [str(probe), "--config", "demo", *forwarded, *extra]
+    args = accelerate_args(argv)
+    assert (args.num_processes, args.cpu, args.multi_gpu) == (1, True, False)
+    [rec] = records(tmp_path / "out")
+    assert (rec["rank"], rec["world_size"], rec["device"]) == (0, 1, "cpu")
+    assert rec["argv"] == ["--config", "demo", *forwarded, *extra]
+
+
+def test_cpu_two_processes_really_start(launcher, tmp_path, subprocess_env, probe):
+    env = dict(subprocess_env, TRAIN_SCRIPT=str(probe), PROBE_OUT=str(tmp_path / "out"))
+    res = run(launcher, ["--config", "demo", "--cpu", "--gpus", "2", "--main-port", str(free_port()),
+                         "--max-steps", "3", "--", "--set", "logging_steps=1"], env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    args = accelerate_args(printed_command(res.stdout))
+    assert (args.num_processes, args.multi_gpu, args.cpu) == (2, True, False)
+    recs = records(tmp_path / "out")
+    assert len(recs) == 2
+    assert {r["rank"] for r in recs} == {0, 1} and {r["local_rank"] for r in recs} == {0, 1}
+    for r in recs:
+        assert (r["world_size"], r["device"], r["backend"], r["all_reduce"]) == (2, "cpu", "gloo", 3.0)
+        assert r["env"]["WORLD_SIZE"] == "2"
+        assert r["argv"] == ["--config", "demo", "--max-steps", "3", "--set", "logging_steps=1"]
+
+
+def test_multi_node_command(launcher, tmp_path, subprocess_env, probe):
+    env = dict(fake_gpus(tmp_path, subprocess_env, 8), TRAIN_SCRIPT=str(probe))
+    res = run(launcher, ["--config", "production", "--gpus", "8", "--nodes", "2", "--node-rank", "1",
+                         "--main-addr", "10.1.2.3", "--dry-run"], env)
+    assert res.returncode == 0, res.stderr
+    args = accelerate_args(printed_command(res.stdout))
+    assert (args.num_processes, args.num_machines, args.machine_rank) == (16, 2, 1)
+    assert (args.main_process_ip, args.main_process_port, args.multi_gpu) == ("10.1.2.3", 29500, True)
+
+
+def test_fsdp_flags(launcher, tmp_path, subprocess_env, probe):
+    env = dict(fake_gpus(tmp_path, subprocess_env, 8), TRAIN_SCRIPT=str(probe))
+    res = run(launcher, ["--config", "production", "--gpus", "4", "--strategy", "fsdp", "--dry-run"], env)
+    assert res.returncode == 0, res.stderr
+    args = accelerate_args(printed_command(res.stdout))
+    assert args.use_fsdp and args.fsdp_sharding_strategy == "FULL_SHARD"
+    assert args.fsdp_transformer_layer_cls_to_wrap == "GPTNeoXLayer"
+    assert "--set" not in printed_command(res.stdout)
+
+
+def test_two_nodes_on_localhost(launcher, tmp_path, subprocess_env, probe):
+    """Two launcher invocations, as on two machines, form one 2-process group through --main-addr/--main-port."""
+    env = dict(subprocess_env, TRAIN_SCRIPT=str(probe), PROBE_OUT=str(tmp_path / "out"))
+    common = ["--config", "demo", "--cpu", "--gpus", "1", "--nodes", "2", "--main-addr", "127.0.0.1",
+              "--main-port", str(free_port())]
+    procs = [start(launcher, [*common, "--node-rank", str(rank)], env) for rank in (0, 1)]
+    try:
+        results = [finish(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [r.returncode for r in results] == [0, 0], [r.stdout + r.stderr for r in results]
+    recs = records(tmp_path / "out")
+    assert sorted(r["rank"] for r in recs) == [0, 1]
+    assert all(r["world_size"] == 2 and r["all_reduce"] == 3.0 and r["local_rank"] == 0 for r in recs)
