@@ -154,7 +154,7 @@ import torch
 if torch.__version__.split("+")[0] != torch_pin:
     print(f"  torch {torch.__version__} is installed but {torch_pin} is pinned")
     sys.exit(1)
-row = lambda key, value: print(f"  {key:<13} {value}")
+row = lambda key, value: print(f"  {key:<21} {value}")
 row("python", f"{sys.version.split()[0]} ({sys.executable})")
 row("torch", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
 if torch.cuda.is_available():
@@ -162,7 +162,7 @@ if torch.cuda.is_available():
     row("CUDA", f"available, {len(names)} device(s): {', '.join(names)}")
     row("bf16", "supported" if torch.cuda.is_bf16_supported() else "not supported on this GPU: use --mixed-precision fp16")
 else:
-    row("CUDA", "not available: training runs on the CPU (./start_training.sh --cpu)")
+    row("CUDA", "not available: ./start_training.sh runs on the CPU")
     row("bf16", "CPU only (the demo preset trains in fp32)")
     if want_build == "cuda":
         print("  WARNING: a GPU was found but this torch cannot use it; set TORCH_INDEX_URL to a CUDA wheel "
@@ -203,9 +203,9 @@ else:
     print(f"unavailable ({lines[-1][:160] if lines else f'exit {res.returncode}'}); set compile_model=false")
 EOF
     mv "$COMPILE_RESULT.tmp" "$COMPILE_RESULT"
-    echo "  torch.compile $(cat "$COMPILE_RESULT")"
+    echo "  torch.compile         $(cat "$COMPILE_RESULT")"
 else
-    echo "  torch.compile $(cat "$COMPILE_RESULT") [checked earlier; --check re-runs it]"
+    echo "  torch.compile         $(cat "$COMPILE_RESULT") [checked earlier; --check re-runs it]"
 fi
 
 [[ -f "$STAMP" && "$(cat "$STAMP")" == "$stamp_key" ]] || echo "$stamp_key" >"$STAMP"
