@@ -415,7 +415,7 @@ def train(cfg, args) -> int:
                 best_loss = min(best_loss, loss_value)
                 tps = n * tokens_per_step / elapsed
                 row = {"step": step, "tokens": tokens, "loss": loss_value, "lr": lr_schedule(step),
-                       "grad_norm": float(accelerator.reduce(grad_norm.detach().float(), reduction="mean")),
+                       "grad_norm": float(grad_norm),  # the same on every rank: taken after the all-reduce
                        "tokens_per_sec": tps, "mfu": mfu(tps, fpt, peak, world),
                        "steps_per_sec": n / elapsed, "data_wait_frac": window_data_wait / elapsed}
                 stats = local_device_stats(device)
