@@ -23,6 +23,7 @@ Where it runs:
                            Same distributed code path as GPUs; useful for tests and laptops.
                            With no GPU visible and neither --cpu nor --gpus, one CPU process runs.
   --strategy ddp|fsdp      data parallel (default ddp) or FSDP FULL_SHARD via accelerate's FSDP flags
+                           (fsdp: GPUs only)
   --nodes N                number of machines (default 1); run this script once on each of them
   --node-rank R            this machine's rank, 0..N-1 (default 0)
   --main-addr HOST         address of the rank-0 machine (required when --nodes > 1)
@@ -168,6 +169,9 @@ else
     fi
 fi
 total=$((per_node * nodes))
+if [[ "$strategy" == "fsdp" && "$cpu" -eq 1 ]]; then
+    fail "--strategy fsdp needs GPUs (accelerate's FSDP does not run on the CPU); use --strategy ddp with --cpu"
+fi
 
 # --- the accelerate command --------------------------------------------------------------------------
 env_args=()
@@ -175,11 +179,13 @@ launch=()
 if [[ -x "$(dirname "$(command -v python3 || echo /nonexistent)")/accelerate" ]]; then
     launch=(accelerate launch)
 else
+    command -v python3 >/dev/null 2>&1 && python3 -c 'import importlib.util as u, sys; sys.exit(u.find_spec("accelerate") is None)' \
+        || fail "no .venv here and python3 on PATH has no accelerate; run ./setup.sh first"
     launch=(python3 -m accelerate.commands.launch)
 fi
 launch+=(--num_processes "$total" --num_machines "$nodes" --dynamo_backend no)
-if [[ "$total" -gt 1 ]]; then
-    launch+=(--multi_gpu)
+if [[ "$total" -gt 1 && "$strategy" == "ddp" ]]; then
+    launch+=(--multi_gpu)  # --use_fsdp (below) selects the same multi-process launcher; both is an error
 fi
 if [[ "$cpu" -eq 1 ]]; then
     # `accelerate launch --cpu` starts a single process whatever --num_processes says; several CPU

@@ -101,7 +101,10 @@ def accelerate_args(argv: list[str]):
 
     i = argv.index("launch")
     assert argv[i - 1].endswith("accelerate")
-    return launch_command_parser().parse_args(argv[i + 1:])
+    args = launch_command_parser().parse_args(argv[i + 1:])
+    modes = [m for m in ("cpu", "multi_gpu", "use_fsdp", "use_deepspeed", "tpu") if getattr(args, m)]
+    assert len(modes) <= 1, f"accelerate refuses more than one of {modes}"
+    return args
 
 
 def records(out_dir: Path) -> list[dict]:
@@ -216,9 +219,11 @@ def test_fsdp_flags(launcher, tmp_path, subprocess_env, probe):
     res = run(launcher, ["--config", "production", "--gpus", "4", "--strategy", "fsdp", "--dry-run"], env)
     assert res.returncode == 0, res.stderr
     args = accelerate_args(printed_command(res.stdout))
-    assert args.use_fsdp and args.fsdp_sharding_strategy == "FULL_SHARD"
+    assert args.use_fsdp and args.fsdp_sharding_strategy == "FULL_SHARD" and args.num_processes == 4
     assert args.fsdp_transformer_layer_cls_to_wrap == "GPTNeoXLayer"
     assert "--set" not in printed_command(res.stdout)
+    res = run(launcher, ["--config", "demo", "--cpu", "--gpus", "2", "--strategy", "fsdp", "--dry-run"], env)
+    assert res.returncode == 1 and "fsdp needs GPUs" in res.stderr
 
 
 def test_two_nodes_on_localhost(launcher, tmp_path, subprocess_env, probe):
