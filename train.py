@@ -137,6 +137,11 @@ def main(argv=None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:  # on every exit path: a gloo/NCCL group left alive can crash or hang the interpreter's exit
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def train(cfg, args) -> int:
@@ -149,6 +154,7 @@ def train(cfg, args) -> int:
                                   checkpoint_name, read_checkpoint, resolve_resume, snapshot_to_cpu)
     from utils.data import DataDirError, ResumableLoader, ShardError, ShardIndex, TokenSequenceDataset
     from utils.data import build_eval_batches
+    from utils.demo_data import DemoDataError, build_demo_data
     from utils.metrics import RunLogger, format_step_line, local_device_stats, mfu, peak_flops
     from utils.model import build_model, count_parameters, flops_per_token, preflight_problem
     from utils.optim import build_optimizer, build_scheduler, schedule_from_config
@@ -208,14 +214,14 @@ def train(cfg, args) -> int:
     data_dir = Path(cfg.data_dir).expanduser().resolve()
     try:
         with accelerator.main_process_first():  # rank 0 builds demo data and the validation cache first
-            if cfg.demo_data and not any(data_dir.rglob("*.npz")):
-                from utils.demo_data import build_demo_data
-
+            # Build into an empty folder; re-check an existing demo build (it refuses another vocab or
+            # seq_len); a folder of the user's own shards is used as it is.
+            if cfg.demo_data and ((data_dir / "demo_data.json").exists() or not any(data_dir.rglob("*.npz"))):
                 build_demo_data(data_dir, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
             index = ShardIndex.build(data_dir, seq_len=seq_len, vocab_size=spec.vocab_size,
                                      max_files=cfg.max_files, log=log.info if is_main else (lambda *_: None))
         train_index, val_index = index.split(cfg.val_files)
-    except (DataDirError, ShardError) as exc:
+    except (DataDirError, ShardError, DemoDataError) as exc:
         raise UserError(str(exc)) from None
     train_set, val_set = TokenSequenceDataset(train_index), TokenSequenceDataset(val_index)
     loader = ResumableLoader(train_set, cfg.per_device_train_batch_size, rank=rank, world_size=world,
