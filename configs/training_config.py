@@ -113,7 +113,7 @@ PRESETS: dict[str, TrainingConfig] = {
     # CPU, minutes, no network: builds its own corpus from the Python standard library.
     "demo": TrainingConfig(
         preset="demo", model="demo", data_dir="data/demo", demo_data=True, val_files=2,
-        max_steps=300, per_device_train_batch_size=16, gradient_accumulation_steps=1,
+        max_steps=400, per_device_train_batch_size=16, gradient_accumulation_steps=1,
         learning_rate=2e-3, warmup_steps=30, weight_decay=0.1, mixed_precision="no",
         compile_model=False, dataloader_num_workers=1, prefetch_factor=2,
         logging_steps=20, eval_interval=100, eval_batches=10, save_steps=100, save_total_limit=2,

@@ -1,7 +1,7 @@
 """The demo corpus: Python's own standard library, tokenized into shards, with no network and no credentials.
 
 `build_demo_data(data_dir, vocab_size, seq_len)` reads the standard library's `.py` files (sorted by path,
-capped at a few MB), trains a byte-level BPE tokenizer of exactly `vocab_size` ids with the EOS token at
+shuffled with a fixed seed, capped at a few MB), trains a byte-level BPE tokenizer of exactly `vocab_size` ids with the EOS token at
 id 0, and writes shards in the production format (DESIGN.md "Shard format") into a nested tree:
 
     data_dir/part-00/shard-00000.npz ... data_dir/part-03/shard-00019.npz   (1-D token streams)
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import sysconfig
@@ -95,12 +96,15 @@ def build_demo_data(data_dir, vocab_size: int, seq_len: int, log: Callable[[str]
 
 
 def read_stdlib_corpus(max_bytes: int = CORPUS_BYTES) -> tuple[list[str], list[str]]:
-    """The standard library's `.py` files in path order, until `max_bytes` of text: (relative names, texts)."""
+    """Standard-library `.py` files in a fixed shuffled order, until `max_bytes` of text: (names, texts)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     candidates = sorted(
         (p.relative_to(root).as_posix(), p) for p in root.rglob("*.py")
         if not SKIP_DIRS.intersection(p.relative_to(root).parts)
     )
+    # A fixed-seed shuffle of the sorted list: still deterministic, and the corpus and the held-out last
+    # shards are samples of the whole library rather than its alphabetical tail.
+    random.Random(0).shuffle(candidates)
     names, texts, total = [], [], 0
     for name, path in candidates:
         try:
@@ -152,17 +156,22 @@ def encode_documents(tokenizer, texts: list[str]) -> np.ndarray:
 
 
 def write_shards(out_dir: Path, stream: np.ndarray, seq_len: int) -> list[dict]:
-    """Cut the stream into NUM_SHARDS pieces at document ends and save them as `part-PP/shard-NNNNN.npz`."""
-    eos_positions = np.flatnonzero(stream == EOS_ID)
+    """Cut the stream into NUM_SHARDS about equal pieces, at document ends where one is near, and save them
+    as `part-PP/shard-NNNNN.npz`."""
+    ends = np.flatnonzero(stream == EOS_ID) + 1  # positions just after each document
+    size = stream.size
+    slack = size // (4 * NUM_SHARDS)
     bounds = [0]
     for k in range(1, NUM_SHARDS):
-        target = k * stream.size // NUM_SHARDS
-        i = int(np.searchsorted(eos_positions, target))  # first document end at or after target
-        end = int(eos_positions[min(i, eos_positions.size - 1)]) + 1
-        bounds.append(max(end, bounds[-1] + 1))
-    bounds.append(stream.size)
-    if any(b >= stream.size for b in bounds[1:-1]):
-        raise DemoDataError(f"the corpus has too few documents for {NUM_SHARDS} shards")
+        # Cut at the first document end within a quarter shard after the even split point, else at that
+        # point itself (inside a long document): shards stay about equal whatever the document order.
+        target = k * size // NUM_SHARDS
+        i = int(np.searchsorted(ends, target))
+        bounds.append(int(ends[i]) if i < ends.size and ends[i] <= target + slack else target)
+    bounds.append(size)
+    if min(b - a for a, b in zip(bounds, bounds[1:])) < 2 * seq_len:
+        raise DemoDataError(f"the corpus ({size:,} tokens) is too small for {NUM_SHARDS} shards of "
+                            f"at least {2 * seq_len} tokens")
 
     shards = []
     for k in range(NUM_SHARDS):
