@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 
+from utils.process import pid_alive
 from utils.storage import file_crc32c
 
 MANIFEST = "manifest.json"
@@ -361,15 +362,6 @@ def find_latest_local(root, log=print) -> Path | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def _stale_temps(root: Path) -> list[Path]:
     stale = []
@@ -381,7 +373,7 @@ def _stale_temps(root: Path) -> list[Path]:
             continue
         pid = int(m.group("pid"))
         # Our own pid but not one of our live temps: left by an earlier process that had the same pid.
-        if pid == os.getpid() or not _pid_alive(pid):
+        if pid == os.getpid() or not pid_alive(pid):
             stale.append(p)
     return stale
 

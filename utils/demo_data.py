@@ -26,6 +26,8 @@ from typing import Callable
 
 import numpy as np
 
+from utils.process import pid_alive
+
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 0
 MANIFEST = "demo_data.json"
@@ -215,15 +217,5 @@ def _remove_stale_builds(data_dir: Path) -> None:
     pattern = re.compile(rf"^\.{re.escape(data_dir.name)}\.building-(\d+)$")
     for entry in data_dir.parent.iterdir():
         m = pattern.match(entry.name)
-        if m and entry.is_dir() and not _pid_alive(int(m.group(1))):
+        if m and entry.is_dir() and not pid_alive(int(m.group(1))):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -26,6 +26,8 @@ from typing import Callable, Iterable
 
 import google_crc32c
 
+from utils.process import pid_alive
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CREDENTIALS_DIR = REPO_ROOT / "credentials"
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -379,15 +381,6 @@ def _temp_name(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.partial-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def clean_stale_partials(root, max_age_s: float = STALE_PARTIAL_AGE_S) -> int:
     """Remove temporary files/folders left under `root` by killed downloads: this host's whose process is
@@ -409,7 +402,7 @@ def clean_stale_partials(root, max_age_s: float = STALE_PARTIAL_AGE_S) -> int:
                 age = now - path.stat().st_mtime
             except OSError:
                 continue
-            dead = m["host"] == host and not _pid_alive(int(m["pid"]))
+            dead = m["host"] == host and not pid_alive(int(m["pid"]))
             if not dead and age < max_age_s:
                 continue
             if path.is_dir() and not path.is_symlink():
