@@ -337,10 +337,13 @@ def train(cfg, args) -> int:
 
     def save_checkpoint() -> Path:
         """Blocks only for the device -> host copy; writing, retention and upload run in threads."""
+        started = time.perf_counter()
         name = checkpoint_name(loader.epoch, step, train_index.files_consumed(loader.position))
         rngs = gather_object([rng_state()]) if world > 1 else [rng_state()]
         if is_main:
+            writer.wait()  # at most one write in flight: a slow disk shows here as blocked time
             unwrapped = accelerator.unwrap_model(model)
+            copy_started = time.perf_counter()
             snapshot = snapshot_to_cpu({
                 "model": unwrapped.lm.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -356,8 +359,13 @@ def train(cfg, args) -> int:
             objects = {k: snapshot[k] for k in ("optimizer", "scheduler", "scaler")}
             objects |= {"rng": rngs, "data": loader.state_dict()}
             tokenizer = data_dir / "tokenizer.json"
+            copy_s = time.perf_counter() - copy_started
             writer.save(ckpt_root, name, CheckpointPayload(snapshot["model"], objects, trainer_state),
                         on_done=after_write, extra_files={"tokenizer.json": tokenizer} if tokenizer.exists() else None)
+            blocked_s = time.perf_counter() - started
+            log.write_row({"step": step, "checkpoint": name, "blocked_s": blocked_s, "copy_s": copy_s})
+            log.info(f"Checkpoint {name}: loop blocked {blocked_s:.3f} s (device->host copy {copy_s:.3f} s); "
+                     f"writing{' and uploading' if uploader else ''} in the background")
         return ckpt_root / name
 
     # ---------------------------------------------------------------- the loop

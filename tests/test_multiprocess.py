@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 from tests.trainkit import REPO_ROOT, TINY, make_shards, metrics, run, train_cmd, train_rows
 
@@ -80,3 +85,49 @@ def test_resume_across_process_counts(tmp_path, subprocess_env):
         for step in range(4, 7):
             assert rows[step]["lr"] == expected[step]["lr"]
             assert math.isclose(rows[step]["loss"], expected[step]["loss"], rel_tol=1e-5), (out.name, step)
+
+
+def _worker_pids(marker: str) -> dict[int, int]:
+    """rank -> pid of the train.py workers whose command line contains `marker`."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if "train.py" in cmdline and marker in cmdline and "accelerate" not in cmdline:
+            env = dict(e.decode().split("=", 1) for e in environ if b"=" in e)
+            if "RANK" in env:
+                found[int(env["RANK"])] = int(proc.name)
+    return found
+
+
+def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path, subprocess_env):
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", "2", "--",
+           "--output-dir", str(out), "--data-dir", str(data)]
+    for s in TINY + ["per_device_train_batch_size=2", "max_steps=100000", "save_steps=100000"]:
+        cmd += ["--set", s]
+    launcher = subprocess.Popen(cmd, env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    rows = out / "logs" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (rows.exists() and rows.read_text().count('"loss"') >= 3):
+        time.sleep(0.2)
+    pids = _worker_pids(str(out))
+    assert sorted(pids) == [0, 1], pids
+    os.kill(pids[1], signal.SIGTERM)  # only rank 1 is told
+    stdout, stderr = launcher.communicate(timeout=180)
+    assert launcher.returncode == 0, stderr[-3000:]
+    line = next(l for l in stdout.splitlines() if l.startswith("Stopped by a signal on another rank after step"))
+    stopped = int(line.split("after step ")[1].split(":")[0])
+    assert max(train_rows(out)) == stopped
+    ckpts = [p.name for p in (out / "checkpoints").iterdir()]
+    assert ckpts == [f"checkpoint-epoch0-step{stopped}-files0"], ckpts
+    proc = run(train_cmd(out, data, "per_device_train_batch_size=4", "max_steps=100000", "save_steps=100000",
+                         f"stop_at_step={stopped + 1}", extra=("--resume", "latest")), subprocess_env)
+    assert f"at step {stopped}" in proc.stdout and max(train_rows(out)) == stopped + 1
