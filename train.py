@@ -241,6 +241,11 @@ def train(cfg, args) -> int:
 
     # ---------------------------------------------------------------- prepare, compile
     model, optimizer = accelerator.prepare(model, optimizer)
+    # AcceleratedOptimizer adds only the fp16 loss-scaler path to step/zero_grad, yet looks up an optional
+    # package (importlib find_spec, twice) and a signature on every call. The loop calls them on sync steps
+    # only, so without a scaler it drives the torch optimizer itself.
+    step_optimizer = optimizer if accelerator.scaler is not None else optimizer.optimizer
+    params = list(model.parameters())  # walked once, not by every clip
     if cfg.compile_model:
         model = torch.compile(model)
     stop = StopSignal(distributed=world > 1)
@@ -412,10 +417,10 @@ def train(cfg, args) -> int:
                     accelerator.backward(loss)
                     step_loss += loss.detach() / cfg.gradient_accumulation_steps
                     if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                        optimizer.step()
+                        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+                        step_optimizer.step()
                         scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
+                        step_optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens += tokens_per_step
             window_losses.append(step_loss)

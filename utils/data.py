@@ -731,14 +731,15 @@ class ResumableLoader:
     def _make_iterator(self):
         sampler = ShardedBatchSampler(self.num_samples, self.micro_batch_size, self.rank, self.world_size,
                                       self.seed, start_position=self._position)
-        extra = {}
-        if self.num_workers > 0:
-            extra = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False}
+        if self.num_workers == 0:
+            # Read here, without a DataLoader (its per-batch bookkeeping costs more than the read), in the
+            # wire dtype: no per-row conversion buffer; __next__ widens the whole batch once.
+            return (self.dataset.get_batch(indices, dtype=self.dataset.wire_dtype) for indices in sampler)
         # batch_size=None: the sampler already yields whole micro-batches, each produced once in this
         # process and handed to one worker, which returns a ready [B, seq_len] array (no collate).
-        dtype = self.dataset.wire_dtype if self.num_workers > 0 else np.dtype(np.int64)
-        loader = DataLoader(_BatchView(self.dataset, dtype), sampler=sampler, batch_size=None,
-                            collate_fn=_as_is, num_workers=self.num_workers, **extra)
+        loader = DataLoader(_BatchView(self.dataset, self.dataset.wire_dtype), sampler=sampler, batch_size=None,
+                            collate_fn=_as_is, num_workers=self.num_workers,
+                            prefetch_factor=self.prefetch_factor, persistent_workers=False)
         return iter(loader)
 
     def __iter__(self) -> "ResumableLoader":
