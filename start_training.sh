@@ -22,7 +22,8 @@ Where it runs:
   --cpu                    run on the CPU: --gpus N starts N processes over gloo (default 1).
                            Same distributed code path as GPUs; useful for tests and laptops.
                            With no GPU visible and neither --cpu nor --gpus, one CPU process runs.
-  --strategy ddp|fsdp      data parallel (default ddp) or FSDP FULL_SHARD via accelerate's FSDP flags
+  --strategy ddp|fsdp      data parallel (default ddp); fsdp passes accelerate's FULL_SHARD flags, but
+                           train.py refuses it for now (its checkpoints need an unsharded state)
                            (fsdp: GPUs only)
   --nodes N                number of machines (default 1); run this script once on each of them
   --node-rank R            this machine's rank, 0..N-1 (default 0)

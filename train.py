@@ -173,6 +173,9 @@ def train(cfg, args) -> int:
             DistributedDataParallelKwargs(gradient_as_bucket_view=True),
         ],
     )
+    if accelerator.distributed_type.name == "FSDP":
+        raise UserError("--strategy fsdp is not supported yet: checkpoints are saved from the unwrapped module, "
+                        "which FSDP shards; use --strategy ddp (the 1.2B model fits one GPU with a profile)")
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     is_main = accelerator.is_main_process
     if device.type == "cuda":
