@@ -195,18 +195,18 @@ def train(cfg, args) -> int:
     spec = get_model_spec(cfg.model)
     seq_len = cfg.effective_seq_len()
     run = cfg.effective_run_name
-    remote_root = (f"gs://{cfg.gcs_bucket}/{cfg.gcs_prefix.strip('/') + '/' if cfg.gcs_prefix.strip('/') else ''}"
-                   f"checkpoints/{run}") if cfg.gcs_bucket else None
+    remote_prefix = "/".join(part for part in (cfg.gcs_prefix.strip("/"), "checkpoints", run) if part)
+    remote_root = f"gs://{cfg.gcs_bucket}/{remote_prefix}" if cfg.gcs_bucket else None
 
     # ---------------------------------------------------------------- resume: find the checkpoint first
     resume_path, payload = None, None
     if args.resume:
         try:
             with accelerator.main_process_first():  # rank 0 resolves (and downloads) first
-                found = resolve_resume(args.resume, ckpt_root, remote_root,
-                                       client_factory=make_client if remote_root or args.resume.startswith("gs://") else None,
-                                       log=print if is_main else (lambda *_: None))
-            resume_path = found
+                resume_path = resolve_resume(
+                    args.resume, ckpt_root, remote_root,
+                    client_factory=make_client if remote_root or args.resume.startswith("gs://") else None,
+                    log=print if is_main else (lambda *_: None))
             payload = read_checkpoint(resume_path, verify=False)  # resolve_resume verified it
         except (CheckpointError, StorageError, CredentialsError) as exc:
             raise UserError(f"--resume {args.resume}: {exc}") from None
