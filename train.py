@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 import zlib
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -155,6 +154,7 @@ def train(cfg, args) -> int:
     from utils.data import DataDirError, ResumableLoader, ShardError, ShardIndex, TokenSequenceDataset
     from utils.data import build_eval_batches
     from utils.demo_data import DemoDataError, build_demo_data
+    from utils.demo_data import is_built as is_demo_build
     from utils.metrics import RunLogger, format_step_line, local_device_stats, mfu, peak_flops
     from utils.model import build_model, count_parameters, flops_per_token, preflight_problem
     from utils.optim import build_optimizer, build_scheduler, schedule_from_config
@@ -219,7 +219,7 @@ def train(cfg, args) -> int:
         with accelerator.main_process_first():  # rank 0 builds demo data and the validation cache first
             # Build into an empty folder; re-check an existing demo build (it refuses another vocab or
             # seq_len); a folder of the user's own shards is used as it is.
-            if cfg.demo_data and ((data_dir / "demo_data.json").exists() or not any(data_dir.rglob("*.npz"))):
+            if cfg.demo_data and (is_demo_build(data_dir) or not any(data_dir.rglob("*.npz"))):
                 build_demo_data(data_dir, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
             index = ShardIndex.build(data_dir, seq_len=seq_len, vocab_size=spec.vocab_size,
                                      max_files=cfg.max_files, log=log.info if is_main else (lambda *_: None))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 from configs.model_config import ConfigError, get_model_spec
 
@@ -55,7 +55,6 @@ class TrainingConfig:
     gcs_prefix: str = ""  # checkpoints go to gs://BUCKET/PREFIX/checkpoints/RUN/NAME/
     background_upload: bool = True
     process_group_timeout_s: int = 3600  # long enough for rank 0's checkpoint I/O
-    extra: dict = field(default_factory=dict, repr=False)  # reserved; not settable
 
     @property
     def effective_run_name(self) -> str:
@@ -104,9 +103,7 @@ class TrainingConfig:
         return self
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("extra")
-        return d
+        return dataclasses.asdict(self)
 
 
 PRESETS: dict[str, TrainingConfig] = {
@@ -134,7 +131,7 @@ PRESETS: dict[str, TrainingConfig] = {
     ),
 }
 
-_SETTABLE = {f.name: f for f in fields(TrainingConfig) if f.name not in ("extra", "preset")}
+_SETTABLE = {f.name: f for f in fields(TrainingConfig) if f.name != "preset"}
 
 
 def _coerce(name: str, raw: str):

@@ -9,6 +9,7 @@ import torch
 
 from configs import get_model_spec, get_training_config, parse_overrides
 from tests.trainkit import TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
+from utils.metrics import METRIC_KEYS
 from utils.model import build_model
 from utils.optim import schedule_from_config
 
@@ -80,7 +81,7 @@ def test_run_writes_logs_metrics_tensorboard_and_export(tmp_path, subprocess_env
     assert "Step 4: loss=" in log_text
     rows = metrics(out)
     train = [r for r in rows if "loss" in r]
-    for key in ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "data_wait_frac"):
+    for key in METRIC_KEYS + ("data_wait_frac", "steps_per_sec"):
         assert key in train[-1], key
     assert train[-1]["mfu"] is None  # CPU: peak unknown
     assert train[-1]["tokens"] == 4 * 4 * 64  # steps x global batch (4 x 1 x 1) x seq_len

@@ -4,6 +4,7 @@ Only rank 0 writes; other ranks' RunLogger prints warnings and errors to stderr 
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ PEAK_BF16_FLOPS = (
     ("A100", 312e12),
 )
 
+# The keys every training row of logs/metrics.jsonl carries (DESIGN.md "Files a run writes").
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu")
 
 
@@ -54,16 +56,24 @@ def local_device_stats(device: torch.device) -> dict:
         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30,
         "gpu_util": None,
     }
+    handle = _nvml_handle(device.index if device.index is not None else torch.cuda.current_device())
+    if handle is not None:
+        import pynvml
+
+        stats["gpu_util"] = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+    return stats
+
+
+@functools.lru_cache(maxsize=None)
+def _nvml_handle(index: int):
+    """NVML's handle for a GPU, initialised once; None where NVML is missing or not permitted."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        stats["gpu_util"] = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
-    except Exception:  # NVML missing or not permitted: utilisation stays unknown
-        pass
-    return stats
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:
+        return None
 
 
 class RunLogger:
