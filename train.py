@@ -124,17 +124,34 @@ def first_nonfinite(losses, first_step: int):
     return None if bad.numel() == 0 else first_step + int(bad[0])
 
 
+def write_run_status(**fields) -> None:
+    """Where the launcher asks for it (`NEOX_STATUS_FILE`), rank 0 leaves a JSON record of how the run
+    ended (exit code, what stopped it, the last checkpoint), so the launcher's last line can name it."""
+    path = os.environ.get("NEOX_STATUS_FILE")
+    if not path or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(fields, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the status record is a courtesy to the launcher; the run's own output says the same
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        write_run_status(exit_code=2, error=str(exc))
         return 2
     try:
         return train(cfg, args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        write_run_status(exit_code=2, error=str(exc))
         return 2
     finally:  # on every exit path: a gloo/NCCL group left alive can crash or hang the interpreter's exit
         import torch.distributed as dist
@@ -377,7 +394,7 @@ def train(cfg, args) -> int:
         return ckpt_root / name
 
     # ---------------------------------------------------------------- the loop
-    exit_code, stopped_by = 0, None
+    exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
     window_losses, window_start = [], step + 1
     window_data_wait, window_t0 = 0.0, time.perf_counter()
     grad_norm = torch.zeros((), device=device)
@@ -470,7 +487,7 @@ def train(cfg, args) -> int:
             planned_stop = step == cfg.stop_at_step
             if step % cfg.save_steps == 0 or step == cfg.max_steps or stopping or planned_stop:
                 check_finite_before_save()
-                path = save_checkpoint()
+                path = last_checkpoint = save_checkpoint()
                 if stopping or planned_stop:
                     stopped_by = (stop.signal_name or "a signal on another rank") if stopping else "stop_at_step"
                     writer.wait()
@@ -514,6 +531,10 @@ def train(cfg, args) -> int:
                 exit_code = 1
         log.close()
         accelerator.end_training()
+        if is_main:
+            write_run_status(exit_code=exit_code, stopped_by=stopped_by, step=step,
+                             checkpoint=str(last_checkpoint) if last_checkpoint else None,
+                             final_model=str(export_dir) if export_dir else None)
     return exit_code
 
 

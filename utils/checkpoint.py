@@ -40,6 +40,8 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
+# Tests only: seconds each checkpoint write sleeps before its manifest, to stand in for a slow disk.
+_TEST_WRITE_DELAY_S = float(os.environ.get("NEOX_TEST_CHECKPOINT_DELAY_S", "0") or 0)
 
 TEMP_PREFIX = ".tmp-"
 _NAME_RE = re.compile(r"checkpoint-epoch(\d+)-step(\d+)-files(\d+)")
@@ -246,6 +248,8 @@ def write_checkpoint(root, name: str, payload: CheckpointPayload,
             shutil.copyfile(src, dest)
             _fsync_file(dest)
 
+        if _TEST_WRITE_DELAY_S:  # fault injection for the preemption tests: a slow disk
+            time.sleep(_TEST_WRITE_DELAY_S)
         manifest = build_manifest(tmp, name, sorted(payload.objects))
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=2)

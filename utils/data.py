@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import struct
 import threading
 import time
@@ -631,6 +632,15 @@ def _as_is(batch):
     return batch
 
 
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM/SIGINT to the training process. A scheduler that signals the whole
+    process group (SLURM, systemd, `timeout`, Ctrl-C) would otherwise kill the workers first and crash the
+    loop before it can checkpoint; the workers still exit when the loader shuts them down or the main
+    process dies."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Order and sharding
 
@@ -738,7 +748,7 @@ class ResumableLoader:
         # batch_size=None: the sampler already yields whole micro-batches, each produced once in this
         # process and handed to one worker, which returns a ready [B, seq_len] array (no collate).
         loader = DataLoader(_BatchView(self.dataset, self.dataset.wire_dtype), sampler=sampler, batch_size=None,
-                            collate_fn=_as_is, num_workers=self.num_workers,
+                            collate_fn=_as_is, num_workers=self.num_workers, worker_init_fn=_ignore_stop_signals,
                             prefetch_factor=self.prefetch_factor, persistent_workers=False)
         return iter(loader)
 
