@@ -34,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, help="optimizer steps to train to (overrides the preset)")
     p.add_argument("--output-dir", default=str(REPO_ROOT), help="where checkpoints/ and logs/ go (default: repo root)")
     p.add_argument("--data-dir", help="local shard directory (overrides the preset's data_dir)")
-    p.add_argument("--resume", help="latest | a checkpoint name | a local path | a gs:// URL")
+    p.add_argument("--resume", help="auto (the newest checkpoint if there is one, else a fresh start) | latest | "
+                                    "a checkpoint name | a local path | a gs:// URL")
     p.add_argument("--mixed-precision", choices=("bf16", "fp16", "no"))
     p.add_argument("--no-background-upload", action="store_true", help="upload checkpoints synchronously")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -166,7 +167,8 @@ def train(cfg, args) -> int:
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, gather_object
     from tqdm import tqdm
 
-    from utils.checkpoint import (AsyncCheckpointWriter, CheckpointError, CheckpointPayload, apply_retention,
+    from utils.checkpoint import (AsyncCheckpointWriter, CheckpointError, CheckpointPayload, NoCheckpointFound,
+                                  apply_retention,
                                   checkpoint_name, read_checkpoint, resolve_resume, snapshot_to_cpu)
     from utils.data import DataDirError, ResumableLoader, ShardError, ShardIndex, TokenSequenceDataset
     from utils.data import build_eval_batches
@@ -221,10 +223,15 @@ def train(cfg, args) -> int:
         try:
             with accelerator.main_process_first():  # rank 0 resolves (and downloads) first
                 resume_path = resolve_resume(
-                    args.resume, ckpt_root, remote_root,
+                    "latest" if args.resume == "auto" else args.resume, ckpt_root, remote_root,
                     client_factory=make_client if remote_root or args.resume.startswith("gs://") else None,
                     log=print if is_main else (lambda *_: None))
             payload = read_checkpoint(resume_path, verify=False)  # resolve_resume verified it
+        except NoCheckpointFound as exc:
+            if args.resume != "auto":
+                raise UserError(f"--resume {args.resume}: {exc}") from None
+            if is_main:
+                print(f"--resume auto: {str(exc).split(';')[0]}; starting a fresh run")
         except (CheckpointError, StorageError, CredentialsError) as exc:
             raise UserError(f"--resume {args.resume}: {exc}") from None
     resume_step = payload.trainer_state["step"] if payload else None

@@ -58,6 +58,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt, or could not be written; the message names it."""
 
 
+class NoCheckpointFound(CheckpointError):
+    """`--resume latest` found no complete checkpoint, locally or remotely (`auto` starts fresh then)."""
+
+
 def checkpoint_name(epoch: int, step: int, files: int) -> str:
     """The one place the checkpoint directory name format lives."""
     for label, value in (("epoch", epoch), ("step", step), ("files", files)):
@@ -615,7 +619,8 @@ def resolve_resume(arg: str, local_root, remote_url: str | None = None, client_f
         if local is not None:
             return local
         where = f"{local_root}" + (f" or {remote_url}" if remote_url else "")
-        raise CheckpointError(f"no checkpoint found in {where}; start without --resume")
+        raise NoCheckpointFound(f"no checkpoint found in {where}; start without --resume, or use "
+                                f"--resume auto (resume when there is one, else start fresh)")
 
     candidate = Path(arg)
     if candidate.is_dir():
