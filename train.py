@@ -167,19 +167,22 @@ def train(cfg, args) -> int:
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, gather_object
     from tqdm import tqdm
 
-    from utils.checkpoint import (AsyncCheckpointWriter, CheckpointError, CheckpointPayload, NoCheckpointFound,
-                                  apply_retention,
-                                  checkpoint_name, read_checkpoint, resolve_resume, snapshot_to_cpu)
-    from utils.data import DataDirError, ResumableLoader, ShardError, ShardIndex, TokenSequenceDataset
-    from utils.data import build_eval_batches
-    from utils.demo_data import DemoDataError, build_demo_data
-    from utils.demo_data import is_built as is_demo_build
+    from utils.checkpoint.writer import AsyncCheckpointWriter
+    from utils.checkpoint.resume import resolve_resume
+    from utils.checkpoint.format import (CheckpointError, CheckpointPayload, NoCheckpointFound, apply_retention,
+                                         checkpoint_name, read_checkpoint, snapshot_to_cpu)
+    from utils.data.dataset import TokenSequenceDataset
+    from utils.data.index import DataDirError, ShardIndex
+    from utils.data.loader import ResumableLoader, build_eval_batches
+    from utils.data.shards import ShardError
+    from utils.data.demo import DemoDataError, build_demo_data
+    from utils.data.demo import is_built as is_demo_build
     from utils.metrics import RunLogger, format_step_line, local_device_stats, mfu, peak_flops
     from utils.model import build_model, count_parameters, flops_per_token, preflight_problem
     from utils.optim import build_optimizer, build_scheduler, schedule_from_config
-    from utils.profiles import resolve_profile
+    from configs.profiles import resolve_profile
     from utils.storage import CredentialsError, StorageError, make_client
-    from utils.uploader import BackgroundUploader
+    from utils.checkpoint.upload import BackgroundUploader
 
     # ---------------------------------------------------------------- accelerator, seeds, logging
     if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():

@@ -12,7 +12,7 @@ tokens/s and step time; per contender the median over `--repeats` rounds is prin
            rows of logs/metrics.jsonl (its own logging is inside them; the final eval, checkpoint and
            export come after the last one).
 - trainer: transformers.Trainer on the same GPTNeoXForCausalLM with its documented fast settings (bf16,
-           SDPA, adamw_torch_fused, torch_compile on CUDA), fed through utils.data.TokenSequenceDataset.
+           SDPA, adamw_torch_fused, torch_compile on CUDA), fed through utils.data.dataset.TokenSequenceDataset.
 - bare:    utils.model.build_model + utils.optim.build_optimizer/build_scheduler, batches already in
            device memory, forward/backward/clip/step/zero_grad, one `.item()` at the end: the ceiling.
 
@@ -156,7 +156,7 @@ def apply_engine_profile(s: dict, device_gib: float | None) -> None:
     """Resolve the memory profile as train.py will, so every contender trains the batch layout, activation
     checkpointing and optimizer-state precision the engine chose (train.py resolving it again is a no-op)."""
     from configs import get_training_config
-    from utils.profiles import resolve_profile
+    from configs.profiles import resolve_profile
 
     cfg, profile = resolve_profile(get_training_config("production", engine_overrides(s)), s["device"], device_gib)
     s.update(micro_batch=cfg.per_device_train_batch_size, accum=cfg.gradient_accumulation_steps,
@@ -212,7 +212,8 @@ def ensure_data(data_dir: Path, s: dict, vocab: int, train_files: int = 3) -> No
 
 def train_split(data_dir: str, s: dict):
     from configs import get_model_spec
-    from utils.data import ShardIndex, TokenSequenceDataset
+    from utils.data.dataset import TokenSequenceDataset
+    from utils.data.index import ShardIndex
 
     spec = get_model_spec(s["model"])
     index = ShardIndex.build(data_dir, seq_len=s["seq_len"], vocab_size=spec.vocab_size, log=lambda *_: None)

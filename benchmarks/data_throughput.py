@@ -1,4 +1,4 @@
-"""How fast utils/data.py feeds one training process, on production-like shards.
+"""How fast utils/data/ feeds one training process, on production-like shards.
 
     python benchmarks/data_throughput.py                      # 4 x 256 MB synthetic shards in a temp dir
     python benchmarks/data_throughput.py --data-dir data/training --seconds 10
@@ -22,7 +22,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils.data import CACHE_NAME, ResumableLoader, ShardIndex, TokenSequenceDataset  # noqa: E402
+from utils.data.dataset import TokenSequenceDataset  # noqa: E402
+from utils.data.index import CACHE_NAME, ShardIndex  # noqa: E402
+from utils.data.loader import ResumableLoader  # noqa: E402
 
 
 def write_shard(path: Path, tokens: int, vocab: int, seed: int, rows: int = 0) -> None:

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from utils.checkpoint import (
+from utils import files
+from utils.checkpoint.format import (
     MANIFEST,
-    AsyncCheckpointWriter,
     CheckpointError,
     CheckpointPayload,
     apply_retention,
@@ -29,11 +29,12 @@ from utils.checkpoint import (
     list_checkpoints,
     parse_checkpoint_name,
     read_checkpoint,
-    resolve_resume,
     snapshot_to_cpu,
     verify_checkpoint,
     write_checkpoint,
 )
+from utils.checkpoint.resume import resolve_resume
+from utils.checkpoint.writer import AsyncCheckpointWriter
 
 
 def small_payload(step: int, numel: int = 1024) -> CheckpointPayload:
@@ -60,7 +61,7 @@ def test_name_format_round_trips():
     name = checkpoint_name(2, 1500, 37)
     assert name == "checkpoint-epoch2-step1500-files37"
     assert parse_checkpoint_name(name) == (2, 1500, 37)
-    for other in (".tmp-" + name + "-12-ab", name + "x", "checkpoint-epoch2-step-1-files3", "final"):
+    for other in (f".{name}.partial-host-12-ab", name + "x", "checkpoint-epoch2-step-1-files3", "final"):
         assert parse_checkpoint_name(other) is None
     with pytest.raises(ValueError):
         checkpoint_name(0, -1, 0)
@@ -220,7 +221,7 @@ def test_verify_detects_damage(tmp_path, damage, expect):
 WRITER_SERVER = textwrap.dedent("""
     import os, sys
     import torch
-    from utils.checkpoint import (CheckpointPayload, apply_retention, checkpoint_name, find_latest_local,
+    from utils.checkpoint.format import (CheckpointPayload, apply_retention, checkpoint_name, find_latest_local,
                                   parse_checkpoint_name, write_checkpoint)
 
     def write_forever(root):
@@ -273,7 +274,7 @@ def test_sigkill_during_saves_never_leaves_a_bad_latest(tmp_path, subprocess_env
             assert server.stdout.readline().strip() == "reaped"
 
             context = f"seed {seed}, round {r}, dir {sorted(p.name for p in root.iterdir())}"
-            if any(p.name.startswith(".tmp-") and f"-{writer_pid}-" in p.name for p in root.iterdir()):
+            if any(files.is_temp_name(p.name) and f"-{writer_pid}-" in p.name for p in root.iterdir()):
                 mid_write += 1
             for path in list_checkpoints(root):  # every directory named like a checkpoint is complete
                 verify_checkpoint(path)
@@ -305,9 +306,11 @@ def test_retention_keeps_newest_complete_and_cleans_stale_temps(tmp_path):
     dead.wait()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        stale = tmp_path / f".tmp-{checkpoint_name(0, 6, 0)}-{dead.pid}-abcd1234"
-        alive = tmp_path / f".tmp-{checkpoint_name(0, 6, 0)}-{live.pid}-abcd1234"
-        reused_pid = tmp_path / f".tmp-{checkpoint_name(0, 6, 0)}-{os.getpid()}-0000beef"  # not ours: a past run
+        host = files.host_tag()
+        stale = tmp_path / f".{checkpoint_name(0, 6, 0)}.partial-{host}-{dead.pid}-abcd1234"
+        alive = tmp_path / f".{checkpoint_name(0, 6, 0)}.partial-{host}-{live.pid}-abcd1234"
+        # our pid but not one of our live temporaries: a past run's (PID 1 in a container, every time)
+        reused_pid = tmp_path / f".{checkpoint_name(0, 6, 0)}.partial-{host}-{os.getpid()}-0000beef"
         for d in (stale, alive, reused_pid):
             d.mkdir()
             (d / "model.safetensors").write_bytes(b"x")

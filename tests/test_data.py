@@ -1,4 +1,4 @@
-"""utils/data.py on real .npz files: validation, order, sharding, resume, caching, memory."""
+"""utils/data/ on real .npz files: validation, order, sharding, resume, caching, memory."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from utils import data
-from utils.data import (DataDirError, ResumableLoader, ShardedBatchSampler, ShardError, ShardIndex,
-                        TokenSequenceDataset, build_eval_batches)
+from utils import files
+from utils.data import dataset as data_dataset
+from utils.data import index as data_index
+from utils.data.dataset import TokenSequenceDataset
+from utils.data.index import DataDirError, ShardIndex
+from utils.data.loader import ResumableLoader, ShardedBatchSampler, build_eval_batches
+from utils.data.shards import ShardError
 
 SEQ = 8
 VOCAB = 10_000
@@ -362,16 +366,16 @@ def test_eval_batches_are_file_order_and_disjoint(mixed):
 def test_validation_is_cached_and_invalidated_by_changes(tmp_path, monkeypatch):
     make_mixed(tmp_path)
     scanned = []
-    real = data._inspect_shard
+    real = data_index.inspect_shard
     def counting(path, name, seq_len):
         scanned.append(Path(path).relative_to(tmp_path).as_posix())
         return real(path, name, seq_len)
 
-    monkeypatch.setattr(data, "_inspect_shard", counting)
+    monkeypatch.setattr(data_index, "inspect_shard", counting)
 
     first = ShardIndex.build(tmp_path, SEQ, VOCAB, log=quiet).fingerprint()
     assert sorted(scanned) == ["a/00.npz", "a/b/01.npz", "c.npz"]
-    assert (tmp_path / data.CACHE_NAME).is_file()
+    assert (tmp_path / data_index.CACHE_NAME).is_file()
     scanned.clear()
     again = ShardIndex.build(tmp_path, SEQ, VOCAB, log=quiet)
     assert scanned == [] and again.fingerprint() == first
@@ -394,17 +398,17 @@ def test_validation_is_cached_and_invalidated_by_changes(tmp_path, monkeypatch):
     assert sorted(scanned) == ["a/00.npz", "a/b/01.npz"]
 
     # a corrupt cache costs a re-scan, not a failed start
-    (tmp_path / data.CACHE_NAME).write_text('{"version": 1, "files": {"c.npz": {"size": ')
+    (tmp_path / data_index.CACHE_NAME).write_text('{"version": 1, "files": {"c.npz": {"size": ')
     scanned.clear()
     lines = []
     assert ShardIndex.build(tmp_path, SEQ, VOCAB, log=lines.append).fingerprint() == first
     assert len(scanned) == 3 and any("ignoring unreadable shard cache" in line for line in lines)
-    cache = json.loads((tmp_path / data.CACHE_NAME).read_text())
+    cache = json.loads((tmp_path / data_index.CACHE_NAME).read_text())
     cache["files"]["c.npz"]["size"] = "x"  # one malformed entry: only that file is re-scanned
-    (tmp_path / data.CACHE_NAME).write_text(json.dumps(cache))
+    (tmp_path / data_index.CACHE_NAME).write_text(json.dumps(cache))
     scanned.clear()
     assert ShardIndex.build(tmp_path, SEQ, VOCAB, log=quiet).fingerprint() == first and scanned == ["c.npz"]
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not [p for p in tmp_path.iterdir() if files.is_temp_name(p.name)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -412,7 +416,7 @@ def test_validation_is_cached_and_invalidated_by_changes(tmp_path, monkeypatch):
 
 
 def test_open_files_are_bounded(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "MAX_OPEN_FILES", 2)
+    monkeypatch.setattr(data_dataset, "MAX_OPEN_FILES", 2)
     for f in range(5):
         save(tmp_path / f"{f}.npz", seqs(3 * f, 3, np.uint16))
     dataset = TokenSequenceDataset(ShardIndex.build(tmp_path, SEQ, VOCAB, log=quiet))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from configs import get_model_spec
-from utils import demo_data
-from utils.demo_data import EOS_ID, DemoDataError, build_demo_data
+from utils.data import demo as demo_data
+from utils.data.demo import EOS_ID, DemoDataError, build_demo_data
 
 VOCAB = get_model_spec("demo").vocab_size
 SEQ_LEN = 128
@@ -100,7 +100,7 @@ def test_build_is_deterministic_across_processes(built, tmp_path, subprocess_env
     """A second build in a fresh process (fresh hash seeds in the tokenizer's Rust code) is byte-identical."""
     data_dir, _ = built
     other = tmp_path / "again"
-    code = f"from utils.demo_data import build_demo_data; build_demo_data({str(other)!r}, {VOCAB}, {SEQ_LEN})"
+    code = f"from utils.data.demo import build_demo_data; build_demo_data({str(other)!r}, {VOCAB}, {SEQ_LEN})"
     env = dict(subprocess_env, TOKENIZERS_PARALLELISM="true", PYTHONHASHSEED="123")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=120)
     assert tree_digest(other) == tree_digest(data_dir)
@@ -127,12 +127,12 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
 
 def test_killed_build_leaves_no_shards(tmp_path, subprocess_env):
     data_dir = tmp_path / "demo"
-    code = f"from utils.demo_data import build_demo_data; build_demo_data({str(data_dir)!r}, {VOCAB}, {SEQ_LEN})"
+    code = f"from utils.data.demo import build_demo_data; build_demo_data({str(data_dir)!r}, {VOCAB}, {SEQ_LEN})"
     proc = subprocess.Popen([sys.executable, "-c", code], env=subprocess_env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while not any(p.name.startswith(".demo.building-") for p in tmp_path.iterdir()):
+        while not any(p.name.startswith(".demo.partial-") for p in tmp_path.iterdir()):
             assert proc.poll() is None and time.monotonic() < deadline, "the build never started"
             time.sleep(0.05)
         time.sleep(1.0)  # mid-build: reading the corpus or training the tokenizer

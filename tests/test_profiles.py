@@ -5,7 +5,7 @@ import torch
 from configs import ConfigError, get_model_spec, get_training_config
 from utils.model import build_model, preflight_problem
 from utils.optim import BF16MomentAdamW
-from utils.profiles import PROFILES, apply_profile, choose_profile, resolve_profile
+from configs.profiles import PROFILES, apply_profile, choose_profile, resolve_profile
 
 
 @pytest.mark.parametrize("gib, name", [(23.6, "conservative"), (39.4, "balanced"), (79.1, "aggressive"),

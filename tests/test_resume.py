@@ -105,7 +105,7 @@ def test_upload_failure_keeps_training_and_exits_nonzero(tmp_path, subprocess_en
     assert proc.returncode == 1, proc.stderr
     assert max(train_rows(out)) == 4  # training went on
     assert "upload of gs://test-bucket/checkpoints/r2/checkpoint-epoch0-step4-files0 failed" in proc.stderr
-    from utils.checkpoint import verify_checkpoint
+    from utils.checkpoint.format import verify_checkpoint
 
     for name in ("checkpoint-epoch0-step2-files0", "checkpoint-epoch0-step4-files0"):
         verify_checkpoint(out / "checkpoints" / name)

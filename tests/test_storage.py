@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from google.api_core import exceptions as api_exceptions
 
-from utils import storage
+from utils import files, storage
 from utils.storage import (
     CredentialsError,
     RemoteObject,
@@ -181,19 +181,27 @@ def test_clean_stale_partials(tmp_path):
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
-    host = storage._host_tag()
-    root = tmp_path / "data"
-    dead_ours = write(root / "a" / f".x.npz.partial-{host}-{dead_pid}-ab12", b"1")
-    live_ours = write(root / "a" / f".y.npz.partial-{host}-{os.getpid()}-cd34", b"1")
-    other_fresh = write(root / f".z.npz.partial-otherhost-{dead_pid}-ef56", b"1")
-    other_old = write(root / "b" / f".w.npz.partial-otherhost-{dead_pid}-0a0b", b"1")
-    os.utime(other_old, (1, 1))
-    dead_dir = root / f".checkpoint-x.partial-{host}-{dead_pid}-99"
-    write(dead_dir / "model.bin", b"1")
-    keep = write(root / "a" / "x.npz", b"real shard")
-    assert storage.clean_stale_partials(root) == 3
-    assert not dead_ours.exists() and not other_old.exists() and not dead_dir.exists()
-    assert live_ours.exists() and other_fresh.exists() and keep.exists()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        host = files.host_tag()
+        root = tmp_path / "data"
+        dead_ours = write(root / "a" / f".x.npz.partial-{host}-{dead_pid}-ab12", b"1")
+        live_ours = write(root / "a" / f".y.npz.partial-{host}-{live.pid}-cd34", b"1")
+        being_written = files.temp_path(root / "a" / "v.npz")  # this process is writing it right now
+        write(being_written, b"1")
+        other_fresh = write(root / f".z.npz.partial-otherhost-{dead_pid}-ef56", b"1")
+        other_old = write(root / "b" / f".w.npz.partial-otherhost-{dead_pid}-0a0b", b"1")
+        os.utime(other_old, (1, 1))
+        dead_dir = root / f".checkpoint-x.partial-{host}-{dead_pid}-99"
+        write(dead_dir / "model.bin", b"1")
+        keep = write(root / "a" / "x.npz", b"real shard")
+        assert storage.clean_stale_partials(root) == 3
+        assert not dead_ours.exists() and not other_old.exists() and not dead_dir.exists()
+        assert live_ours.exists() and other_fresh.exists() and keep.exists() and being_written.exists()
+        files.release_temp(being_written)
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_list_objects_is_recursive_sorted_and_folder_scoped(gcs_emulator):

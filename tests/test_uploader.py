@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from utils.storage import file_crc32c, make_client
-from utils.uploader import BackgroundUploader
+from utils.checkpoint.upload import BackgroundUploader
 
 
 def make_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
@@ -167,7 +167,7 @@ def test_the_upload_thread_never_keeps_the_process_alive(gcs_emulator, subproces
     ck = make_checkpoint(tmp_path, "checkpoint-epoch0-step1-files0")
     script = (
         "import threading, time\n"
-        "from utils.uploader import BackgroundUploader\n"
+        "from utils.checkpoint.upload import BackgroundUploader\n"
         "def stuck():\n"
         "    threading.Event().wait()\n"  # a client that never comes: an upload that never ends
         "u = BackgroundUploader(client_factory=stuck)\n"

@@ -13,9 +13,6 @@ import json
 import os
 import random
 import re
-import secrets
-import shutil
-import socket
 import sys
 import threading
 import time
@@ -26,14 +23,12 @@ from typing import Callable, Iterable
 
 import google_crc32c
 
-from utils.process import pid_alive
+from utils import files
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CREDENTIALS_DIR = REPO_ROOT / "credentials"
 CHUNK_BYTES = 8 * 1024 * 1024
 MAX_BACKOFF_S = 30.0
-STALE_PARTIAL_AGE_S = 3600.0
-_PARTIAL_RE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<host>[^/]*)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 
@@ -371,47 +366,10 @@ def object_exists(client, gs_url_: str) -> bool:
 # ---------------------------------------------------------------------------------------------- downloads
 
 
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
-
-
-def _temp_name(dest: Path) -> Path:
-    """`.NAME.partial-HOST-PID-RAND` next to `dest`: hidden, never ends in the shard suffix, and says who
-    wrote it so a later run can tell a dead process's leftovers from a live transfer."""
-    return dest.with_name(f".{dest.name}.partial-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-
-def clean_stale_partials(root, max_age_s: float = STALE_PARTIAL_AGE_S) -> int:
-    """Remove temporary files/folders left under `root` by killed downloads: this host's whose process is
-    gone, and any untouched for `max_age_s` (a live transfer writes constantly; hostnames change when a
-    container restarts). Returns how many were removed."""
-    root = Path(root)
-    if not root.is_dir():
-        return 0
-    host = _host_tag()
-    now = time.time()
-    removed = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        for entry in list(filenames) + list(dirnames):
-            m = _PARTIAL_RE.match(entry)
-            if not m:
-                continue
-            path = Path(dirpath, entry)
-            try:
-                age = now - path.stat().st_mtime
-            except OSError:
-                continue
-            dead = m["host"] == host and not pid_alive(int(m["pid"]))
-            if not dead and age < max_age_s:
-                continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-                dirnames.remove(entry)
-            else:
-                path.unlink(missing_ok=True)
-            removed += 1
-    return removed
+def clean_stale_partials(root) -> int:
+    """Remove temporary files/folders left under `root` by killed downloads (see utils/files.py).
+    Returns how many were removed."""
+    return len(files.remove_stale_temps(root, recursive=True))
 
 
 def download_verified(client, bucket: str, obj: RemoteObject, dest, retries: int = 5,
@@ -424,7 +382,7 @@ def download_verified(client, bucket: str, obj: RemoteObject, dest, retries: int
     url = gs_url(bucket, obj.name)
 
     def attempt() -> int:
-        temp = _temp_name(dest)
+        temp = files.temp_path(dest)
         writer = None
         try:
             with open(temp, "wb") as f:
@@ -447,6 +405,7 @@ def download_verified(client, bucket: str, obj: RemoteObject, dest, retries: int
             raise
         finally:
             temp.unlink(missing_ok=True)
+            files.release_temp(temp)
 
     try:
         return retry_call(attempt, what=f"downloading {url} to {dest}", retries=retries)
@@ -566,20 +525,14 @@ def download_directory(client, gs_url_: str, dest_dir, retries: int = 5) -> int:
         raise StorageError(f"nothing to download: no objects under {gs_url_}; check the url")
     dest_dir.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_partials(dest_dir.parent)
-    temp = _temp_name(dest_dir)
-    temp.mkdir()
     folder = _folder(prefix)
     total = 0
-    try:
+    with files.atomic_directory(dest_dir, replace=False) as temp:
         for obj in objects:
             target = (temp / obj.name[len(folder):]).resolve()
             if temp.resolve() not in target.parents:
                 raise StorageError(f"refusing {gs_url(bucket, obj.name)}: its name leaves {dest_dir}")
             total += download_verified(client, bucket, obj, target, retries=retries)
-        os.replace(temp, dest_dir)
-    finally:
-        if temp.exists():
-            shutil.rmtree(temp, ignore_errors=True)
     return total
 
 

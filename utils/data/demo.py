@@ -15,10 +15,7 @@ build leaves nothing that looks like data. The same machine always builds identi
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
-import shutil
 import sysconfig
 import time
 from pathlib import Path
@@ -26,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from utils.process import pid_alive
+from utils import files
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 0
@@ -70,28 +67,26 @@ def build_demo_data(data_dir, vocab_size: int, seq_len: int, log: Callable[[str]
 
     started = time.perf_counter()
     data_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(data_dir)
-    tmp = data_dir.parent / f".{data_dir.name}.building-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    files.remove_stale_temps(data_dir.parent)
     try:
-        names, texts = read_stdlib_corpus(CORPUS_BYTES)
-        log(f"demo data: {len(texts)} standard-library files, {sum(map(len, texts)) / 1e6:.1f} MB of text")
-        tokenizer = train_tokenizer(texts, vocab_size)
-        tokenizer.save(str(tmp / TOKENIZER_FILE))
-        stream = encode_documents(tokenizer, texts)
-        shards = write_shards(tmp, stream, seq_len)
-        manifest = {
-            "vocab_size": vocab_size, "seq_len": seq_len, "eos_id": EOS_ID, "eos_token": EOS_TOKEN,
-            "documents": len(texts), "tokens": int(stream.size), "shards": shards,
-            "source": "python standard library", "python": sysconfig.get_python_version(),
-            "first_file": names[0], "last_file": names[-1],
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        _publish(tmp, data_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with files.atomic_directory(data_dir, replace=False) as tmp:
+            names, texts = read_stdlib_corpus(CORPUS_BYTES)
+            log(f"demo data: {len(texts)} standard-library files, {sum(map(len, texts)) / 1e6:.1f} MB of text")
+            tokenizer = train_tokenizer(texts, vocab_size)
+            tokenizer.save(str(tmp / TOKENIZER_FILE))
+            stream = encode_documents(tokenizer, texts)
+            shards = write_shards(tmp, stream, seq_len)
+            manifest = {
+                "vocab_size": vocab_size, "seq_len": seq_len, "eos_id": EOS_ID, "eos_token": EOS_TOKEN,
+                "documents": len(texts), "tokens": int(stream.size), "shards": shards,
+                "source": "python standard library", "python": sysconfig.get_python_version(),
+                "first_file": names[0], "last_file": names[-1],
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    except FileExistsError:
+        if not is_built(data_dir):
+            raise
+        return data_dir  # a concurrent build won; its shards are identical
     log(f"demo data: {stream.size:,} tokens in {len(shards)} shards, vocab {vocab_size}, "
         f"written to {data_dir} in {time.perf_counter() - started:.1f}s")
     return data_dir
@@ -198,24 +193,3 @@ def _check_reusable(data_dir: Path, vocab_size: int, seq_len: int) -> None:
             f"seq_len={manifest.get('seq_len')}, but this run needs vocab_size={vocab_size} seq_len={seq_len}; "
             f"use another data_dir (e.g. --set data_dir={data_dir}-{vocab_size}-{seq_len}) or remove that folder"
         )
-
-
-def _publish(tmp: Path, data_dir: Path) -> None:
-    """Rename the finished build into place; another process finishing first is fine."""
-    if data_dir.is_dir() and not any(data_dir.iterdir()):
-        data_dir.rmdir()
-    try:
-        os.rename(tmp, data_dir)
-    except OSError:
-        if not is_built(data_dir):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent build won; its shards are identical
-
-
-def _remove_stale_builds(data_dir: Path) -> None:
-    """Delete build folders left by killed processes (their pid no longer runs)."""
-    pattern = re.compile(rf"^\.{re.escape(data_dir.name)}\.building-(\d+)$")
-    for entry in data_dir.parent.iterdir():
-        m = pattern.match(entry.name)
-        if m and entry.is_dir() and not pid_alive(int(m.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)

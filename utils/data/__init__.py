@@ -1,0 +1,7 @@
+"""Tokenized `.npz` shards -> a validated shard index -> a resumable, rank-sharded batch stream.
+
+In the order the training loop meets them: `shards` (one file's format, read and checked), `index` (every
+shard under the data directory, validated once and cached), `dataset` (sequence number -> token ids, read in
+place), `loader` (the deterministic per-rank order, the resumable stream, eval batches); `demo` builds the
+demo corpus.
+"""

@@ -1,0 +1,242 @@
+"""The validated shard index: every `*.npz` under a data directory, ordered, checked once, cached.
+
+`ShardIndex.build(data_dir, seq_len, vocab_size)` finds every `*.npz` under `data_dir` (recursively, sorted
+by relative posix path), checks each against the shard format (utils/data/shards.py) and records how many
+`seq_len` sequences it holds. The id scan is done once per file: results are cached in
+`data_dir/.shard_index.json`, keyed by relative path, size and mtime, and reused while the file is
+unchanged. Any bad file stops the build with a `ShardError` naming the file and the rule.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from utils import files
+from utils.data.shards import ShardError, ShardInfo, ShardLayout, check_header, check_vocab, inspect_shard, shard_error
+
+CACHE_NAME = ".shard_index.json"
+CACHE_VERSION = 1
+
+
+class DataDirError(ValueError):
+    """The data directory is missing, holds no shards, or cannot be split as asked."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The validation cache
+
+
+def _load_cache(path: Path, log: Callable) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("version") != CACHE_VERSION or not isinstance(raw.get("files"), dict):
+            raise ValueError("unknown layout")
+        return raw["files"]
+    except FileNotFoundError:
+        return {}
+    except Exception as e:  # a corrupt cache costs one re-scan, never a failed start
+        log(f"data: ignoring unreadable shard cache {path} ({e}); shards will be re-validated")
+        return {}
+
+
+def _layout_from_cache(entry, size: int, mtime_ns: int) -> ShardLayout | None:
+    try:
+        if entry["size"] != size or entry["mtime_ns"] != mtime_ns:
+            return None
+        layout = ShardLayout(bool(entry["compressed"]), int(entry["data_offset"]), str(entry["descr"]),
+                         tuple(int(s) for s in entry["shape"]), bool(entry["fortran_order"]),
+                         int(entry["min_id"]), int(entry["max_id"]))
+        np.dtype(layout.descr)
+        return layout
+    except Exception:
+        return None
+
+
+def _write_cache(path: Path, entries: dict, log: Callable) -> None:
+    try:
+        files.write_text(path, json.dumps({"version": CACHE_VERSION, "files": entries}, sort_keys=True))
+    except OSError as e:
+        log(f"data: could not write shard cache {path} ({e}); shards will be re-validated next start")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The index
+
+
+def _find_shards(root: Path) -> list[str]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames.sort()
+        for name in filenames:
+            if name.endswith(".npz"):
+                found.append((Path(dirpath) / name).relative_to(root).as_posix())
+    return sorted(found)
+
+
+class ShardIndex:
+    """The validated, ordered list of shards under one directory and their sequence counts."""
+
+    def __init__(self, root: Path, seq_len: int, vocab_size: int, shards: list[ShardInfo],
+                 layouts: dict[str, ShardLayout]):
+        self.root = Path(root)
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.shards = list(shards)
+        self.layouts = {s.path: layouts[s.path] for s in self.shards}
+        self.cumulative = np.cumsum([s.num_sequences for s in self.shards], dtype=np.int64)
+
+    @classmethod
+    def build(cls, data_dir, seq_len: int, vocab_size: int, max_files: int = -1, log=print) -> "ShardIndex":
+        """Find, order and validate the shards under `data_dir`; raise before training on any bad one.
+
+        Files whose size and mtime match the cache are not re-read; the vocabulary bound is checked
+        from the cached min/max ids, so changing vocab_size or seq_len never needs a re-scan."""
+        if seq_len < 1 or vocab_size < 1:
+            raise ValueError(f"seq_len={seq_len} and vocab_size={vocab_size} must be positive")
+        root = Path(data_dir)
+        advice = (f"download shards with `python download_training_data.py --source gs://BUCKET/PREFIX "
+                  f"--dest {root}` or point --data-dir at a folder of .npz shards")
+        if not root.is_dir():
+            raise DataDirError(f"data directory {root} does not exist; {advice}")
+        all_files = _find_shards(root)
+        if not all_files:
+            raise DataDirError(f"data directory {root} holds no .npz shards; {advice}")
+        files = all_files if max_files is None or max_files < 0 else all_files[:max_files]
+        if not files:
+            raise DataDirError(f"max_files={max_files} selects no shard in {root}; use -1 for all or a positive count")
+
+        cache_path = root / CACHE_NAME
+        cache = _load_cache(cache_path, log)
+        layouts: dict[str, ShardLayout] = {}
+        errors: dict[str, ShardError] = {}
+        to_scan: list[tuple[str, int, int]] = []
+        for rel in files:
+            try:
+                st = (root / rel).stat()
+            except OSError as e:  # e.g. a dangling symlink
+                errors[rel] = shard_error((root / rel).as_posix(), f"cannot be read ({e})", "fix or remove the file")
+                continue
+            layout = _layout_from_cache(cache.get(rel), st.st_size, st.st_mtime_ns)
+            if layout is not None:
+                layouts[rel] = layout
+            else:
+                to_scan.append((rel, st.st_size, st.st_mtime_ns))
+
+        if to_scan:
+            t0 = time.perf_counter()
+            total = sum(s for _, s, _ in to_scan)
+            log(f"data: validating {len(to_scan)} shard file(s), {total / 1e9:.2f} GB, in {root} "
+                f"(once; results cached in {CACHE_NAME})")
+            scanned = _scan_all(root, to_scan, seq_len, log)
+            for (rel, size, mtime_ns), result in zip(to_scan, scanned):
+                if isinstance(result, ShardError):
+                    errors[rel] = result
+                    continue
+                layouts[rel] = result
+                cache[rel] = {"size": size, "mtime_ns": mtime_ns, "compressed": result.compressed,
+                              "data_offset": result.data_offset, "descr": result.descr,
+                              "shape": list(result.shape), "fortran_order": result.fortran_order,
+                              "min_id": result.min_id, "max_id": result.max_id}
+            existing = set(all_files)
+            _write_cache(cache_path, {k: v for k, v in cache.items() if k in existing}, log)
+            log(f"data: checked {len(to_scan)} file(s) in {time.perf_counter() - t0:.1f} s")
+
+        shards = []
+        for rel in files:
+            if rel in errors:
+                continue
+            layout = layouts[rel]
+            try:  # header rules again: seq_len may differ from the run that filled the cache
+                kind, count = check_header((root / rel).as_posix(), layout.shape, layout.dtype, seq_len)
+                check_vocab((root / rel).as_posix(), layout, vocab_size)
+            except ShardError as e:
+                errors[rel] = e
+                continue
+            shards.append(ShardInfo(rel, kind, int(np.prod(layout.shape)), count, layout.dtype.name))
+        if len(errors) == 1:
+            raise next(iter(errors.values()))
+        if errors:
+            bad = [str(errors[rel]) for rel in files if rel in errors]
+            more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+            raise ShardError(f"{len(bad)} shard files in {root} break the shard format (training has not "
+                             "started):\n  " + "\n  ".join(bad[:10]) + more)
+
+        compressed = [s.path for s in shards if layouts[s.path].compressed]
+        if compressed:
+            log(f"data: {len(compressed)} of {len(shards)} shards are compressed (np.savez_compressed, e.g. "
+                f"{compressed[0]}); they are decompressed whole into a per-process cache, which is much slower "
+                "under a global shuffle than uncompressed np.savez shards, which are read in place")
+        index = cls(root, seq_len, vocab_size, shards, layouts)
+        log(f"data: {len(shards)} shard file(s) in {root}, {index.num_sequences:,} sequences of {seq_len} tokens")
+        return index
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cumulative[-1]) if len(self.cumulative) else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_sequences * self.seq_len
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def split(self, val_files: int) -> tuple["ShardIndex", "ShardIndex"]:
+        """(train, val) by file: the last `val_files` files in sorted order are validation."""
+        if val_files < 0:
+            raise ValueError(f"val_files={val_files} must not be negative")
+        if val_files >= len(self.shards):
+            raise DataDirError(
+                f"{self.root}: val_files={val_files} leaves no training file ({len(self.shards)} shard file(s) "
+                "selected); lower val_files (--set val_files=N, 0 disables validation), raise max_files, "
+                "or add shards")
+        cut = len(self.shards) - val_files
+        make = lambda part: ShardIndex(self.root, self.seq_len, self.vocab_size, part, self.layouts)
+        return make(self.shards[:cut]), make(self.shards[cut:])
+
+    def fingerprint(self) -> dict:
+        """What a checkpoint stores to notice, on resume, that the data is not what it was."""
+        h = hashlib.sha256()
+        for s in self.shards:
+            h.update(f"{s.path}\t{s.num_sequences}\n".encode())
+        return {"num_files": len(self.shards), "num_sequences": self.num_sequences,
+                "seq_len": self.seq_len, "sha256": h.hexdigest()[:16]}
+
+    def files_consumed(self, position: int) -> int:
+        """The `files{F}` of a checkpoint name at stream `position` (global samples consumed).
+
+        F = epoch * num_files + the number of whole files' worth of sequences that fit in the samples
+        consumed so far in this epoch, counting files by their sequence counts in sorted order. With a
+        global shuffle this is "files' worth of data consumed", not "these particular files were read"."""
+        n = self.num_sequences
+        if n == 0:
+            return 0
+        epoch, consumed = divmod(int(position), n)
+        return epoch * len(self.shards) + int(np.searchsorted(self.cumulative, consumed, side="right"))
+
+
+def _scan_all(root: Path, to_scan, seq_len: int, log: Callable) -> list:
+    """Inspect files on a few threads (reads, crc32 and min/max release the GIL); keeps input order."""
+    def one(item):
+        try:
+            path = root / item[0]
+            return inspect_shard(path, path.as_posix(), seq_len)
+        except ShardError as e:
+            return e
+
+    workers = max(1, min(8, os.cpu_count() or 1, len(to_scan)))
+    results, last_log = [], time.monotonic()
+    with ThreadPoolExecutor(workers) as pool:
+        for i, r in enumerate(pool.map(one, to_scan), 1):
+            results.append(r)
+            if time.monotonic() - last_log > 10:
+                log(f"data: validated {i}/{len(to_scan)} file(s)")
+                last_log = time.monotonic()
+    return results

@@ -1,0 +1,228 @@
+"""The one way this project writes a file or directory atomically, and cleans up after writers that died.
+
+Every temporary name is `.NAME.partial-HOST-PID-RAND` beside its final path: hidden, never ending in a
+suffix anything scans for (`.npz`, a checkpoint name), and saying who wrote it. A writer fills the temporary
+file or directory, fsyncs it, and renames it into place; a reader never sees a half-written final name.
+`remove_stale_temps` deletes what killed writers left: this host's temporaries whose process is gone, and
+any untouched for an hour (a live writer keeps touching its file; hostnames change when a container
+restarts). Temporaries this process is writing are registered, so a cleanup pass in another thread, or in
+a later process that reuses this pid (PID 1 in a container, every time), never deletes a live one.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+STALE_AGE_S = 3600.0
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<host>[^/]*)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$")
+
+_LIVE: set[Path] = set()  # temporaries this process is writing right now
+_LIVE_LOCK = threading.Lock()
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this pid exists on this host (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40]
+
+
+def temp_path(final) -> Path:
+    """A fresh temporary name beside `final`, registered as live until `release_temp`."""
+    final = Path(final)
+    path = final.with_name(f".{final.name}.partial-{host_tag()}-{os.getpid()}-{secrets.token_hex(4)}")
+    with _LIVE_LOCK:
+        _LIVE.add(path)
+    return path
+
+
+def release_temp(path: Path) -> None:
+    with _LIVE_LOCK:
+        _LIVE.discard(path)
+
+
+def is_temp_name(name: str) -> bool:
+    return _TEMP_RE.match(name) is not None
+
+
+def fsync_file(path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path: Path) -> None:
+    """Deletes a directory so that it vanishes from its name at once: rename aside, then delete."""
+    aside = temp_path(path)
+    try:
+        os.rename(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        release_temp(aside)
+
+
+def _discard(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_file(final, mode: str = "wb") -> Iterator:
+    """`with atomic_file(path) as f: f.write(...)`: the content appears at `path` whole, or not at all."""
+    final = Path(final)
+    tmp = temp_path(final)
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    finally:
+        if tmp.exists():
+            _discard(tmp)
+        release_temp(tmp)
+
+
+def write_bytes(final, data: bytes) -> None:
+    with atomic_file(final, "wb") as f:
+        f.write(data)
+
+
+def write_text(final, text: str) -> None:
+    with atomic_file(final, "w") as f:
+        f.write(text)
+
+
+@contextmanager
+def atomic_directory(final, replace: bool = True) -> Iterator[Path]:
+    """`with atomic_directory(dest) as tmp:` fill `tmp`; on success it is fsynced and renamed to `dest`.
+
+    An existing `dest` is replaced (renamed aside, the new one renamed in, the old one deleted) when
+    `replace`; otherwise FileExistsError is raised and the new content discarded (e.g. a concurrent build
+    won the race). On any error the temporary directory is removed."""
+    final = Path(final)
+    tmp = temp_path(final)
+    try:
+        tmp.mkdir()
+        yield tmp
+        fsync_dir(tmp)
+        publish_directory(tmp, final, replace=replace)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        release_temp(tmp)
+
+
+def publish_directory(tmp: Path, final: Path, replace: bool = True) -> None:
+    """Renames a finished directory into place (see `atomic_directory`)."""
+    if final.is_dir() and not any(final.iterdir()):
+        final.rmdir()  # an empty placeholder (e.g. made by mkdir -p) is not worth keeping
+    try:
+        os.rename(tmp, final)
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        if not replace:
+            raise FileExistsError(errno.EEXIST, f"{final} already exists") from None
+        old = temp_path(final)
+        try:
+            os.rename(final, old)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                os.rename(old, final)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            release_temp(old)
+    fsync_dir(final.parent)
+
+
+def remove_stale_temps(root, recursive: bool = False, max_age_s: float = STALE_AGE_S) -> list[Path]:
+    """Deletes temporaries under `root` left by dead writers (see the module docstring); returns them."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    host, me, now = host_tag(), os.getpid(), time.time()
+    with _LIVE_LOCK:
+        live = set(_LIVE)
+    removed = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for entry in filenames + dirnames:
+            m = _TEMP_RE.match(entry)
+            path = Path(dirpath, entry)
+            if not m or path in live:
+                continue
+            try:
+                age = now - path.lstat().st_mtime
+            except OSError:
+                continue
+            pid = int(m["pid"])
+            # Our own pid but not one of our live temporaries: left by an earlier process with this pid.
+            dead = m["host"] == host and (pid == me or not pid_alive(pid))
+            if dead or age >= max_age_s:
+                _discard(path)
+                removed.append(path)
+        if not recursive:
+            break
+        dirnames[:] = [d for d in dirnames if not _TEMP_RE.match(d)]
+    return removed
+
+
+def free_bytes(path) -> int:
+    """Free space for an unprivileged writer on the filesystem holding `path` (or its nearest parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def mount_point(path) -> Path:
+    path = Path(path).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for 'no space left' / 'quota exceeded', including torch's wrapped writer errors."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
