@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from utils.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration problem the user can fix; the message says what and how."""
 
 

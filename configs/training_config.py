@@ -2,74 +2,105 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields, replace
+import difflib
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 from configs.model_config import ConfigError, get_model_spec
 
-MIXED_PRECISION_MODES = ("bf16", "fp16", "no")
+MIXED_PRECISION_MODES = ("bf16", "fp16", "fp8", "no")
+MODEL_IMPLS = ("native", "hf")
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 
 
+def check_seq_len(seq_len: int, spec) -> None:
+    if seq_len > spec.max_position_embeddings:
+        raise ConfigError(f"seq_len={seq_len} exceeds model '{spec.name}' max_position_embeddings="
+                          f"{spec.max_position_embeddings}")
+
+
+def _field(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainingConfig:
-    preset: str = "custom"
-    model: str = "gpt-neox-1.2b"
-    seq_len: int = 0  # 0: the model's max_position_embeddings
+    """Every setting of a run. `train.py --help` lists them with their defaults; `--set KEY=VALUE` or a
+    `--config FILE.yaml` changes any of them."""
+
+    preset: str = _field("custom", "the preset (or config file) this config started from")
+    model: str = _field("gpt-neox-1.2b", "architecture by name (configs/model_config.py); ignored with init_from")
+    model_impl: str = _field("native", "native: the project's GPT-NeoX; hf: transformers' GPTNeoXForCausalLM")
+    init_from: str = _field("", "an HF GPT-NeoX directory (config.json + safetensors): start from its weights")
+    seq_len: int = _field(0, "tokens per training sequence; 0: the model's max_position_embeddings")
     # data
-    data_dir: str = "data/training"
-    max_files: int = -1  # -1: every shard found
-    val_files: int = 1  # shards held out (by file) for validation
-    demo_data: bool = False  # build the demo corpus into data_dir when it has no shards
-    dataloader_num_workers: int = 4
-    prefetch_factor: int = 4
+    data_dir: str = _field("data/training", "local shard directory (a dataset.json there sets the vocabulary)")
+    max_files: int = _field(-1, "use the first N shard files (by path); -1: all")
+    val_files: int = _field(1, "shard files held out (the last by path) for validation")
+    demo_data: bool = _field(False, "build the demo corpus into data_dir when it has no shards")
+    dataloader_num_workers: int = _field(4, "DataLoader worker processes per rank (0: read in the main process)")
+    prefetch_factor: int = _field(4, "batches each worker prepares ahead")
     # optimisation
-    max_steps: int = 10000  # the LR schedule's horizon and where training ends
-    stop_at_step: int = 0  # >0: save and exit 0 after this step, schedule unchanged (time-limited jobs)
-    per_device_train_batch_size: int = 4
-    gradient_accumulation_steps: int = 4
-    learning_rate: float = 3e-4
-    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio at max_steps
-    warmup_steps: int = 500
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    seed: int = 42
+    max_steps: int = _field(10000, "optimizer steps: the LR schedule's horizon and where training ends")
+    stop_at_step: int = _field(0, ">0: save and exit 0 after this step, schedule unchanged (time-limited jobs)")
+    per_device_train_batch_size: int = _field(4, "sequences per micro-batch per process")
+    gradient_accumulation_steps: int = _field(4, "micro-batches per optimizer step")
+    learning_rate: float = _field(3e-4, "peak learning rate")
+    min_lr_ratio: float = _field(0.1, "cosine decays to learning_rate * min_lr_ratio at max_steps")
+    warmup_steps: int = _field(500, "linear warmup steps")
+    weight_decay: float = _field(0.1, "AdamW weight decay (matrices only)")
+    adam_beta1: float = _field(0.9, "AdamW beta1")
+    adam_beta2: float = _field(0.95, "AdamW beta2")
+    adam_eps: float = _field(1e-8, "AdamW epsilon")
+    max_grad_norm: float = _field(1.0, "gradient clipping norm")
+    seed: int = _field(42, "seed of the weights, the data order and every RNG")
     # speed and memory
-    mixed_precision: str = "bf16"
-    compile_model: bool = True
-    gradient_checkpointing: bool = False
-    profile: str = "auto"  # memory profile (utils/profiles.py): auto picks by GPU memory; off keeps the config
-    optimizer_state_dtype: str = "fp32"  # bf16 halves AdamW's moment memory (the conservative profile)
-    preflight_steps: int = 2  # forward/backward passes checked for finite loss and gradients before step 1
+    mixed_precision: str = _field("bf16", "bf16 | fp16 (CUDA, with a grad scaler) | fp8 (Hopper/Ada, torchao) | no")
+    compile_model: bool = _field(True, "torch.compile each transformer block (regional compile)")
+    gradient_checkpointing: bool = _field(False, "recompute activations in the backward pass (less memory)")
+    profile: str = _field("auto", "memory profile: auto (by GPU memory) | off | conservative | balanced | aggressive")
+    optimizer_state_dtype: str = _field("fp32", "AdamW moments in fp32 or bf16 (half the memory)")
+    preflight_steps: int = _field(2, "forward/backward passes checked for a finite loss before step 1")
     # logging, eval, checkpoints
-    logging_steps: int = 100
-    eval_interval: int = 500
-    eval_batches: int = 20
-    save_steps: int = 500
-    save_total_limit: int = 3
-    run_name: str = ""  # default: the preset name
-    gcs_bucket: str = ""  # empty: checkpoints stay local
-    gcs_prefix: str = ""  # checkpoints go to gs://BUCKET/PREFIX/checkpoints/RUN/NAME/
-    background_upload: bool = True
-    process_group_timeout_s: int = 3600  # long enough for rank 0's checkpoint I/O
+    logging_steps: int = _field(100, "optimizer steps per log line and metrics row")
+    eval_interval: int = _field(500, "optimizer steps between validation runs")
+    eval_batches: int = _field(20, "validation batches per evaluation")
+    report_to: str = _field("tensorboard", "trackers: tensorboard, wandb, mlflow, a comma-separated list, or none")
+    save_steps: int = _field(500, "optimizer steps between checkpoints")
+    save_total_limit: int = _field(3, "local checkpoints kept (the newest); one not yet in GCS is never deleted")
+    run_name: str = _field("", "names the run's checkpoint folder in GCS and its trackers; default: the preset")
+    gcs_bucket: str = _field("", "bucket for checkpoints (empty: they stay local)")
+    gcs_prefix: str = _field("", "checkpoints go to gs://BUCKET/PREFIX/checkpoints/RUN/NAME/")
+    background_upload: bool = _field(True, "upload checkpoints in a background thread")
+    upload_timeout_s: int = _field(600, "at exit, wait at most this long for uploads still running")
+    process_group_timeout_s: int = _field(3600, "collective timeout: long enough for rank 0's checkpoint I/O")
 
     @property
     def effective_run_name(self) -> str:
         return self.run_name or self.preset
 
-    def effective_seq_len(self) -> int:
-        return self.seq_len or get_model_spec(self.model).max_position_embeddings
+    def seq_len_for(self, spec) -> int:
+        return self.seq_len or spec.max_position_embeddings
 
     def validate(self) -> "TrainingConfig":
-        spec = get_model_spec(self.model)  # raises ConfigError for an unknown model
+        """Checks each field on its own. What depends on the model actually built (seq_len against its
+        positions, vocabulary against the data) is checked once the model is known (see train.py)."""
+        if not self.init_from:  # with init_from, the model comes from its config.json (checked when loaded)
+            check_seq_len(self.seq_len, get_model_spec(self.model))  # an unknown model raises too
         if self.mixed_precision not in MIXED_PRECISION_MODES:
             raise ConfigError(
                 f"mixed_precision='{self.mixed_precision}' is not valid; use one of "
                 f"{', '.join(MIXED_PRECISION_MODES)}"
             )
+        if self.model_impl not in MODEL_IMPLS:
+            raise ConfigError(f"model_impl='{self.model_impl}' is not valid; use one of {', '.join(MODEL_IMPLS)}")
+        bad = [t for t in self.report_to.split(",") if t.strip() and t.strip().lower() not in REPORT_TO]
+        if bad:
+            raise ConfigError(f"report_to='{self.report_to}': unknown tracker '{bad[0].strip()}'; use "
+                              f"{', '.join(REPORT_TO)} or a comma-separated list of them")
         if self.profile not in MEMORY_PROFILES:
             raise ConfigError(f"profile='{self.profile}' is not valid; use one of {', '.join(MEMORY_PROFILES)}")
         if self.optimizer_state_dtype not in OPTIMIZER_STATE_DTYPES:
@@ -82,7 +113,7 @@ class TrainingConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
         for name in ("warmup_steps", "dataloader_num_workers", "val_files", "seq_len", "stop_at_step",
-                     "preflight_steps"):
+                     "preflight_steps", "upload_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must not be negative")
         if self.prefetch_factor < 1:
@@ -91,11 +122,6 @@ class TrainingConfig:
             raise ConfigError(f"max_files={self.max_files} must be -1 (all files) or a positive count")
         if self.learning_rate <= 0 or not (0 <= self.min_lr_ratio <= 1):
             raise ConfigError("learning_rate must be > 0 and min_lr_ratio within [0, 1]")
-        if self.effective_seq_len() > spec.max_position_embeddings:
-            raise ConfigError(
-                f"seq_len={self.seq_len} exceeds model '{self.model}' max_position_embeddings="
-                f"{spec.max_position_embeddings}"
-            )
         if self.gcs_bucket.startswith("gs://") or "/" in self.gcs_bucket:
             raise ConfigError(
                 f"gcs_bucket='{self.gcs_bucket}' must be a bare bucket name; put folders in gcs_prefix"
@@ -132,25 +158,43 @@ PRESETS: dict[str, TrainingConfig] = {
 }
 
 _SETTABLE = {f.name: f for f in fields(TrainingConfig) if f.name != "preset"}
+CONFIG_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
-def _coerce(name: str, raw: str):
+def _unknown_field(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _SETTABLE, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return ConfigError(f"{where}: unknown training-config field '{key}'; {hint}`python train.py --help` lists them all")
+
+
+def _coerce(name: str, raw, where: str):
+    """A value from `--set` (a string) or a config file (YAML/JSON types) -> the field's type."""
     kind = _SETTABLE[name].type
     try:
         if kind == "bool":
-            low = raw.strip().lower()
+            if isinstance(raw, bool):
+                return raw
+            low = str(raw).strip().lower()
             if low in ("1", "true", "yes", "on"):
                 return True
             if low in ("0", "false", "no", "off"):
                 return False
             raise ValueError
         if kind == "int":
+            if isinstance(raw, float) and not raw.is_integer() or isinstance(raw, bool):
+                raise ValueError
             return int(raw)
         if kind == "float":
+            if isinstance(raw, bool):
+                raise ValueError
             return float(raw)
-        return raw
-    except ValueError:
-        raise ConfigError(f"--set {name}={raw}: expected a value of type {kind}") from None
+        if isinstance(raw, (list, tuple)) and name == "report_to":
+            return ",".join(str(v) for v in raw)
+        if isinstance(raw, (dict, list, tuple)):
+            raise ValueError
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a value of type {kind} for {name}, got {raw!r}") from None
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -162,14 +206,75 @@ def parse_overrides(pairs: list[str]) -> dict:
         key, raw = pair.split("=", 1)
         key = key.strip()
         if key not in _SETTABLE:
-            raise ConfigError(
-                f"--set {key}: unknown training-config field; valid fields: {', '.join(sorted(_SETTABLE))}"
-            )
-        out[key] = _coerce(key, raw)
+            raise _unknown_field(key, f"--set {pair}")
+        out[key] = _coerce(key, raw, f"--set {pair}")
     return out
 
 
+def is_config_file(name: str) -> bool:
+    return Path(name).suffix.lower() in CONFIG_FILE_SUFFIXES
+
+
+def read_config_file(path) -> tuple[str | None, dict]:
+    """A YAML or JSON file of training-config fields -> (base preset or None, typed overrides).
+
+    `base: NAME` starts from a preset (default: the field defaults); every other key is a field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        if path.suffix.lower() == ".json":
+            raw = json.loads(text)
+        else:
+            import yaml
+
+            raw = yaml.safe_load(text)
+    except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError: both say where
+        first = str(exc).replace("\n", " ")
+        raise ConfigError(f"--config {path}: not valid {path.suffix.lstrip('.').upper()} ({first})") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of field: value, found a {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base is not None and base not in PRESETS:
+        raise ConfigError(f"--config {path}: base '{base}' is not a preset; valid presets: {', '.join(PRESETS)}")
+    overrides = {}
+    for key, value in raw.items():
+        if key not in _SETTABLE:
+            raise _unknown_field(str(key), f"--config {path}")
+        overrides[key] = _coerce(key, value, f"--config {path}")
+    return base, overrides
+
+
 def get_training_config(preset: str, overrides: dict | None = None) -> TrainingConfig:
+    """A preset name or a config file, then `overrides`, validated."""
+    if is_config_file(preset):
+        base, from_file = read_config_file(preset)
+        start = replace(PRESETS[base]) if base else TrainingConfig()
+        return replace(start, preset=str(preset), **(from_file | (overrides or {}))).validate()
     if preset not in PRESETS:
-        raise ConfigError(f"unknown config '{preset}'; valid configs: {', '.join(PRESETS)}")
+        close = difflib.get_close_matches(preset, PRESETS, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(f"unknown config '{preset}'; {hint}valid configs: {', '.join(PRESETS)}, or a "
+                          f"{'/'.join(CONFIG_FILE_SUFFIXES)} file")
     return replace(PRESETS[preset], **(overrides or {})).validate()
+
+
+def describe_fields() -> str:
+    """Every field with its type, default and meaning: the tail of `train.py --help`."""
+    defaults = TrainingConfig()
+    width = max(len(name) for name in _SETTABLE)
+    lines = []
+    for name, f in _SETTABLE.items():
+        default = getattr(defaults, name)
+        lines.append(f"  {name:<{width}}  {f.type:<5} {default!r:<16} {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def to_yaml(cfg: TrainingConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -344,7 +344,7 @@ class Gate:
 
 def test_async_writer_returns_at_once_and_reports_errors(tmp_path):
     writer = AsyncCheckpointWriter()
-    assert not writer.busy and writer.wait() is None
+    assert writer.wait() is None
     opened = threading.Event()
     done = []
     payload = small_payload(1)
@@ -354,7 +354,7 @@ def test_async_writer_returns_at_once_and_reports_errors(tmp_path):
     t0 = time.monotonic()
     writer.save(tmp_path, name, payload, on_done=done.append)
     assert time.monotonic() - t0 < 1.0
-    assert writer.busy and not (tmp_path / name).exists()
+    assert not (tmp_path / name).exists()  # held mid-write by the gate: the write runs in the background
 
     second = threading.Thread(target=writer.save, args=(tmp_path, checkpoint_name(0, 2, 0), small_payload(2)))
     second.start()
@@ -365,7 +365,6 @@ def test_async_writer_returns_at_once_and_reports_errors(tmp_path):
     assert not second.is_alive()
     assert done == [tmp_path / name]
     assert writer.wait() == tmp_path / checkpoint_name(0, 2, 0)
-    assert not writer.busy
     verify_checkpoint(tmp_path / name)
     assert read_checkpoint(tmp_path / name).objects["gate"] == {}
 
@@ -378,7 +377,6 @@ def test_async_writer_returns_at_once_and_reports_errors(tmp_path):
 
     with pytest.raises(CheckpointError, match="meta"):
         writer.save(tmp_path, name, CheckpointPayload({"w": torch.empty(2, device="meta")}, {}, {}))
-    writer.close()
 
 
 def test_resolve_resume_local(tmp_path):

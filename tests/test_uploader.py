@@ -66,12 +66,13 @@ def test_background_upload_completes_and_verifies(gcs_emulator, tmp_path):
     before = {ck1: snapshot(ck1), ck2: snapshot(ck2)}
     base = f"gs://{gcs_emulator.bucket}/runs/demo/checkpoints"
     uploader.submit(ck1, f"{base}/{ck1.name}")
-    uploader.submit(ck2, f"{base}/{ck2.name}")
-
-    report = uploader.drain(timeout=60)
+    first = uploader.drain(timeout=60)
+    uploader.submit(ck2, f"{base}/{ck2.name}")  # one after the other, as checkpoints come (a newer one
+    report = uploader.drain(timeout=60)          # submitted while an older one still waits supersedes it)
+    report.merge(first)
     assert report.failed == []
-    assert report.succeeded == [f"{base}/{ck1.name}", f"{base}/{ck2.name}"]
-    assert uploader.in_flight() == set()
+    assert sorted(report.succeeded) == [f"{base}/{ck1.name}", f"{base}/{ck2.name}"]
+    assert uploader.protected() == set()
     client = make_client()
     for ck in (ck1, ck2):
         assert_uploaded(client, gcs_emulator.bucket, ck, f"runs/demo/checkpoints/{ck.name}")
@@ -85,37 +86,67 @@ def test_background_upload_completes_and_verifies(gcs_emulator, tmp_path):
         uploader.submit(ck1, f"{base}/again")
 
 
-def test_in_flight_protects_queued_and_running_uploads(gcs_emulator, tmp_path):
+def test_submit_never_blocks_and_a_newer_checkpoint_supersedes_a_waiting_one(gcs_emulator, tmp_path):
     factory = GatedFactory()
-    uploader = BackgroundUploader(client_factory=factory, max_queue=1, log=lambda line: None)
+    lines = []
+    uploader = BackgroundUploader(client_factory=factory, log=lines.append)
     cks = [make_checkpoint(tmp_path, f"checkpoint-epoch0-step{i}-files0", seed=i) for i in (1, 2, 3)]
     base = f"gs://{gcs_emulator.bucket}/ck"
     uploader.submit(cks[0], f"{base}/{cks[0].name}")  # taken by the thread, which waits for its client
     deadline = time.monotonic() + 10
     while factory.calls == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    uploader.submit(cks[1], f"{base}/{cks[1].name}")  # fills the queue (max_queue=1)
-    assert uploader.in_flight() == {cks[0].resolve(), cks[1].resolve()}
-
-    # A third submit blocks while the queue is full, and returns once there is room.
-    third = threading.Thread(target=uploader.submit, args=(cks[2], f"{base}/{cks[2].name}"))
-    third.start()
-    third.join(0.3)
-    assert third.is_alive(), "submit should block while the bounded queue is full"
-    assert cks[2].resolve() in uploader.in_flight()  # protected even while waiting for room
+    started = time.monotonic()
+    uploader.submit(cks[1], f"{base}/{cks[1].name}")  # waits its turn
+    uploader.submit(cks[2], f"{base}/{cks[2].name}")  # supersedes the waiting one: GCS needs the newest
+    assert time.monotonic() - started < 0.5, "submit must never block the writer thread (and so training)"
+    assert uploader.protected() == {cks[0].resolve(), cks[2].resolve()}
+    assert any(f"upload of {cks[1].name} skipped" in line for line in lines)
 
     timed_out = uploader.drain(timeout=0.2)
-    assert timed_out.succeeded == []
-    assert sorted(url for url, _ in timed_out.failed) == sorted(f"{base}/{c.name}" for c in cks)
-    assert all("timed out" in msg for _, msg in timed_out.failed)
+    assert timed_out.succeeded == [] and timed_out.superseded == [f"{base}/{cks[1].name}"]
+    assert sorted(url for url, _ in timed_out.failed) == [f"{base}/{cks[0].name}", f"{base}/{cks[2].name}"]
+    assert all("not finished after 0.2 s" in msg for _, msg in timed_out.failed)
 
     factory.release()
-    third.join(10)
-    assert not third.is_alive()
     report = uploader.close(timeout=60)
     assert report.failed == []
-    assert report.succeeded == [f"{base}/{c.name}" for c in cks]
-    assert uploader.in_flight() == set() and factory.calls == 1  # one client, made in the upload thread
+    assert report.succeeded == [f"{base}/{cks[0].name}", f"{base}/{cks[2].name}"]
+    assert uploader.protected() == set() and factory.calls == 1  # one client, made in the upload thread
+    names = {b.name.split("/")[1] for b in make_client().list_blobs(gcs_emulator.bucket, prefix="ck/")}
+    assert names == {cks[0].name, cks[2].name}
+
+
+def test_a_failed_upload_stays_protected_until_a_newer_one_reaches_gcs(gcs_emulator, tmp_path):
+    uploader = BackgroundUploader(retries=0, log=lambda line: None)
+    old, new = (make_checkpoint(tmp_path, f"checkpoint-epoch0-step{i}-files0", seed=i) for i in (1, 2))
+    base = f"gs://{gcs_emulator.bucket}/ck"
+    bad_url = "gs://no-such-bucket-here/ck/" + old.name
+    uploader.submit(old, bad_url)
+    failed = uploader.drain(timeout=60)
+    assert [u for u, _ in failed.failed] == [bad_url]
+    assert uploader.protected() == {old.resolve()}  # not in GCS: retention must keep it
+    line = failed.summary()[0]
+    assert line.startswith(f"upload of {bad_url} failed") and f"only on local disk at {old.resolve()}" in line
+    assert f"python -m utils.checkpoint.upload {old.resolve()} {bad_url}" in line
+
+    uploader.submit(new, f"{base}/{new.name}")
+    report = uploader.close(timeout=60)
+    assert report.succeeded == [f"{base}/{new.name}"] and report.failed == []
+    assert uploader.protected() == set()  # GCS now holds a newer checkpoint: the old one may go
+
+
+def test_the_manual_upload_command(gcs_emulator, tmp_path, subprocess_env, repo_root):
+    ck = make_checkpoint(tmp_path, "checkpoint-epoch0-step3-files0")
+    url = f"gs://{gcs_emulator.bucket}/manual/{ck.name}"
+    proc = subprocess.run([sys.executable, "-m", "utils.checkpoint.upload", str(ck), url], env=subprocess_env,
+                          cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert_uploaded(make_client(), gcs_emulator.bucket, ck, f"manual/{ck.name}")
+    (ck / "manifest.json").unlink()
+    proc = subprocess.run([sys.executable, "-m", "utils.checkpoint.upload", str(ck), url], env=subprocess_env,
+                          cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_unreachable_storage_is_reported_not_raised(gcs_emulator, tmp_path):
@@ -154,7 +185,7 @@ def test_synchronous_mode_uploads_in_the_callers_thread(gcs_emulator, tmp_path):
     uploader.submit(ck, url)
     assert seen_threads == [threading.main_thread()]
     assert_uploaded(make_client(), gcs_emulator.bucket, ck, f"sync/{ck.name}")  # done before submit returned
-    assert uploader.in_flight() == set()
+    assert uploader.protected() == set()
     assert uploader.close().succeeded == [url]
 
     failing = BackgroundUploader(synchronous=True, retries=0, log=lambda line: None)

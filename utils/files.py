@@ -25,6 +25,8 @@ from typing import Iterator
 STALE_AGE_S = 3600.0
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.partial-(?P<host>[^/]*)-(?P<pid>\d+)-(?P<rand>[0-9a-f]+)$")
 
+_UMASK = os.umask(0o022)  # read once, at import (os.umask can only be read by setting it)
+os.umask(_UMASK)
 _LIVE: set[Path] = set()  # temporaries this process is writing right now
 _LIVE_LOCK = threading.Lock()
 
@@ -60,6 +62,12 @@ def release_temp(path: Path) -> None:
 
 def is_temp_name(name: str) -> bool:
     return _TEMP_RE.match(name) is not None
+
+
+def set_default_mode(path) -> None:
+    """Gives a file the mode `open()` would have (0644 under the usual umask). Some writers, safetensors'
+    among them, create files 0600, which another user (a non-root resume, a serving process) cannot read."""
+    os.chmod(path, 0o666 & ~_UMASK)
 
 
 def fsync_file(path) -> None:
@@ -219,10 +227,22 @@ def mount_point(path) -> Path:
     return path
 
 
+def disk_full_error(path, needed_bytes: int | None = None):
+    """The one-line DiskFullError for a write to `path` that ran out of space: where, how much, what to do."""
+    from utils.errors import DiskFullError
+
+    need = f"about {needed_bytes / 1e9:.2f} GB needed, " if needed_bytes else ""
+    return DiskFullError(f"no space left on {mount_point(path)} writing {path} ({need}{free_bytes(path) / 1e9:.2f} "
+                         f"GB free); free space there (or lower save_total_limit), then resume with --resume auto: "
+                         f"the checkpoints written before are intact")
+
+
 def is_disk_full(exc: BaseException) -> bool:
     """True for 'no space left' / 'quota exceeded', including torch's wrapped writer errors."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True  # e.g. safetensors' SafetensorError, which chains nothing
         exc = exc.__cause__ or exc.__context__
     return False

@@ -1,12 +1,19 @@
-"""What a run reports: console lines, logs/training.log, logs/metrics.jsonl, TensorBoard, MFU.
+"""What a run reports: console lines, logs/training.log, logs/metrics.jsonl, accelerate's trackers, MFU.
 
-Only rank 0 writes; other ranks' RunLogger prints warnings and errors to stderr and writes nothing.
+`RunLogger` owns the outputs. Only rank 0 writes; other ranks print warnings and errors to stderr. The
+trackers (`report_to`: tensorboard, wandb, mlflow, several, or none) are accelerate's, initialised with the
+full resolved config as hyperparameters; every numeric field of a row is logged against the optimizer step,
+and TensorBoard also gets each training scalar against tokens seen (`by_tokens/...`).
+
+`MetricsWindow` owns the per-step losses since the last log line, the non-finite check, the time they
+took (minus eval and checkpoint time, which are reported on their own rows) and the row they become.
+
+A full disk while writing logs is one line (DiskFullError) naming the file, not a chain of tracebacks.
 """
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 import resource
 import sys
@@ -14,6 +21,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from utils.errors import UserError
+from utils.files import disk_full_error, is_disk_full
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s. Checked in order; first substring match wins.
 PEAK_BF16_FLOPS = (
@@ -26,6 +36,7 @@ PEAK_BF16_FLOPS = (
 
 # The keys every training row of logs/metrics.jsonl carries (DESIGN.md "Files a run writes").
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu")
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -50,13 +61,10 @@ def local_device_stats(device: torch.device) -> dict:
     if device.type != "cuda":
         return {"device": "cpu", "mem_gb": None, "peak_mem_gb": None, "gpu_util": None,
                 "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    stats = {
-        "device": f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}",
-        "mem_gb": torch.cuda.memory_allocated(device) / 2**30,
-        "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-        "gpu_util": None,
-    }
-    handle = _nvml_handle(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stats = {"device": f"cuda:{index}", "mem_gb": torch.cuda.memory_allocated(device) / 2**30,
+             "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30, "gpu_util": None}
+    handle = _nvml_handle(index)
     if handle is not None:
         import pynvml
 
@@ -76,72 +84,163 @@ def _nvml_handle(index: int):
         return None
 
 
-class RunLogger:
-    """Console + logs/training.log + logs/metrics.jsonl + logs/tensorboard, continued across resumes."""
+def tracker_names(report_to: str) -> list[str]:
+    """`report_to` ("tensorboard", "wandb,mlflow", "none") -> accelerate's tracker names."""
+    names = [n.strip().lower() for n in report_to.split(",") if n.strip()]
+    return [] if names in ([], ["none"]) else names
 
-    def __init__(self, log_dir: Path, is_main: bool, resume_step: int | None = None):
+
+class RunLogger:
+    """Console + logs/training.log + logs/metrics.jsonl + trackers, continued across resumes."""
+
+    def __init__(self, log_dir: Path, is_main: bool):
         self.is_main = is_main
         self.log_dir = Path(log_dir)
-        self._log = logging.getLogger("neox")
-        self._log.handlers.clear()
-        self._log.propagate = False
-        self._log.setLevel(logging.INFO if is_main else logging.WARNING)
-        # Info to stdout, warnings and errors to stderr (on other ranks only those reach the console).
-        out = logging.StreamHandler(sys.stdout)
-        out.addFilter(lambda record: record.levelno < logging.WARNING)
-        err = logging.StreamHandler(sys.stderr)
-        err.setLevel(logging.WARNING)
-        for handler in (out, err):
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            self._log.addHandler(handler)
-        self._metrics = None
-        self._tb = None
-        if not is_main:
-            return
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(self.log_dir / "training.log")
-        file_handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        self._log.addHandler(file_handler)
-        self._metrics = open(self.log_dir / "metrics.jsonl", "a", buffering=1)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        self._files: dict[str, object] = {}
+        self._accelerator = None
+        if is_main:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            for name in ("training.log", "metrics.jsonl"):
+                self._files[name] = open(self.log_dir / name, "a", buffering=1)
 
-            # purge_step drops events a crashed run wrote past the checkpoint we resume from.
-            self._tb = SummaryWriter(str(self.log_dir / "tensorboard"),
-                                     purge_step=None if resume_step is None else resume_step + 1)
-        except Exception as exc:  # TensorBoard is optional at run time; say so once
-            self.warning(f"TensorBoard disabled: {exc}")
+    def start_trackers(self, accelerator, run_name: str, config: dict, resume_step: int | None) -> None:
+        """accelerate's trackers, with the resolved config as hyperparameters. On a resume, TensorBoard
+        drops events a crashed run wrote past the checkpoint (purge_step)."""
+        if not accelerator.log_with:
+            return
+        init_kwargs = {"tensorboard": {"purge_step": None if resume_step is None else resume_step + 1}}
+        try:
+            accelerator.init_trackers(run_name, config=config, init_kwargs=init_kwargs)
+        except Exception as exc:  # a tracker that cannot start (no login, no server) must not stop training
+            self.warning(f"trackers {accelerator.log_with} disabled: {type(exc).__name__}: {exc}")
+            return
+        self._accelerator = accelerator
+
+    def _append(self, name: str, text: str) -> None:
+        f = self._files.get(name)
+        if f is None:
+            return
+        try:
+            f.write(text)
+        except OSError as exc:
+            self._files.pop(name, None)  # the next line must not fail the same way while we report this one
+            if is_disk_full(exc):
+                raise disk_full_error(self.log_dir / name, exc) from None
+            raise UserError(f"cannot write {self.log_dir / name}: {exc}") from None
 
     def info(self, msg: str) -> None:
-        self._log.info(msg)
+        if self.is_main:
+            print(msg, flush=True)
+            self._append("training.log", f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
 
     def warning(self, msg: str) -> None:
-        self._log.warning(msg)
+        print(msg, file=sys.stderr, flush=True)
+        self._append("training.log", f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
 
-    def error(self, msg: str) -> None:
-        self._log.error(msg)
+    error = warning
 
     def write_row(self, row: dict) -> None:
-        """One JSON line in metrics.jsonl and a TensorBoard scalar per numeric field."""
+        """One JSON line in metrics.jsonl, and every numeric field to the trackers."""
         if not self.is_main:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         clean["time"] = round(time.time(), 3)
-        self._metrics.write(json.dumps(clean) + "\n")
-        if self._tb is not None:
-            step = row["step"]
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"train/{key}" if key != "val_loss" else "eval/val_loss", value, step)
+        self._append("metrics.jsonl", json.dumps(clean) + "\n")
+        if self._accelerator is None:
+            return
+        group = "eval" if "val_loss" in row else "checkpoint" if "checkpoint" in row else "train"
+        scalars = {f"{group}/{k}": v for k, v in row.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        self._accelerator.log(scalars, step=row["step"])
+        tokens = row.get("tokens")
+        if group != "checkpoint" and tokens and "tensorboard" in [str(t) for t in self._accelerator.log_with]:
+            writer = self._accelerator.get_tracker("tensorboard", unwrap=True)
+            for key, value in scalars.items():
+                writer.add_scalar(f"by_tokens/{key}", value, tokens)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-        if self._metrics is not None:
-            self._metrics.close()
-        for handler in list(self._log.handlers):
-            handler.close()
-            self._log.removeHandler(handler)
+        if self._accelerator is not None:
+            try:
+                self._accelerator.end_training()
+            except Exception as exc:  # noqa: BLE001 - flushing a tracker must not hide the run's result
+                print(f"warning: closing trackers: {exc}", file=sys.stderr)
+            self._accelerator = None
+        for f in self._files.values():
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._files.clear()
+
+
+class NonFiniteLoss(UserError):
+    pass
+
+
+class MetricsWindow:
+    """The steps since the last log line: their losses (device tensors, no host sync until `row`), the
+    time they took minus eval/checkpoint time, and the time spent waiting for data."""
+
+    def __init__(self, accelerator, tokens_per_step: int, flops_per_token: float, peak: float | None,
+                 precision: str):
+        self.accelerator = accelerator
+        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+        self.precision = precision
+        self.per_device: list[dict] = []
+        self.restart(first_step=1)
+
+    def restart(self, first_step: int) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.first_step = first_step
+        self.data_wait_s = self.excluded_s = 0.0
+        self.started = time.perf_counter()
+
+    def add(self, step_loss: torch.Tensor) -> None:
+        self.losses.append(step_loss)
+
+    def exclude(self, seconds: float) -> None:
+        """Time inside the window that is not training (eval, checkpoint): kept out of tokens/s and MFU."""
+        self.excluded_s += seconds
+
+    def checked_losses(self) -> torch.Tensor:
+        """Per-step losses averaged over ranks (one host sync); stops the run at the first non-finite one,
+        on every rank alike."""
+        if not self.losses:
+            return torch.zeros(0)
+        losses = self.accelerator.reduce(torch.stack(self.losses), reduction="mean").float().cpu()
+        bad = (~torch.isfinite(losses)).nonzero()
+        if bad.numel():
+            raise NonFiniteLoss(f"non-finite loss at step {self.first_step + int(bad[0])} ({self.precision} "
+                                f"precision); no checkpoint was written for it. Lower learning_rate, or resume "
+                                f"from the last checkpoint with --mixed-precision no")
+        return losses
+
+    def row(self, step: int, tokens: int, lr: float, grad_norm: torch.Tensor) -> dict:
+        """The logging row for the window ending at `step`; the window starts again after it."""
+        losses = self.checked_losses()
+        elapsed = max(1e-9, time.perf_counter() - self.started - self.excluded_s)
+        n = len(self.losses)
+        tps = n * self.tokens_per_step / elapsed
+        row = {"step": step, "tokens": tokens, "loss": float(losses.mean()), "lr": lr,
+               "grad_norm": float(grad_norm),  # the same on every rank: taken after the all-reduce
+               "tokens_per_sec": tps, "mfu": mfu(tps, self.flops_per_token, self.peak, self.accelerator.num_processes),
+               "steps_per_sec": n / elapsed, "data_wait_frac": self.data_wait_s / elapsed}
+        row |= self._device_stats()
+        self.restart(step + 1)
+        return row
+
+    def _device_stats(self) -> dict:
+        """Memory (max over ranks) and mean GPU utilisation; each device's own figures in `per_device`."""
+        from accelerate.utils import gather_object
+
+        stats = local_device_stats(self.accelerator.device)
+        if self.accelerator.device.type != "cuda":
+            return {"host_peak_rss_gb": stats["host_peak_rss_gb"]}
+        self.per_device = gather_object([stats]) if self.accelerator.num_processes > 1 else [stats]
+        utils = [s["gpu_util"] for s in self.per_device if s["gpu_util"] is not None]
+        return {"mem_gb": max(s["mem_gb"] for s in self.per_device),
+                "peak_mem_gb": max(s["peak_mem_gb"] for s in self.per_device),
+                "gpu_util": sum(utils) / len(utils) if utils else None}
 
 
 def format_step_line(row: dict, best: float) -> str:

@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 import google_crc32c
 
 from utils import files
+from utils.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CREDENTIALS_DIR = REPO_ROOT / "credentials"
@@ -32,7 +33,7 @@ MAX_BACKOFF_S = 30.0
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 
-class StorageError(RuntimeError):
+class StorageError(UserError, RuntimeError):
     """A GCS operation failed; the message names the object or file and what to do."""
 
 

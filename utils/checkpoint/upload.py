@@ -1,29 +1,61 @@
-"""Upload finished checkpoint directories to GCS from a background thread, so training does not wait.
+"""Upload finished checkpoint directories to GCS from a background thread, so training never waits for GCS.
 
-Failures never raise into the training thread: they are logged and collected, and `drain()` / `close()`
-report them. The local copy is never touched; `in_flight()` tells checkpoint retention what it must keep.
+`submit()` never blocks: with GCS slow, refusing or hanging, the writer thread that calls it (and so the
+next checkpoint, and so the training loop) goes on at once. One upload runs at a time; a checkpoint still
+waiting its turn when a newer one is submitted is *superseded* (GCS needs the newest, not every one), so
+the backlog never grows past one waiting upload.
+
+Retention asks `protected()` what it must keep: every checkpoint whose upload is waiting, running or has
+failed, unless a newer checkpoint has since reached GCS (then the older one is no longer the only copy of
+anything remote). Failures never raise into training; `drain()` / `close()` report each result once, and
+`UploadReport.summary()` says plainly what is where and the command that uploads what is missing.
+
+Run as a script to upload one checkpoint by hand (verified, manifest last):
+    python -m utils.checkpoint.upload LOCAL_CHECKPOINT_DIR gs://BUCKET/PREFIX/checkpoints/RUN/NAME
 """
 from __future__ import annotations
 
-import queue
+import collections
+import sys
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from utils.storage import StorageError, make_client, upload_directory
 
+UPLOAD_COMMAND = "python -m utils.checkpoint.upload"
+
 
 @dataclass
 class UploadReport:
     succeeded: list[str] = field(default_factory=list)  # gs urls
-    failed: list[tuple[str, str]] = field(default_factory=list)  # (gs url, error message)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (gs url, why): failed or not finished in time
+    superseded: list[str] = field(default_factory=list)  # gs urls skipped because a newer one was submitted
+    local: dict[str, Path] = field(default_factory=dict)  # gs url -> local directory, for every url above
 
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    def merge(self, other: "UploadReport") -> None:
+        self.succeeded += other.succeeded
+        self.failed += other.failed
+        self.superseded += other.superseded
+        self.local |= other.local
+
+    def summary(self) -> list[str]:
+        """What is where, one line each: the failures that matter, with the command that fixes them."""
+        lines = []
+        for url, why in self.failed:
+            path = self.local.get(url)
+            where = (f"it is only on local disk at {path}" if path is not None and path.exists()
+                     else "its local copy is gone too")
+            lines.append(f"upload of {url} failed ({why}); {where}"
+                         + (f"; upload it with: {UPLOAD_COMMAND} {path} {url}" if path is not None and path.exists()
+                            else ""))
+        return lines
 
 
 @dataclass
@@ -37,20 +69,20 @@ _STOP = object()
 
 
 class BackgroundUploader:
-    """A bounded queue of checkpoint directories and one daemon thread that uploads them in order, with the
-    manifest last. Each result is reported once, by the first `drain()` / `close()` after it finished."""
+    """One daemon thread uploading checkpoint directories in order, the manifest last."""
 
-    def __init__(self, client_factory: Callable = make_client, max_queue: int = 2, retries: int = 5,
-                 synchronous: bool = False, log: Callable[[str], None] = print):
+    def __init__(self, client_factory: Callable = make_client, retries: int = 5, synchronous: bool = False,
+                 log: Callable[[str], None] = print):
         self._client_factory = client_factory
         self._retries = retries
         self._synchronous = synchronous
         self._log = log
         self._client = None
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_queue))
         self._cond = threading.Condition()
-        self._pending: dict[int, _Job] = {}  # submitted, not finished
-        self._in_flight: Counter[Path] = Counter()
+        self._waiting: collections.deque = collections.deque()  # submitted, not started (at most one)
+        self._running: _Job | None = None
+        self._failed: dict[Path, _Job] = {}  # local dir -> its failed upload (until a newer one succeeds)
+        self._newest_uploaded = 0  # seq of the newest checkpoint that reached GCS
         self._results = UploadReport()  # finished, not yet reported
         self._seq = 0
         self._closed = False
@@ -64,34 +96,44 @@ class BackgroundUploader:
         return self._thread
 
     def submit(self, local_dir, gs_url: str) -> None:
-        """Queue a finished checkpoint directory for upload to `gs_url` (blocks while the queue is full).
-        With synchronous=True the upload happens now, in this thread. Never raises for upload errors."""
+        """Queue a finished checkpoint directory for upload to `gs_url`; returns at once (with
+        synchronous=True the upload happens now, in this thread). Never raises for upload errors."""
         if self._closed:
             raise RuntimeError("BackgroundUploader.submit() after close()")
-        path = Path(local_dir).resolve()
         with self._cond:
             self._seq += 1
-            job = _Job(path, gs_url, self._seq)
-            self._pending[job.seq] = job
-            self._in_flight[path] += 1
+            job = _Job(Path(local_dir).resolve(), gs_url, self._seq)
+            if self._synchronous:
+                self._running = job
+            else:
+                while self._waiting:
+                    old = self._waiting.popleft()
+                    self._results.superseded.append(old.gs_url)
+                    self._results.local[old.gs_url] = old.local_dir
+                    self._log(f"upload of {old.local_dir.name} skipped: {job.local_dir.name} is newer and "
+                              f"goes to GCS instead")
+                self._waiting.append(job)
+                self._cond.notify_all()
         if self._synchronous:
             self._upload(job)
-        else:
-            self._queue.put(job)
 
-    def in_flight(self) -> set[Path]:
-        """Resolved paths of directories queued or uploading: retention must not delete these."""
+    def protected(self) -> set[Path]:
+        """Resolved local directories retention must keep: waiting, uploading, or failed and not yet
+        superseded by a newer checkpoint that reached GCS."""
         with self._cond:
-            return set(self._in_flight)
+            keep = {j.local_dir for j in self._waiting}
+            if self._running is not None:
+                keep.add(self._running.local_dir)
+            keep |= {path for path, job in self._failed.items() if job.seq > self._newest_uploaded}
+            return keep
 
     def drain(self, timeout: float | None = None) -> UploadReport:
         """Wait until everything submitted so far has finished, at most `timeout` seconds. Returns what
-        finished since the last drain; anything still pending at the timeout is listed as failed
-        ("timed out") and reported again, as it ends, by a later drain."""
+        finished since the last drain; what is still waiting or running at the timeout is listed as
+        failed ("not finished after N s") and reported again, as it ends, by a later drain."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            last = self._seq
-            while any(seq <= last for seq in self._pending):
+            while self._waiting or self._running is not None:
                 if self._thread is not None and not self._thread.is_alive():
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -99,22 +141,21 @@ class BackgroundUploader:
                     break
                 self._cond.wait(timeout=remaining)
             report, self._results = self._results, UploadReport()
-            for seq, job in sorted(self._pending.items()):
-                if seq <= last:
-                    report.failed.append((job.gs_url, f"timed out: upload of {job.local_dir} not finished "
-                                                      f"after {timeout} s"))
+            for job in ([self._running] if self._running else []) + list(self._waiting):
+                report.failed.append((job.gs_url, f"timed out: upload not finished after {timeout} s"))
+                report.local[job.gs_url] = job.local_dir
         return report
 
     def close(self, timeout: float | None = None) -> UploadReport:
-        """Drain, then stop the thread. Uploads still running at the timeout are abandoned (the thread is a
-        daemon) and reported as failed."""
+        """Drain, then stop the thread. An upload still running at the timeout is abandoned (the thread is
+        a daemon and dies with the process) and reported as not finished."""
         report = self.drain(timeout)
         self._closed = True
         if self._thread is not None:
-            try:
-                self._queue.put_nowait(_STOP)
-            except queue.Full:
-                pass  # still busy after the timeout; the daemon thread dies with the process
+            with self._cond:
+                self._waiting.clear()
+                self._waiting.append(_STOP)
+                self._cond.notify_all()
             self._thread.join(timeout=1.0)
         return report
 
@@ -122,9 +163,13 @@ class BackgroundUploader:
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is _STOP:
-                return
+            with self._cond:
+                while not self._waiting:
+                    self._cond.wait()
+                job = self._waiting.popleft()
+                if job is _STOP:
+                    return
+                self._running = job
             self._upload(job)
 
     def _upload(self, job: _Job) -> None:
@@ -143,16 +188,44 @@ class BackgroundUploader:
             if error is None:
                 self._log(f"uploaded {job.local_dir} -> {job.gs_url} ({len(names)} files in {seconds:.1f} s)")
             else:
-                self._log(f"upload FAILED {job.local_dir} -> {job.gs_url}: {error} (the local copy is kept)")
+                self._log(f"upload FAILED {job.local_dir} -> {job.gs_url}: {error}")
         except Exception:  # noqa: BLE001 - a broken log callback must not kill the uploader
             pass
         with self._cond:
+            self._results.local[job.gs_url] = job.local_dir
             if error is None:
                 self._results.succeeded.append(job.gs_url)
+                self._newest_uploaded = max(self._newest_uploaded, job.seq)
+                for path, old in list(self._failed.items()):  # GCS now holds something newer than these
+                    if old.seq < job.seq:
+                        del self._failed[path]
+                        self._results.failed = [(u, why) for u, why in self._results.failed if u != old.gs_url]
+                        self._results.superseded.append(old.gs_url)
             else:
                 self._results.failed.append((job.gs_url, error))
-            del self._pending[job.seq]
-            self._in_flight[job.local_dir] -= 1
-            if self._in_flight[job.local_dir] <= 0:
-                del self._in_flight[job.local_dir]
+                self._failed[job.local_dir] = job
+            self._running = None
             self._cond.notify_all()
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Upload one checkpoint directory to GCS, verified, manifest last.")
+    p.add_argument("local_dir")
+    p.add_argument("gs_url", help="gs://BUCKET/PREFIX/checkpoints/RUN/NAME")
+    args = p.parse_args(argv)
+    if not Path(args.local_dir, "manifest.json").is_file():
+        print(f"error: {args.local_dir} is not a complete checkpoint (no manifest.json)", file=sys.stderr)
+        return 2
+    try:
+        names = upload_directory(make_client(), args.local_dir, args.gs_url.rstrip("/"))
+    except StorageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"uploaded {len(names)} files to {args.gs_url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from utils.checkpoint.format import CheckpointError, CheckpointPayload, non_cpu_tensor, write_checkpoint
+from utils.errors import UserError
 
 
 class AsyncCheckpointWriter:
@@ -25,10 +26,6 @@ class AsyncCheckpointWriter:
         self._last: Path | None = None
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
-
-    @property
-    def busy(self) -> bool:
-        return not self._idle.is_set()
 
     def save(self, root, name: str, payload: CheckpointPayload,
              on_done: Callable[[Path], None] | None = None,
@@ -49,13 +46,6 @@ class AsyncCheckpointWriter:
             raise error
         return self._last
 
-    def close(self) -> Path | None:
-        try:
-            return self.wait()
-        finally:
-            self._jobs.put(None)
-            self._thread.join()
-
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
@@ -67,7 +57,7 @@ class AsyncCheckpointWriter:
                 self._last = path
                 if on_done is not None:
                     on_done(path)
-            except CheckpointError as e:
+            except UserError as e:  # CheckpointError, DiskFullError
                 self._error = e
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread by wait()
                 error = CheckpointError(f"checkpoint {root / name}: after-write callback failed: "

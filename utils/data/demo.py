@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from utils import files
+from utils.errors import UserError
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 0
@@ -38,7 +39,7 @@ SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_
                        "encodings"})
 
 
-class DemoDataError(RuntimeError):
+class DemoDataError(UserError, RuntimeError):
     """The demo data directory cannot be used as asked; the message says why and what to do."""
 
 

@@ -19,13 +19,14 @@ from typing import Callable
 import numpy as np
 
 from utils import files
+from utils.errors import UserError
 from utils.data.shards import ShardError, ShardInfo, ShardLayout, check_header, check_vocab, inspect_shard, shard_error
 
 CACHE_NAME = ".shard_index.json"
 CACHE_VERSION = 1
 
 
-class DataDirError(ValueError):
+class DataDirError(UserError, ValueError):
     """The data directory is missing, holds no shards, or cannot be split as asked."""
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from utils.errors import UserError
+
 ALLOWED_DTYPES = ("uint16", "int32", "uint32", "int64")
 INPUT_KEY = "input_ids"
 _SCAN_CHUNK_BYTES = 16 << 20
@@ -23,7 +25,7 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 byte
 _LOCAL_HEADER_SIG = b"PK\x03\x04"
 
 
-class ShardError(ValueError):
+class ShardError(UserError, ValueError):
     """A shard breaks the shard format. The message reads `<path>: <rule broken>; <what to do>`."""
 
 

@@ -1,0 +1,17 @@
+"""The one base class for problems the user fixes: bad input, a missing file, a full disk, a busy output dir.
+
+Each module raises its own subclass (ConfigError, ShardError, CheckpointError, StorageError, ...), whose
+message reads as one line: what is wrong, which file or option, what to do. `train.py`'s `main()` catches
+`UserError` once, prints `error: <message>` and exits 2; anything else is a bug of ours and keeps its
+traceback.
+"""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem the user can fix; the message says what, where and how."""
+
+
+class DiskFullError(UserError, OSError):
+    """No space left (or quota exceeded) while writing; the message names the filesystem, the space
+    needed and free, and what to do."""
