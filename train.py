@@ -430,6 +430,8 @@ def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
     Returns (export dir or None, weights in sync)."""
     import torch
 
+    from utils.files import set_default_mode
+
     unwrapped = accelerator.unwrap_model(model)
     sums = torch.stack([p.detach().double().sum() for p in unwrapped.parameters()]).sum()
     all_sums = accelerator.gather(sums.reshape(1)).tolist()
@@ -443,6 +445,8 @@ def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
     tokenizer = Path(cfg.data_dir).expanduser() / "tokenizer.json"
     if tokenizer.exists():
         (export_dir / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    for path in export_dir.iterdir():
+        set_default_mode(path)
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
     log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")

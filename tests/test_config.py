@@ -1,5 +1,9 @@
-"""Presets, --set overrides and their errors."""
+"""Presets, --set overrides, config files, --help, trackers, and their errors."""
+import re
+import sys
+
 import pytest
+import yaml
 
 from configs import ConfigError, PRESETS, get_model_spec, get_training_config, parse_overrides
 
@@ -58,3 +62,87 @@ def test_bad_values(overrides, fragment):
 def test_unknown_preset_lists_valid():
     with pytest.raises(ConfigError, match="valid configs: demo, test, production"):
         get_training_config("prod")
+
+
+# ------------------------------------------------------------------------------- config files, --help
+
+def test_config_file_starts_from_a_base_preset(tmp_path):
+    from configs.settle import settle_config
+
+    path = tmp_path / "my.yaml"
+    path.write_text("base: demo\nlearning_rate: 5.0e-4\nsave_steps: 7\nreport_to: [tensorboard, mlflow]\n")
+    cfg, profile = settle_config(str(path), ["save_steps=9"], {"max_steps": 11}, device=("cpu", None))
+    demo = get_training_config("demo")
+    assert (cfg.learning_rate, cfg.save_steps, cfg.max_steps) == (5e-4, 9, 11)  # file, then --set, then flags
+    assert cfg.report_to == "tensorboard,mlflow" and cfg.model == demo.model and cfg.preset == str(path)
+    assert profile is None
+    (tmp_path / "c.json").write_text('{"model": "tiny", "compile_model": false}')
+    cfg, _ = settle_config(str(tmp_path / "c.json"), [], {}, device=("cpu", None))
+    assert cfg.model == "tiny" and cfg.compile_model is False and cfg.warmup_steps == 500  # field defaults
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("learning_rte: 1e-3\n", "unknown training-config field 'learning_rte'; did you mean 'learning_rate'?"),
+    ("base: prod\n", "base 'prod' is not a preset"),
+    ("save_steps: ten\n", "expected a value of type int for save_steps"),
+    ("- a\n- b\n", "expected a mapping of field: value"),
+    ("a: [1,\n", "not valid YAML"),
+])
+def test_config_file_errors_name_the_file(tmp_path, text, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as info:
+        get_training_config(str(path))
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_typo_in_set_suggests_the_field():
+    with pytest.raises(ConfigError, match="did you mean 'save_steps'"):
+        parse_overrides(["save_step=5"])
+    with pytest.raises(ConfigError, match="did you mean 'production'"):
+        get_training_config("prodution")
+
+
+def test_config_file_trains_print_config_and_help(tmp_path, subprocess_env):
+    from tests.trainkit import REPO_ROOT, make_shards, run, train_rows
+
+    data = make_shards(tmp_path / "data")
+    path = tmp_path / "my.yaml"
+    path.write_text(f"base: demo\nmax_steps: 3\nlearning_rate: 1.0e-3\nmodel: tiny\ncompile_model: false\n"
+                    f"dataloader_num_workers: 0\nval_files: 1\ndata_dir: {data}\n")
+    base = [sys.executable, str(REPO_ROOT / "train.py"), "--config", str(path)]
+    shown = run(base + ["--print-config", "--set", "save_steps=2"], subprocess_env)
+    printed = yaml.safe_load(shown.stdout)
+    assert printed["max_steps"] == 3 and printed["learning_rate"] == 1e-3 and printed["save_steps"] == 2
+    assert printed["model"] == "tiny" and printed["per_device_train_batch_size"] == 16  # from base: demo
+    out = tmp_path / "out"
+    run(base + ["--output-dir", str(out)], subprocess_env)
+    rows = train_rows(out)
+    assert max(rows) == 3 and 0 < rows[3]["lr"] < 1e-3  # warmup: base demo's warmup_steps
+    help_text = run(base[:2] + ["--help"], subprocess_env).stdout
+    for name in ("learning_rate", "report_to", "model_impl", "upload_timeout_s"):
+        assert re.search(rf"^  {name}\s+\w+\s+\S+", help_text, re.M), name
+
+
+def test_tensorboard_holds_the_config_and_the_scalars(tmp_path, subprocess_env):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.trainkit import make_shards, run, train_cmd
+
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    run(train_cmd(out, data, "max_steps=4", "logging_steps=2", "save_steps=100", "report_to=tensorboard",
+                  "per_device_train_batch_size=4"), subprocess_env)
+    scalars, hparams = {}, {}
+    for events in (out / "logs" / "tensorboard").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars[tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
+    for path in (out / "logs" / "tensorboard").rglob("hparams.yml"):
+        hparams |= yaml.safe_load(path.read_text())
+    assert [s for s, _ in scalars["train/loss"]] == [2, 4]
+    assert [s for s, _ in scalars["by_tokens/train/loss"]] == [2 * 4 * 64, 4 * 4 * 64]  # tokens seen
+    assert "eval/val_loss" in scalars and "train/tokens_per_sec" in scalars
+    assert hparams["model"] == "tiny" and hparams["max_steps"] == 4 and hparams["report_to"] == "tensorboard"
+    assert set(get_training_config("demo").to_dict()) <= set(hparams)  # the full resolved config

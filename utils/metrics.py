@@ -98,6 +98,7 @@ class RunLogger:
         self.log_dir = Path(log_dir)
         self._files: dict[str, object] = {}
         self._accelerator = None
+        self._tensorboard = None  # its SummaryWriter, for the tokens-seen axis
         if is_main:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             for name in ("training.log", "metrics.jsonl"):
@@ -115,6 +116,8 @@ class RunLogger:
             self.warning(f"trackers {accelerator.log_with} disabled: {type(exc).__name__}: {exc}")
             return
         self._accelerator = accelerator
+        if any(t.name == "tensorboard" for t in accelerator.trackers):
+            self._tensorboard = accelerator.get_tracker("tensorboard", unwrap=True)
 
     def _append(self, name: str, text: str) -> None:
         f = self._files.get(name)
@@ -123,7 +126,7 @@ class RunLogger:
         try:
             f.write(text)
         except OSError as exc:
-            self._files.pop(name, None)  # the next line must not fail the same way while we report this one
+            self._drop_files()  # the lines that report this one must not fail the same way
             if is_disk_full(exc):
                 raise disk_full_error(self.log_dir / name, exc) from None
             raise UserError(f"cannot write {self.log_dir / name}: {exc}") from None
@@ -153,10 +156,17 @@ class RunLogger:
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         self._accelerator.log(scalars, step=row["step"])
         tokens = row.get("tokens")
-        if group != "checkpoint" and tokens and "tensorboard" in [str(t) for t in self._accelerator.log_with]:
-            writer = self._accelerator.get_tracker("tensorboard", unwrap=True)
+        if group != "checkpoint" and tokens and self._tensorboard is not None:
             for key, value in scalars.items():
-                writer.add_scalar(f"by_tokens/{key}", value, tokens)
+                self._tensorboard.add_scalar(f"by_tokens/{key}", value, tokens)
+
+    def _drop_files(self) -> None:
+        for f in self._files.values():
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._files.clear()
 
     def close(self) -> None:
         if self._accelerator is not None:
@@ -165,12 +175,7 @@ class RunLogger:
             except Exception as exc:  # noqa: BLE001 - flushing a tracker must not hide the run's result
                 print(f"warning: closing trackers: {exc}", file=sys.stderr)
             self._accelerator = None
-        for f in self._files.values():
-            try:
-                f.close()
-            except OSError:
-                pass
-        self._files.clear()
+        self._drop_files()
 
 
 class NonFiniteLoss(UserError):

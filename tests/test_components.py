@@ -1,0 +1,158 @@
+"""The loop's stateful components, in-process: TrainState, RngState, MetricsWindow, evaluate, StopSignal,
+the Checkpointer (save -> restore round trip, host-buffer reuse, retention with a pending upload)."""
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from configs import get_model_spec
+from utils.state import RngState, TrainState
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+class Log:
+    def __init__(self):
+        self.lines, self.rows = [], []
+
+    def info(self, msg):
+        self.lines.append(msg)
+
+    warning = error = info
+
+    def write_row(self, row):
+        self.rows.append(row)
+
+
+def test_train_state_round_trip():
+    state = TrainState()
+    state.advance(1024)
+    state.advance(1024)
+    state.best_loss = 2.5
+    again = TrainState()
+    again.load_state_dict(state.state_dict())
+    assert again == state == TrainState(step=2, tokens=2048, best_loss=2.5)
+
+
+def test_rng_state_round_trip():
+    RngState.seed(7)
+    saved = RngState.state_dict()
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    RngState.seed(8)
+    RngState.load_state_dict(saved)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
+
+
+def test_metrics_window_excludes_eval_and_checkpoint_time(accelerator):
+    from utils.metrics import MetricsWindow, NonFiniteLoss
+
+    window = MetricsWindow(accelerator, tokens_per_step=1000, flops_per_token=6e6, peak=1e12, precision="no")
+    window.restart(first_step=11)
+    time.sleep(0.3)  # an eval or a checkpoint inside the window
+    window.exclude(0.3)
+    for loss in (2.0, 4.0):
+        window.add(torch.tensor(loss))
+    row = window.row(step=12, tokens=12_000, lr=1e-3, grad_norm=torch.tensor(0.5))
+    assert row["loss"] == 3.0 and row["tokens"] == 12_000 and row["grad_norm"] == 0.5
+    assert row["steps_per_sec"] > 2 / 0.3 * 10  # the 0.3 s left out of the rate (it would cap it at 6.7/s)
+    assert math.isclose(row["mfu"], row["tokens_per_sec"] * 6e6 / 1e12)
+    assert window.first_step == 13 and window.losses == []  # a fresh window
+    window.add(torch.tensor(1.0))
+    window.add(torch.tensor(float("nan")))
+    with pytest.raises(NonFiniteLoss, match="non-finite loss at step 14"):
+        window.checked_losses()
+
+
+def test_evaluate_is_the_mean_batch_loss(accelerator):
+    from train import evaluate
+    from utils.model import build_model
+
+    model = build_model(get_model_spec("tiny"), seed=0)
+    batches = [torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with torch.no_grad():
+        expected = sum(model(b).item() for b in batches) / 3
+    assert math.isclose(evaluate(model, batches, accelerator), expected, rel_tol=1e-6)
+    assert model.training and evaluate(model, [], accelerator) is None
+
+
+def test_stop_signal_stops_at_the_step_boundary():
+    from utils.signals import StopSignal
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        stop = StopSignal(distributed=False)
+        assert not stop.agreed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed() and stop.reason == "SIGTERM"
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
+
+
+def _objects(seed: int):
+    from utils.model import build_model
+    from utils.optim import build_optimizer, build_scheduler
+    from configs import get_training_config
+
+    cfg = get_training_config("demo", {"model": "tiny", "warmup_steps": 2})
+    model = build_model(get_model_spec("tiny"), seed=seed)
+    optimizer = build_optimizer(model, cfg, fused=False)
+    return cfg, model, optimizer, build_scheduler(optimizer, cfg)
+
+
+def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
+    from utils.checkpoint.checkpointer import Checkpointer
+    from utils.metrics import MetricsWindow
+
+    cfg, model, optimizer, scheduler = _objects(seed=1)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    log = Log()
+    ckpt = Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=2, log=log)
+    window = MetricsWindow(accelerator, 32, 1.0, None, "no")
+    state = TrainState()
+    run = {"world_size": 1, "global_batch_sequences": 2, "seq_len": 16, "config": cfg.to_dict(),
+           "model": get_model_spec("tiny").to_dict(), "data": {"sha256": "x"}, "max_steps": 10}
+    saved = []
+    for step in (1, 2, 3):
+        model(ids).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        state.advance(32)
+        path, blocked = ckpt.save(f"checkpoint-epoch0-step{step}-files0", model, {"optimizer": optimizer,
+                                  "scheduler": scheduler}, state, run, window)
+        assert blocked < 5.0
+        if step == 1:
+            first_alloc = ckpt.buffers.allocated_bytes
+            pointers = {k: v.data_ptr() for k, v in ckpt.buffers._pool.items()}
+        saved.append(path)
+    ckpt.wait()
+    assert ckpt.buffers.allocated_bytes == first_alloc > 0  # nothing allocated after the first save
+    assert ckpt.buffers.reused_bytes == 2 * first_alloc
+    assert {k: v.data_ptr() for k, v in ckpt.buffers._pool.items()} == pointers
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [p.name for p in saved[1:]]  # keep=2
+    assert ckpt.close() == 0
+
+    _, fresh, fresh_opt, fresh_sched = _objects(seed=2)
+    restored = TrainState()
+    Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=2, log=log).restore(
+        saved[-1], fresh, {"optimizer": fresh_opt, "scheduler": fresh_sched}, restored, run)
+    assert restored == state
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    assert fresh_sched.state_dict()["last_epoch"] == 3
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert any("Resumed from" in line for line in log.lines)
