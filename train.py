@@ -135,9 +135,6 @@ def train(cfg, profile, args) -> int:
                  accelerator, log)
     lr_at = schedule_from_config(cfg)
     stop = StopSignal(distributed=world > 1)
-    # AcceleratedOptimizer adds only the fp16 loss-scaler path to step/zero_grad, yet looks up an optional
-    # package (importlib find_spec, twice) and a signature on every call; without a scaler, drive torch's.
-    step_optimizer = optimizer if accelerator.scaler is not None else optimizer.optimizer
     grad_norm = torch.zeros((), device=device)
     trace = BatchTrace(output_dir, accelerator) if os.environ.get("NEOX_TRACE_BATCHES") == "1" else None
     bar = progress_bar(cfg, state, accelerator)
@@ -162,9 +159,9 @@ def train(cfg, profile, args) -> int:
                     step_loss += loss.detach() / cfg.gradient_accumulation_steps
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                        step_optimizer.step()
+                        optimizer.step()
                         scheduler.step()
-                        step_optimizer.zero_grad(set_to_none=True)
+                        optimizer.zero_grad(set_to_none=True)
             state.advance(tokens_per_step)
             window.add(step_loss)
             bar.update(1)
@@ -290,7 +287,7 @@ def build_data(cfg, spec, seq_len, accelerator, log):
         if cfg.demo_data and (is_demo_build(data_dir) or not any(data_dir.rglob("*.npz"))):
             build_demo_data(data_dir, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
         index = ShardIndex.build(data_dir, seq_len=seq_len, vocab_size=spec.vocab_size, max_files=cfg.max_files,
-                                 log=log.info if accelerator.is_main_process else (lambda *_: None))
+                                 log=log.info)
     train_index, val_index = index.split(cfg.val_files)
     train_set, val_set = TokenSequenceDataset(train_index), TokenSequenceDataset(val_index)
     loader = ResumableLoader(train_set, cfg.per_device_train_batch_size, rank=rank, world_size=world, seed=cfg.seed,
@@ -310,6 +307,11 @@ def build_training(cfg, spec, accelerator):
     optimizer = build_optimizer(model, cfg, fused=accelerator.device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if accelerator.scaler is None:
+        # AcceleratedOptimizer adds only the fp16 loss-scaler path to step/zero_grad, yet looks up an optional
+        # package (importlib find_spec, twice) and a signature on every call: without a scaler the loop
+        # drives torch's optimizer itself.
+        optimizer = optimizer.optimizer
     return model, optimizer, scheduler
 
 

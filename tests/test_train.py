@@ -77,6 +77,8 @@ def test_run_writes_logs_metrics_tensorboard_and_export(tmp_path, subprocess_env
     proc = run(train_cmd(out, data, "per_device_train_batch_size=4", "max_steps=4", "save_steps=2",
                         "eval_interval=2"), subprocess_env)
     assert "Step 4: loss=" in proc.stdout and "steps/sec" in proc.stdout and "tok/s" in proc.stdout
+    # output to a file (not a terminal): no progress-bar fragments, so every line is whole
+    assert "\r" not in proc.stdout + proc.stderr and "it/s]" not in proc.stdout + proc.stderr
     log_text = (out / "logs" / "training.log").read_text()
     assert "Step 4: loss=" in log_text
     rows = metrics(out)

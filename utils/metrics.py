@@ -242,10 +242,10 @@ class MetricsWindow:
         if self.accelerator.device.type != "cuda":
             return {"host_peak_rss_gb": stats["host_peak_rss_gb"]}
         self.per_device = gather_object([stats]) if self.accelerator.num_processes > 1 else [stats]
-        utils = [s["gpu_util"] for s in self.per_device if s["gpu_util"] is not None]
+        busy = [s["gpu_util"] for s in self.per_device if s["gpu_util"] is not None]
         return {"mem_gb": max(s["mem_gb"] for s in self.per_device),
                 "peak_mem_gb": max(s["peak_mem_gb"] for s in self.per_device),
-                "gpu_util": sum(utils) / len(utils) if utils else None}
+                "gpu_util": sum(busy) / len(busy) if busy else None}
 
 
 def format_step_line(row: dict, best: float) -> str:

@@ -59,15 +59,14 @@ class Checkpointer:
     def find(self, resume: str) -> Path | None:
         """`--resume` -> a verified local checkpoint, downloaded from GCS if need be (rank 0 first; the
         others then find it locally). `auto`: the newest complete one, or None for a fresh start."""
-        say = self.log.info if self.is_main else (lambda *_: None)
         try:
             with self.accelerator.main_process_first():
                 return resolve_resume("latest" if resume == "auto" else resume, self.root, self.remote_root,
-                                      client_factory=self.client_factory, log=say)
+                                      client_factory=self.client_factory, log=self.log.info)
         except NoCheckpointFound as exc:
             if resume != "auto":
                 raise UserError(f"--resume {resume}: {exc}") from None
-            say(f"--resume auto: {str(exc).split(';')[0]}; starting a fresh run")
+            self.log.info(f"--resume auto: {str(exc).split(';')[0]}; starting a fresh run")
             return None
         except UserError as exc:
             raise UserError(f"--resume {resume}: {exc}") from None
