@@ -13,6 +13,9 @@ tokens/s and step time; per contender the median over `--repeats` rounds is prin
            export come after the last one).
 - trainer: transformers.Trainer on the same GPTNeoXForCausalLM with its documented fast settings (bf16,
            SDPA, adamw_torch_fused, torch_compile on CUDA), fed through utils.data.dataset.TokenSequenceDataset.
+- naive:   transformers.Trainer with its default arguments (fp32, no compile, its default optimizer and
+           loader settings), same model, batch and schedule: the "standard configuration" the seed documents
+           claim a 5-10x speed-up over. Only `--only` with it, or the default on CUDA, runs it.
 - bare:    utils.model.build_model + utils.optim.build_optimizer/build_scheduler, batches already in
            device memory, forward/backward/clip/step/zero_grad, one `.item()` at the end: the ceiling.
 
@@ -45,7 +48,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-CONTENDERS = ("engine", "trainer", "bare")
+CONTENDERS = ("engine", "trainer", "naive", "bare")
 BIG = 10**9  # eval_interval / save_steps that never fire inside the timed span
 # A gated child stops itself before exec, so the scheduler decides when it first runs.
 STOP_THEN_EXEC = "import os, signal, sys; os.kill(os.getpid(), signal.SIGSTOP); os.execv(sys.argv[1], sys.argv[1:])"
@@ -84,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "by GPU memory and changes micro-batch/accumulation/checkpointing; the others get what it chose")
     p.add_argument("--threads", type=int, help="torch threads per process (default: 1 on CPU, torch's own on "
                    "CUDA); on a shared CPU, OpenMP spinning over busy cores makes figures swing 10x")
-    p.add_argument("--only", default=",".join(CONTENDERS), help="comma-separated subset of engine,trainer,bare")
+    p.add_argument("--only", help="comma-separated subset of engine,trainer,naive,bare (default: all on CUDA; "
+                   "engine,trainer,bare on CPU, where every contender is fp32 anyway)")
     p.add_argument("--repeats", type=int, help="rounds (default: 3 on CPU, 1 on CUDA)")
     p.add_argument("--schedule", choices=("slices", "rounds"), help="default: slices on CPU, rounds on CUDA")
     p.add_argument("--slice-s", type=float, default=1.0, help="run time per turn with --schedule slices")
@@ -93,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "as contender 'candidate' and print candidate/engine")
     p.add_argument("--json", dest="json_out", help="also write every figure to this JSON file")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per round before its processes are killed")
-    p.add_argument("--_worker", choices=("trainer", "bare"), help=argparse.SUPPRESS)
+    p.add_argument("--_worker", choices=("trainer", "naive", "bare"), help=argparse.SUPPRESS)
     p.add_argument("--_spec", help=argparse.SUPPRESS)
     p.add_argument("--_result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -406,8 +410,9 @@ def worker_bare(s: dict) -> dict:
             "peak_mem_gb": _peak_mem_gb(torch, device), "final_loss": final}
 
 
-def worker_trainer(s: dict) -> dict:
-    """transformers.Trainer with its documented fast settings, timed by a callback after warm-up."""
+def worker_trainer(s: dict, naive: bool = False) -> dict:
+    """transformers.Trainer with its documented fast settings (or, `naive`, its defaults), timed by a
+    callback after warm-up."""
     import torch
     from torch.utils.data import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -468,24 +473,30 @@ def worker_trainer(s: dict) -> dict:
             return super().get_batch_samples(TimedIterator(epoch_iterator, self), num_batches, device)
 
     workers = s["workers"]
-    args = TrainingArguments(
+    common = dict(
         output_dir=str(Path(s["work"])), max_steps=s["max_steps"],
         per_device_train_batch_size=s["micro_batch"], gradient_accumulation_steps=s["accum"],
         learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
         adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_eps, max_grad_norm=cfg.max_grad_norm,
-        lr_scheduler_type="cosine", warmup_steps=cfg.warmup_steps, seed=cfg.seed,
-        bf16=s["precision"] == "bf16", torch_compile=s["compile"], use_cpu=not cuda,
-        # Fused AdamW on CUDA (the documented fast choice); on the CPU the same foreach AdamW as the engine.
-        # The Trainer has no bf16-moment AdamW: under the `conservative` profile it keeps fp32 moments.
-        optim="adamw_torch_fused" if cuda else "adamw_torch",
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
-        dataloader_num_workers=workers, dataloader_prefetch_factor=s["prefetch"] if workers else None,
-        dataloader_pin_memory=cuda, dataloader_drop_last=True,
-        # The NaN filter only changes the logged loss and costs a host sync per micro-batch.
-        logging_strategy="steps", logging_steps=s["log_every"], logging_nan_inf_filter=False,
-        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        lr_scheduler_type="cosine", warmup_steps=cfg.warmup_steps, seed=cfg.seed, use_cpu=not cuda,
+        logging_strategy="steps", logging_steps=s["log_every"], save_strategy="no", eval_strategy="no",
+        report_to="none", disable_tqdm=True, dataloader_drop_last=True,
     )
+    if naive:  # everything else at the Trainer's defaults: fp32, eager, its default optimizer and loader
+        args = TrainingArguments(**common)
+    else:
+        args = TrainingArguments(
+            **common, bf16=s["precision"] == "bf16", torch_compile=s["compile"],
+            # Fused AdamW on CUDA (the documented fast choice); on the CPU the same foreach AdamW as the engine.
+            # The Trainer has no bf16-moment AdamW: under the `conservative` profile it keeps fp32 moments.
+            optim="adamw_torch_fused" if cuda else "adamw_torch",
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
+            dataloader_num_workers=workers, dataloader_prefetch_factor=s["prefetch"] if workers else None,
+            dataloader_pin_memory=cuda,
+            # The NaN filter only changes the logged loss and costs a host sync per micro-batch.
+            logging_nan_inf_filter=False,
+        )
     model = build_model(get_model_spec(s["model"]), seed=cfg.seed).lm  # SDPA attention, the same init
     trainer = TimedTrainer(model=model, args=args, train_dataset=CausalLMDataset(), callbacks=[StepTimer()])
     trainer.train()
@@ -498,7 +509,10 @@ def worker_trainer(s: dict) -> dict:
 def worker_main(args) -> int:
     s = json.loads(Path(args._spec).read_text())
     Path(s["work"]).mkdir(parents=True, exist_ok=True)
-    result = (worker_bare if args._worker == "bare" else worker_trainer)(s)
+    if args._worker == "bare":
+        result = worker_bare(s)
+    else:
+        result = worker_trainer(s, naive=args._worker == "naive")
     Path(args._result).write_text(json.dumps(result))
     return 0
 
@@ -554,7 +568,8 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available()
     s = resolve_settings(args, cuda)
-    only = [c.strip() for c in args.only.split(",") if c.strip()]
+    default = CONTENDERS if cuda else ("engine", "trainer", "bare")
+    only = [c.strip() for c in (args.only or ",".join(default)).split(",") if c.strip()]
     if set(only) - set(CONTENDERS) or not only or len(set(only)) != len(only):
         raise SystemExit(f"error: --only takes a subset of {','.join(CONTENDERS)} (got {args.only!r})")
     candidate = Path(args.candidate_repo).resolve() if args.candidate_repo else None
@@ -612,7 +627,8 @@ def main(argv=None) -> int:
     keys = ("tokens_per_sec", "step_ms", "mfu", "peak_mem_gb", "data_wait_frac", "cpu_tokens_per_sec", "cpu_step_ms")
     median = {name: {k: median_of(name, k) for k in keys} for name in only}
     ratios = {}
-    for a, b in (("engine", "bare"), ("engine", "trainer"), ("candidate", "engine"), ("candidate", "bare")):
+    for a, b in (("engine", "bare"), ("engine", "trainer"), ("engine", "naive"), ("candidate", "engine"),
+                 ("candidate", "bare")):
         if a in only and b in only:
             # A round's contenders met the same machine, so its own ratio is the paired, steadier figure.
             per_round = [x["tokens_per_sec"] / y["tokens_per_sec"] for x, y in zip(runs[a], runs[b])]
