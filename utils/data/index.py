@@ -102,53 +102,9 @@ class ShardIndex:
         if seq_len < 1 or vocab_size < 1:
             raise ValueError(f"seq_len={seq_len} and vocab_size={vocab_size} must be positive")
         root = Path(data_dir)
-        advice = (f"download shards with `python download_training_data.py --source gs://BUCKET/PREFIX "
-                  f"--dest {root}` or point --data-dir at a folder of .npz shards")
-        if not root.is_dir():
-            raise DataDirError(f"data directory {root} does not exist; {advice}")
-        all_files = _find_shards(root)
-        if not all_files:
-            raise DataDirError(f"data directory {root} holds no .npz shards; {advice}")
-        files = all_files if max_files is None or max_files < 0 else all_files[:max_files]
-        if not files:
-            raise DataDirError(f"max_files={max_files} selects no shard in {root}; use -1 for all or a positive count")
-
-        cache_path = root / CACHE_NAME
-        cache = _load_cache(cache_path, log)
-        layouts: dict[str, ShardLayout] = {}
-        errors: dict[str, ShardError] = {}
-        to_scan: list[tuple[str, int, int]] = []
-        for rel in files:
-            try:
-                st = (root / rel).stat()
-            except OSError as e:  # e.g. a dangling symlink
-                errors[rel] = shard_error((root / rel).as_posix(), f"cannot be read ({e})", "fix or remove the file")
-                continue
-            layout = _layout_from_cache(cache.get(rel), st.st_size, st.st_mtime_ns)
-            if layout is not None:
-                layouts[rel] = layout
-            else:
-                to_scan.append((rel, st.st_size, st.st_mtime_ns))
-
-        if to_scan:
-            t0 = time.perf_counter()
-            total = sum(s for _, s, _ in to_scan)
-            log(f"data: validating {len(to_scan)} shard file(s), {total / 1e9:.2f} GB, in {root} "
-                f"(once; results cached in {CACHE_NAME})")
-            scanned = _scan_all(root, to_scan, seq_len, log)
-            for (rel, size, mtime_ns), result in zip(to_scan, scanned):
-                if isinstance(result, ShardError):
-                    errors[rel] = result
-                    continue
-                layouts[rel] = result
-                cache[rel] = {"size": size, "mtime_ns": mtime_ns, "compressed": result.compressed,
-                              "data_offset": result.data_offset, "descr": result.descr,
-                              "shape": list(result.shape), "fortran_order": result.fortran_order,
-                              "min_id": result.min_id, "max_id": result.max_id}
-            existing = set(all_files)
-            _write_cache(cache_path, {k: v for k, v in cache.items() if k in existing}, log)
-            log(f"data: checked {len(to_scan)} file(s) in {time.perf_counter() - t0:.1f} s")
-
+        all_files = _find_shards(root) if root.is_dir() else []
+        files = _select(root, all_files, max_files)
+        layouts, errors = _layouts(root, files, all_files, seq_len, log)
         shards = []
         for rel in files:
             if rel in errors:
@@ -161,14 +117,7 @@ class ShardIndex:
                 errors[rel] = e
                 continue
             shards.append(ShardInfo(rel, kind, int(np.prod(layout.shape)), count, layout.dtype.name))
-        if len(errors) == 1:
-            raise next(iter(errors.values()))
-        if errors:
-            bad = [str(errors[rel]) for rel in files if rel in errors]
-            more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
-            raise ShardError(f"{len(bad)} shard files in {root} break the shard format (training has not "
-                             "started):\n  " + "\n  ".join(bad[:10]) + more)
-
+        _raise_for(errors, files, root)
         compressed = [s.path for s in shards if layouts[s.path].compressed]
         if compressed:
             log(f"data: {len(compressed)} of {len(shards)} shards are compressed (np.savez_compressed, e.g. "
@@ -221,6 +170,69 @@ class ShardIndex:
             return 0
         epoch, consumed = divmod(int(position), n)
         return epoch * len(self.shards) + int(np.searchsorted(self.cumulative, consumed, side="right"))
+
+
+def _select(root: Path, all_files: list[str], max_files: int) -> list[str]:
+    advice = (f"download shards with `python download_training_data.py --source gs://BUCKET/PREFIX "
+              f"--dest {root}` or point --data-dir at a folder of .npz shards")
+    if not root.is_dir():
+        raise DataDirError(f"data directory {root} does not exist; {advice}")
+    if not all_files:
+        raise DataDirError(f"data directory {root} holds no .npz shards; {advice}")
+    files = all_files if max_files is None or max_files < 0 else all_files[:max_files]
+    if not files:
+        raise DataDirError(f"max_files={max_files} selects no shard in {root}; use -1 for all or a positive count")
+    return files
+
+
+def _layouts(root: Path, files: list[str], all_files: list[str], seq_len: int, log: Callable):
+    """Each file's layout, from the cache while the file is unchanged, else scanned (and cached):
+    (layouts, errors) keyed by relative path."""
+    cache_path = root / CACHE_NAME
+    cache = _load_cache(cache_path, log)
+    layouts: dict[str, ShardLayout] = {}
+    errors: dict[str, ShardError] = {}
+    to_scan: list[tuple[str, int, int]] = []
+    for rel in files:
+        try:
+            st = (root / rel).stat()
+        except OSError as e:  # e.g. a dangling symlink
+            errors[rel] = shard_error((root / rel).as_posix(), f"cannot be read ({e})", "fix or remove the file")
+            continue
+        layout = _layout_from_cache(cache.get(rel), st.st_size, st.st_mtime_ns)
+        if layout is not None:
+            layouts[rel] = layout
+        else:
+            to_scan.append((rel, st.st_size, st.st_mtime_ns))
+    if not to_scan:
+        return layouts, errors
+    t0 = time.perf_counter()
+    total = sum(s for _, s, _ in to_scan)
+    log(f"data: validating {len(to_scan)} shard file(s), {total / 1e9:.2f} GB, in {root} "
+        f"(once; results cached in {CACHE_NAME})")
+    for (rel, size, mtime_ns), result in zip(to_scan, _scan_all(root, to_scan, seq_len, log)):
+        if isinstance(result, ShardError):
+            errors[rel] = result
+            continue
+        layouts[rel] = result
+        cache[rel] = {"size": size, "mtime_ns": mtime_ns, "compressed": result.compressed,
+                      "data_offset": result.data_offset, "descr": result.descr, "shape": list(result.shape),
+                      "fortran_order": result.fortran_order, "min_id": result.min_id, "max_id": result.max_id}
+    existing = set(all_files)
+    _write_cache(cache_path, {k: v for k, v in cache.items() if k in existing}, log)
+    log(f"data: checked {len(to_scan)} file(s) in {time.perf_counter() - t0:.1f} s")
+    return layouts, errors
+
+
+def _raise_for(errors: dict, files: list[str], root: Path) -> None:
+    """One bad file: its own error. Several: one error listing (the first ten of) them."""
+    if len(errors) == 1:
+        raise next(iter(errors.values()))
+    if errors:
+        bad = [str(errors[rel]) for rel in files if rel in errors]
+        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise ShardError(f"{len(bad)} shard files in {root} break the shard format (training has not "
+                         "started):\n  " + "\n  ".join(bad[:10]) + more)
 
 
 def _scan_all(root: Path, to_scan, seq_len: int, log: Callable) -> list:
