@@ -22,6 +22,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO_ROOT))
 
+import logging  # noqa: E402
+
+# transformers imports torchao (when installed) to look for quantized weights; on a machine where torchao's
+# CUDA extensions cannot load, that import logs harmless warnings into every run's output.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
 from configs.settle import settle_config  # noqa: E402
 from configs.training_config import describe_fields, to_yaml  # noqa: E402
 from utils.errors import UserError  # noqa: E402
@@ -94,7 +101,6 @@ def train(cfg, profile, args) -> int:
     from utils.checkpoint.checkpointer import Checkpointer
     from utils.checkpoint.format import checkpoint_name
     from utils.metrics import MetricsWindow, RunLogger, peak_flops
-    from utils.model import count_parameters, flops_per_token
     from utils.optim import schedule_from_config
     from utils.signals import StopSignal
     from utils.state import RngState, TrainState
@@ -110,9 +116,10 @@ def train(cfg, profile, args) -> int:
                         background_upload=cfg.background_upload, upload_timeout_s=cfg.upload_timeout_s,
                         extra_files={"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"})
     resume_path = ckpt.find(args.resume) if args.resume else None
-    spec, seq_len = resolve_model_spec(cfg)
+    spec, seq_len, init_weights = resolve_model_spec(cfg, log)
     loader, val_batches, train_index = build_data(cfg, spec, seq_len, accelerator, log)
-    model, optimizer, scheduler = build_training(cfg, spec, accelerator)
+    model, optimizer, scheduler = build_training(cfg, spec, init_weights if resume_path is None else None,
+                                                 accelerator, log)
     state = TrainState()
     stateful = {"optimizer": optimizer, "scheduler": scheduler, "data": loader}
     if accelerator.scaler is not None:
@@ -124,15 +131,15 @@ def train(cfg, profile, args) -> int:
     if resume_path is not None:
         ckpt.restore(resume_path, model, stateful, state, run_record)
     params = list(model.parameters())  # walked once, not by every clip
+    core = accelerator.unwrap_model(model)
     if cfg.compile_model:
-        model = torch.compile(model)
+        core.compile_blocks()  # regional: each block compiled once, in place, under DDP's wrapper too
     log.start_trackers(accelerator, cfg.effective_run_name, cfg.to_dict(), state.step if resume_path else None)
     tokens_per_step = global_batch * seq_len
-    n_params, n_matmul = count_parameters(accelerator.unwrap_model(model))
-    window = MetricsWindow(accelerator, tokens_per_step, flops_per_token(spec, seq_len, n_matmul), peak_flops(device),
+    window = MetricsWindow(accelerator, tokens_per_step, core.flops_per_token(seq_len), peak_flops(device),
                            cfg.mixed_precision)
-    describe_run(cfg, profile, spec, n_params, global_batch, seq_len, loader, val_batches, state, remote_root,
-                 accelerator, log)
+    describe_run(cfg, profile, spec, core.parameter_counts()[0], global_batch, seq_len, loader, val_batches, state,
+                 remote_root, accelerator, log)
     lr_at = schedule_from_config(cfg)
     stop = StopSignal(distributed=world > 1)
     grad_norm = torch.zeros((), device=device)
@@ -211,7 +218,9 @@ def make_accelerator(cfg, log_dir: Path):
         raise UserError("mixed_precision=fp16 needs a CUDA GPU; use --mixed-precision bf16 or no on the CPU")
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        mixed_precision=cfg.mixed_precision,
+        # fp8: torchao's float8 Linear layers (utils/model/fp8.py) inside bf16 autocast; accelerate's own
+        # fp8 backends are not used
+        mixed_precision="bf16" if cfg.mixed_precision == "fp8" else cfg.mixed_precision,
         log_with=make_trackers(cfg, log_dir),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.process_group_timeout_s)),
                          DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
@@ -262,13 +271,25 @@ def remote_checkpoint_root(cfg) -> str | None:
     return f"gs://{cfg.gcs_bucket}/{prefix}" if cfg.gcs_bucket else None
 
 
-def resolve_model_spec(cfg):
+def resolve_model_spec(cfg, log):
+    """(architecture, seq_len, weights to start from or None): the `model` preset, or with `init_from` the
+    HF model directory's own config and weights."""
     from configs import get_model_spec
     from configs.training_config import check_seq_len
 
-    spec = get_model_spec(cfg.model)
+    weights = None
+    if cfg.init_from:
+        from utils.model.hf import check_weights, load_hf_pretrained
+
+        spec, weights = load_hf_pretrained(cfg.init_from)
+        check_weights(spec, weights, cfg.init_from)
+        log.info(f"init_from {cfg.init_from}: architecture from its config.json (hidden {spec.hidden_size}, "
+                 f"{spec.num_hidden_layers} layers, vocab {spec.vocab_size}); the model field ('{cfg.model}') is "
+                 f"ignored; optimizer and schedule start fresh")
+    else:
+        spec = get_model_spec(cfg.model)
     check_seq_len(cfg.seq_len, spec)
-    return spec, cfg.seq_len_for(spec)
+    return spec, cfg.seq_len_for(spec), weights
 
 
 def build_data(cfg, spec, seq_len, accelerator, log):
@@ -298,12 +319,22 @@ def build_data(cfg, spec, seq_len, accelerator, log):
     return loader, val_batches, train_index
 
 
-def build_training(cfg, spec, accelerator):
-    """Model, AdamW and the LR schedule, prepared (the scheduler deliberately not: see utils/optim.py)."""
+def build_training(cfg, spec, init_weights, accelerator, log):
+    """Model (from `init_weights` when given), AdamW and the LR schedule, prepared (the scheduler
+    deliberately not: see utils/optim.py)."""
     from utils.model import build_model
     from utils.optim import build_optimizer, build_scheduler
 
-    model = build_model(spec, seed=cfg.seed, gradient_checkpointing=cfg.gradient_checkpointing)
+    model = build_model(spec, seed=cfg.seed, impl=cfg.model_impl, gradient_checkpointing=cfg.gradient_checkpointing)
+    if init_weights is not None:
+        model.load_state_dict(init_weights, strict=not spec.tie_word_embeddings)
+    if cfg.mixed_precision == "fp8":
+        from utils.model.fp8 import enable_fp8, fp8_supported
+
+        supported, why = fp8_supported(accelerator.device)
+        if not supported:
+            raise UserError(why)
+        log.info(f"fp8: {enable_fp8(model)} Linear layers run float8 matmuls (torchao, tensorwise scaling)")
     optimizer = build_optimizer(model, cfg, fused=accelerator.device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -432,7 +463,7 @@ def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
     Returns (export dir or None, weights in sync)."""
     import torch
 
-    from utils.files import set_default_mode
+    from utils.model.hf import export_hf
 
     unwrapped = accelerator.unwrap_model(model)
     sums = torch.stack([p.detach().double().sum() for p in unwrapped.parameters()]).sum()
@@ -442,13 +473,8 @@ def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
         log.error(f"weights differ between ranks after training: {all_sums}")
     if not accelerator.is_main_process:
         return None, in_sync
-    export_dir = output_dir / "final_model"
-    unwrapped.lm.save_pretrained(export_dir, safe_serialization=True)
-    tokenizer = Path(cfg.data_dir).expanduser() / "tokenizer.json"
-    if tokenizer.exists():
-        (export_dir / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-    for path in export_dir.iterdir():
-        set_default_mode(path)
+    export_dir = export_hf(unwrapped.state_dict(), spec, output_dir / "final_model",
+                           tokenizer=Path(cfg.data_dir).expanduser() / "tokenizer.json")
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
     log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")

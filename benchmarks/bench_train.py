@@ -78,7 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, help="sequences per forward pass (default: 16 CPU, the preset's CUDA)")
     p.add_argument("--accum", type=int, help="gradient accumulation steps (default: 1 CPU, the preset's CUDA)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
-    p.add_argument("--precision", choices=("no", "bf16"), help="default: no on CPU, bf16 on CUDA")
+    p.add_argument("--precision", choices=("no", "bf16", "fp8"), help="default: no on CPU, bf16 on CUDA; fp8: the "
+                   "engine and bare loop use torchao float8 Linears (Hopper/Ada), the Trainer stays bf16")
+    p.add_argument("--impl", choices=("native", "hf"), default="native",
+                   help="the model implementation engine and bare loop train (model_impl)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on with CUDA, off on CPU)")
     p.add_argument("--workers", type=int, help="DataLoader workers for engine and trainer "
@@ -122,6 +125,7 @@ def resolve_settings(args, cuda: bool) -> dict:
         "seq_len": pick(args.seq_len, spec.max_position_embeddings, spec.max_position_embeddings),
         "precision": pick(args.precision, "bf16", "no"),
         "compile": pick(args.compile, True, False),
+        "impl": args.impl,
         "workers": pick(args.workers, production.dataloader_num_workers, 0),
         "prefetch": production.prefetch_factor,
         "threads": pick(args.threads, 0, 1),
@@ -149,7 +153,7 @@ def engine_overrides(s: dict) -> dict:
     return {
         "model": s["model"], "seq_len": s["seq_len"], "max_steps": s["max_steps"],
         "per_device_train_batch_size": s["micro_batch"], "gradient_accumulation_steps": s["accum"],
-        "mixed_precision": s["precision"], "compile_model": s["compile"],
+        "mixed_precision": s["precision"], "compile_model": s["compile"], "model_impl": s["impl"],
         "dataloader_num_workers": s["workers"], "prefetch_factor": s["prefetch"],
         "logging_steps": s["log_every"], "eval_interval": BIG, "save_steps": BIG, "eval_batches": 1,
         "val_files": 1, "profile": s["profile"],
@@ -381,12 +385,18 @@ def worker_bare(s: dict) -> dict:
     dataset = train_split(s["data_dir"], s)
     count, b = min(64, s["max_steps"] * s["accum"]), s["micro_batch"]
     batches = [torch.from_numpy(dataset.get_batch(range(i * b, (i + 1) * b))).to(device) for i in range(count)]
-    model = build_model(get_model_spec(s["model"]), seed=cfg.seed,
+    model = build_model(get_model_spec(s["model"]), seed=cfg.seed, impl=s["impl"],
                         gradient_checkpointing=cfg.gradient_checkpointing).to(device)
+    if s["precision"] == "fp8":
+        from utils.model.fp8 import enable_fp8
+
+        enable_fp8(model)
     optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg)
-    forward = torch.compile(model) if s["compile"] else model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=s["precision"] == "bf16")
+    if s["compile"]:
+        model.compile_blocks()  # as the engine does: regional compile
+    forward = model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=s["precision"] in ("bf16", "fp8"))
     losses, k, marks, cpu_marks = [], 0, [], []
     for step in range(1, s["max_steps"] + 1):
         step_loss = torch.zeros((), device=device)
@@ -419,6 +429,7 @@ def worker_trainer(s: dict, naive: bool = False) -> dict:
 
     from configs import get_model_spec
     from utils.model import build_model
+    from utils.model.hf import to_transformers
 
     cfg = training_config(s)
     device = torch.device(s["device"])
@@ -486,7 +497,7 @@ def worker_trainer(s: dict, naive: bool = False) -> dict:
         args = TrainingArguments(**common)
     else:
         args = TrainingArguments(
-            **common, bf16=s["precision"] == "bf16", torch_compile=s["compile"],
+            **common, bf16=s["precision"] in ("bf16", "fp8"), torch_compile=s["compile"],
             # Fused AdamW on CUDA (the documented fast choice); on the CPU the same foreach AdamW as the engine.
             # The Trainer has no bf16-moment AdamW: under the `conservative` profile it keeps fp32 moments.
             optim="adamw_torch_fused" if cuda else "adamw_torch",
@@ -497,7 +508,9 @@ def worker_trainer(s: dict, naive: bool = False) -> dict:
             # The NaN filter only changes the logged loss and costs a host sync per micro-batch.
             logging_nan_inf_filter=False,
         )
-    model = build_model(get_model_spec(s["model"]), seed=cfg.seed).lm  # SDPA attention, the same init
+    spec = get_model_spec(s["model"])
+    # transformers' own class, SDPA attention, holding the same initial weights as the engine's model
+    model = to_transformers(build_model(spec, seed=cfg.seed).state_dict(), spec)
     trainer = TimedTrainer(model=model, args=args, train_dataset=CausalLMDataset(), callbacks=[StepTimer()])
     trainer.train()
     if len(timing["marks"]) != s["steps"] // s["log_every"] + 1:
@@ -540,7 +553,7 @@ def render(summary: dict) -> str:
         f"model {s['model']} ({meta['params_m']:.2f}M params), micro-batch {s['micro_batch']} x accum {s['accum']} x "
         f"seq {s['seq_len']} = {s['micro_batch'] * s['accum'] * s['seq_len']:,} tokens/step, "
         f"precision {s['precision']}, "
-        f"compile {'on' if s['compile'] else 'off'}, workers {s['workers']}, threads {s['threads'] or 'default'}, "
+        f"model_impl {s['impl']}, compile {'on' if s['compile'] else 'off'}, workers {s['workers']}, threads {s['threads'] or 'default'}, "
         f"memory profile {s['profile']} -> {s['profile_used']} (activation checkpointing "
         f"{'on' if s['gradient_checkpointing'] else 'off'}, AdamW moments {s['optimizer_state_dtype']})",
         f"timing: {s['warmup']} warm-up + {s['steps']} timed steps in windows of {s['log_every']}, median window "
@@ -564,7 +577,7 @@ def main(argv=None) -> int:
 
     from configs import ConfigError, get_model_spec
     from utils.metrics import mfu, peak_flops
-    from utils.model import build_model, count_parameters, flops_per_token
+    from utils.model import build_model
 
     cuda = torch.cuda.is_available()
     s = resolve_settings(args, cuda)
@@ -583,8 +596,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: {exc}") from None
     spec = get_model_spec(s["model"])
     with torch.device("meta"):
-        n_params, n_matmul = count_parameters(build_model(spec, seed=0))
-    fpt = flops_per_token(spec, s["seq_len"], n_matmul)
+        probe = build_model(spec, seed=0, impl=s["impl"])
+    n_params, fpt = probe.parameter_counts()[0], probe.flops_per_token(s["seq_len"])
     peak = peak_flops(torch.device("cuda", 0)) if cuda else None
     device_name = (f"cuda: {torch.cuda.get_device_name(0)}" if cuda
                    else f"cpu: {os.cpu_count()} cores, {s['threads'] or torch.get_num_threads()} thread(s) per process")

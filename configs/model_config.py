@@ -12,6 +12,8 @@ class ConfigError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A GPT-NeoX architecture: everything both implementations (native and transformers') build from."""
+
     name: str
     vocab_size: int  # the tokenizer's vocabulary: every token id in the data must be below this
     hidden_size: int
@@ -19,8 +21,14 @@ class ModelSpec:
     num_attention_heads: int
     intermediate_size: int
     max_position_embeddings: int
-    rotary_pct: float = 0.25
+    rotary_pct: float = 0.25  # share of each head's dims that get rotary embeddings
+    rotary_emb_base: float = 10000.0
     use_parallel_residual: bool = True
+    layer_norm_eps: float = 1e-5
+    attention_bias: bool = True  # biases of the QKV and attention output projections
+    hidden_act: str = "gelu"
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
     pad_vocab_multiple: int = 128  # embedding rows padded so the LM-head matmul is tensor-core friendly
 
     @property
@@ -32,27 +40,55 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.head_dim * self.rotary_pct)
+
     def to_hf_config(self, attn_implementation: str = "sdpa"):
         from transformers import GPTNeoXConfig
 
         cfg = GPTNeoXConfig(
-            vocab_size=self.padded_vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            intermediate_size=self.intermediate_size,
-            max_position_embeddings=self.max_position_embeddings,
-            rotary_pct=self.rotary_pct,
-            use_parallel_residual=self.use_parallel_residual,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            tie_word_embeddings=False,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
+            vocab_size=self.padded_vocab_size, hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            intermediate_size=self.intermediate_size, max_position_embeddings=self.max_position_embeddings,
+            rotary_pct=self.rotary_pct, rotary_emb_base=self.rotary_emb_base,
+            use_parallel_residual=self.use_parallel_residual, layer_norm_eps=self.layer_norm_eps,
+            attention_bias=self.attention_bias, hidden_act=self.hidden_act,
+            tie_word_embeddings=self.tie_word_embeddings, initializer_range=self.initializer_range,
+            hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
         )
         cfg._attn_implementation = attn_implementation
         return cfg
+
+    @classmethod
+    def from_hf_config(cls, config: dict, name: str, source: str = "config.json") -> "ModelSpec":
+        """A spec from an HF GPT-NeoX config.json (old `rotary_pct`/`rotary_emb_base` keys or transformers 5's
+        `rope_parameters`). The embedding rows are the config's `vocab_size`, kept as they are."""
+        if config.get("model_type") != "gpt_neox":
+            raise ConfigError(f"{source}: model_type is {config.get('model_type')!r}, not 'gpt_neox'; init_from "
+                              f"takes a GPT-NeoX (e.g. Pythia) model directory")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ConfigError(f"{source}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; "
+                              f"only plain rotary embeddings")
+        try:
+            return cls(
+                name=name, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+                num_hidden_layers=int(config["num_hidden_layers"]),
+                num_attention_heads=int(config["num_attention_heads"]),
+                intermediate_size=int(config["intermediate_size"]),
+                max_position_embeddings=int(config["max_position_embeddings"]),
+                rotary_pct=float(rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25))),
+                rotary_emb_base=float(rope.get("rope_theta", config.get("rotary_emb_base", 10000.0))),
+                use_parallel_residual=bool(config.get("use_parallel_residual", True)),
+                layer_norm_eps=float(config.get("layer_norm_eps", 1e-5)),
+                attention_bias=bool(config.get("attention_bias", True)),
+                hidden_act=str(config.get("hidden_act", "gelu")),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                initializer_range=float(config.get("initializer_range", 0.02)),
+                pad_vocab_multiple=1)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: not a usable GPT-NeoX config ({type(exc).__name__}: {exc})") from None
 
     def to_dict(self) -> dict:
         return asdict(self) | {"padded_vocab_size": self.padded_vocab_size}

@@ -36,7 +36,7 @@ def test_accumulation_matches_one_big_batch(tmp_path, subprocess_env):
     assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5)
     wa = load_weights(outs[2] / "final_model" / "model.safetensors")
     wb = load_weights(outs[8] / "final_model" / "model.safetensors")
-    init = build_model(get_model_spec("tiny"), seed=42).lm.state_dict()
+    init = build_model(get_model_spec("tiny"), seed=42).state_dict()
     init["embed_out.weight"] = init.pop("lm_head.weight")  # save_pretrained keeps GPT-NeoX's legacy name
     assert wa.keys() == wb.keys() == init.keys()
     heads = get_model_spec("tiny").num_attention_heads

@@ -75,7 +75,19 @@ def build_optimizer(model: torch.nn.Module, cfg, fused: bool) -> torch.optim.Opt
     return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
 
 
+class StepSchedule(LambdaLR):
+    """LambdaLR whose restore re-applies *this* run's schedule at the restored step. The optimizer's saved
+    param groups hold the LR the checkpointed run computed for its next step; a resume that changes
+    max_steps (or the warmup, or the peak) must not take one step at that stale rate."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for group, base_lr, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
+            group["lr"] = base_lr * factor(self.last_epoch)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg) -> LambdaLR:
     """After construction the optimizer holds lr_at(1); each `scheduler.step()` moves to the next step."""
     schedule = schedule_from_config(cfg)
-    return LambdaLR(optimizer, lambda index: schedule(index + 1) / cfg.learning_rate)
+    return StepSchedule(optimizer, lambda index: schedule(index + 1) / cfg.learning_rate)

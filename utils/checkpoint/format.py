@@ -182,13 +182,13 @@ def _model_tensors(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 
 def build_manifest(directory: Path, name: str, objects: list[str]) -> dict:
-    files = {}
+    listed = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = path.relative_to(directory).as_posix()
         if rel != MANIFEST:
-            files[rel] = {"size": path.stat().st_size, "crc32c": file_crc32c(path)}
+            listed[rel] = {"size": path.stat().st_size, "crc32c": file_crc32c(path)}
     return {"format_version": FORMAT_VERSION, "name": name, "created_unix": time.time(),
-            "objects": objects, "files": files}
+            "objects": objects, "files": listed}
 
 
 def write_checkpoint(root, name: str, payload: CheckpointPayload,
@@ -378,8 +378,9 @@ def _numpy_safe_globals() -> list:
     return [_reconstruct, np.ndarray, np.dtype, *dtypes]
 
 
-def read_checkpoint(path, map_location="cpu", verify: bool = True) -> CheckpointPayload:
-    """Loads a checkpoint (after verifying it unless `verify=False`, for one verified a moment ago).
+def read_checkpoint(path, map_location="cpu", verify: bool = True, objects: bool = True) -> CheckpointPayload:
+    """Loads a checkpoint (after verifying it unless `verify=False`, for one verified a moment ago); with
+    `objects=False` only the weights and trainer_state.json (e.g. to export the model).
 
     The `.pt` files load with `weights_only=True` (tensors, containers, numbers, numpy arrays); an object
     that needs more was not a state dict and is reported rather than unpickled."""
@@ -390,12 +391,12 @@ def read_checkpoint(path, map_location="cpu", verify: bool = True) -> Checkpoint
         model_state = load_safetensors(str(path / MODEL_FILE), device=device)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: cannot load {MODEL_FILE}: {e}") from e
-    objects = {}
+    loaded = {}
     with torch.serialization.safe_globals(_numpy_safe_globals()):
-        for key in manifest.get("objects", []):
+        for key in manifest.get("objects", []) if objects else ():
             file = path / f"{key}.pt"
             try:
-                objects[key] = torch.load(file, map_location=map_location, weights_only=True)
+                loaded[key] = torch.load(file, map_location=map_location, weights_only=True)
             except Exception as e:
                 raise CheckpointError(
                     f"checkpoint {path}: cannot load {file.name} with weights_only=True ({e}); save only "
@@ -405,4 +406,4 @@ def read_checkpoint(path, map_location="cpu", verify: bool = True) -> Checkpoint
         trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: cannot read {TRAINER_STATE_FILE}: {e}") from e
-    return CheckpointPayload(model_state=model_state, objects=objects, trainer_state=trainer_state)
+    return CheckpointPayload(model_state=model_state, objects=loaded, trainer_state=trainer_state)

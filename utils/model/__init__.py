@@ -1,7 +1,12 @@
-"""The model the loop trains: a transformers GPTNeoXForCausalLM behind a module whose forward returns the loss.
+"""The model the loop trains: `build_model(spec, seed, impl)` -> a module whose forward(input_ids) is the loss.
 
-Wrapping matters under DDP: gradient sync hooks fire only for the wrapped module's own forward, so the
-loss (LM head + cross-entropy) must be computed inside it rather than by calling submodules from the loop.
+Two implementations of the same GPT-NeoX: `native` (utils/model/gpt_neox.py, the default: faster) and `hf`
+(transformers' GPTNeoXForCausalLM, the reference). Both have HF's parameter names (no wrapper prefix) in
+HF's order, so their state dicts and optimizer states are interchangeable, and both offer
+`flops_per_token(seq_len)`, `parameter_counts()` and `compile_blocks()`.
+
+The loss is computed inside the module, not by the loop: under DDP, gradient-sync hooks fire only for the
+wrapped module's own forward.
 """
 from __future__ import annotations
 
@@ -9,47 +14,64 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs.model_config import ModelSpec
+from configs.model_config import ConfigError, ModelSpec
+
+IMPLEMENTATIONS = ("native", "hf")
 
 
-class CausalLMWithLoss(nn.Module):
-    """`forward(input_ids) -> mean next-token cross-entropy over every position but the last`."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.lm.gpt_neox(input_ids=input_ids).last_hidden_state
-        logits = self.lm.get_output_embeddings()(hidden[:, :-1])
-        targets = input_ids[:, 1:]
-        # Cross-entropy in fp32 for a stable log-softmax under bf16/fp16 autocast.
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def build_model(spec: ModelSpec, seed: int, gradient_checkpointing: bool = False) -> CausalLMWithLoss:
+def build_model(spec: ModelSpec, seed: int, impl: str = "native", gradient_checkpointing: bool = False) -> nn.Module:
     """A freshly initialised model; the same seed gives the same weights on every rank."""
-    from transformers import GPTNeoXForCausalLM
-
+    if impl not in IMPLEMENTATIONS:
+        raise ConfigError(f"model_impl='{impl}' is not valid; use one of {', '.join(IMPLEMENTATIONS)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        lm = GPTNeoXForCausalLM(spec.to_hf_config(attn_implementation="sdpa"))
+        if impl == "native":
+            from utils.model.gpt_neox import GPTNeoX
+
+            return GPTNeoX(spec, gradient_checkpointing=gradient_checkpointing)
+        model = hf_model_class()(spec.to_hf_config(attn_implementation="sdpa"))
+    model.spec = spec
     if gradient_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return CausalLMWithLoss(lm)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
-def count_parameters(model: CausalLMWithLoss) -> tuple[int, int]:
-    """(all parameters, parameters that do matmul work: all but the input embedding lookup table)."""
-    total = sum(p.numel() for p in model.parameters())
-    lookup = model.lm.get_input_embeddings().weight.numel()
-    return total, total - lookup
+def hf_model_class():
+    """transformers' GPTNeoXForCausalLM with the engine's interface (imported only when asked for)."""
+    global _HFGPTNeoX
+    if _HFGPTNeoX is not None:
+        return _HFGPTNeoX
+    from transformers import GPTNeoXForCausalLM
+
+    class HFGPTNeoX(GPTNeoXForCausalLM):
+        """`forward(input_ids) -> loss`: the LM head on every position but the last, cross-entropy in fp32
+        (for a stable log-softmax under bf16/fp16 autocast)."""
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            hidden = self.gpt_neox(input_ids=input_ids).last_hidden_state
+            logits = self.lm_head(hidden[:, :-1])
+            return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
+
+        def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.lm_head(self.gpt_neox(input_ids=input_ids).last_hidden_state)
+
+        def compile_blocks(self) -> None:
+            for layer in self.gpt_neox.layers:
+                layer.compile()
+
+        def parameter_counts(self) -> tuple[int, int]:
+            total = sum(p.numel() for p in self.parameters())
+            return total, total - self.gpt_neox.embed_in.weight.numel() * (not self.spec.tie_word_embeddings)
+
+        def flops_per_token(self, seq_len: int) -> float:
+            s = self.spec
+            return 6.0 * self.parameter_counts()[1] + 12.0 * s.num_hidden_layers * s.num_attention_heads * s.head_dim * seq_len
+
+    _HFGPTNeoX = HFGPTNeoX
+    return HFGPTNeoX
 
 
-def flops_per_token(spec: ModelSpec, seq_len: int, matmul_params: int) -> float:
-    """PaLM's training FLOPs per token: 6N + 12·L·H·Q·T (N matmul parameters, L layers, H heads,
-    Q head dim, T sequence length). The second term is attention's score and value matmuls."""
-    return 6.0 * matmul_params + 12.0 * spec.num_hidden_layers * spec.num_attention_heads * spec.head_dim * seq_len
+_HFGPTNeoX = None
 
 
 def preflight_problem(model: nn.Module, batches: list[torch.Tensor]) -> str | None:

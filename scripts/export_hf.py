@@ -1,0 +1,50 @@
+#!/usr/bin/env python
+"""Convert an engine checkpoint into an HF model directory that `AutoModelForCausalLM.from_pretrained` loads.
+
+    python scripts/export_hf.py checkpoints/checkpoint-epoch0-step5000-files12 exported/step5000
+
+Reads the checkpoint's weights (verified against its manifest) and its model record, writes them through
+transformers' own GPTNeoXForCausalLM (`save_pretrained`), and copies the checkpoint's tokenizer.json. The
+end of every completed run does the same into final_model/.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from configs.model_config import ModelSpec  # noqa: E402
+from utils.errors import UserError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a checkpoint directory (checkpoints/checkpoint-epoch*-step*-files*)")
+    p.add_argument("out_dir", help="the HF model directory to write (must not exist, or be empty)")
+    args = p.parse_args(argv)
+    from utils.checkpoint.format import read_checkpoint
+    from utils.model.hf import export_hf
+
+    out = Path(args.out_dir)
+    try:
+        if out.exists() and any(out.iterdir()):
+            raise UserError(f"{out} already exists and is not empty; choose a new output directory")
+        payload = read_checkpoint(args.checkpoint, objects=False)
+        record = dict(payload.trainer_state.get("model") or {})
+        record.pop("padded_vocab_size", None)
+        try:
+            spec = ModelSpec(**record)
+        except TypeError as exc:
+            raise UserError(f"{args.checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
+        export_hf(payload.model_state, spec, out, tokenizer=Path(args.checkpoint) / "tokenizer.json")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} (step {payload.trainer_state.get('step')}) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""GPT-NeoX in plain PyTorch: the model the engine trains by default (`model_impl=native`).
+
+The same math as transformers' `GPTNeoXForCausalLM` (checked at toy size against it, both ways, in
+tests/test_native_model.py) for every GPT-NeoX / Pythia configuration: partial rotary embeddings with any
+base, parallel or sequential residual, LayerNorm eps, biases on or off, untied (or tied) head, padded
+vocabulary. Parameter names, their order and the fused per-head QKV layout are transformers' own, so a
+checkpoint of either implementation (optimizer state included) loads into the other unchanged, and HF
+weights come in and go out with a key copy (utils/model/hf.py).
+
+Faster than transformers' class because it does less around the same matmuls: rotary from cos/sin tables
+computed once, `scaled_dot_product_attention(is_causal=True)` without a mask tensor, no output objects or
+cache plumbing, and a loss that never materialises the [tokens, vocab] fp32 logits (`ChunkedLMHeadLoss`).
+`compile_blocks()` compiles the transformer block once for all layers (regional compile).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from configs.model_config import ConfigError, ModelSpec
+
+# Rows of the flattened [tokens, hidden] activations per chunk of the LM-head loss: bounds the logits alive
+# at once to LOSS_CHUNK_ROWS x vocab (8192 x 50304 fp32 = 1.6 GB, instead of 3.3 GB for a 8 x 2048 batch).
+LOSS_CHUNK_ROWS = 8192
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def rotary_tables(spec: ModelSpec, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position x rotary frequency, [positions, rotary_dims] (fp32), as HF computes them."""
+    dims = spec.rotary_dims
+    inv_freq = 1.0 / (spec.rotary_emb_base ** (torch.arange(0, dims, 2, dtype=torch.float) / dims))
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the first `cos.shape[-1]` dims of each head (x: [B, heads, T, head_dim]); the rest pass."""
+    dims = cos.shape[-1]
+    rot, rest = x[..., :dims], x[..., dims:]
+    half1, half2 = rot[..., : dims // 2], rot[..., dims // 2:]
+    rotated = rot * cos + torch.cat((-half2, half1), dim=-1) * sin
+    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.heads, self.head_dim = spec.num_attention_heads, spec.head_dim
+        self.query_key_value = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=spec.attention_bias)
+        self.dense = nn.Linear(spec.hidden_size, spec.hidden_size, bias=spec.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        # HF's fused layout: per head, [q | k | v] of head_dim each
+        q, k, v = self.query_key_value(x).view(B, T, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        q, k = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dense(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(spec.hidden_size, spec.intermediate_size)
+        self.dense_4h_to_h = nn.Linear(spec.intermediate_size, spec.hidden_size)
+        self.act = ACTIVATIONS[spec.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.parallel = spec.use_parallel_residual
+        # registration order = HF's parameter order
+        self.input_layernorm = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
+        self.attention = Attention(spec)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        attn = self.attention(self.input_layernorm(x), cos, sin)
+        if self.parallel:
+            return x + attn + self.mlp(self.post_attention_layernorm(x))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Trunk(nn.Module):
+    """HF's `gpt_neox` submodule: embeddings, blocks, final norm (the names its weights live under)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_in = nn.Embedding(spec.padded_vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_hidden_layers))
+        self.final_layer_norm = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
+
+
+class ChunkedLMHeadLoss(torch.autograd.Function):
+    """Mean cross-entropy of `hidden @ weight.T` against `targets`, without the full logits.
+
+    Forward walks LOSS_CHUNK_ROWS rows at a time: logits of the chunk in the matmul dtype, log-softmax in
+    fp32, and at once the chunk's gradients (softmax - one-hot) @ weight and its share of weight's gradient,
+    so nothing of the size [rows, vocab] outlives its chunk and backward only scales the two gradients.
+    The same FLOPs as the plain head + cross-entropy (forward matmul, two gradient matmuls)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype):
+        n = hidden.shape[0]
+        w = weight.to(dtype)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, LOSS_CHUNK_ROWS):
+            h = hidden[start:start + LOSS_CHUNK_ROWS].to(dtype)
+            t = targets[start:start + LOSS_CHUNK_ROWS]
+            logits = (h @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            grad = torch.softmax(logits, dim=-1)  # d(sum of losses)/d(logits) = softmax - one-hot
+            grad.scatter_add_(1, t[:, None], -torch.ones_like(grad[:, :1]))
+            grad = grad.to(dtype)
+            grad_hidden[start:start + LOSS_CHUNK_ROWS] = (grad @ w).to(hidden.dtype)
+            grad_weight += (grad.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.n = n
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_output / ctx.n
+        return grad_hidden * scale.to(grad_hidden.dtype), grad_weight * scale.to(grad_weight.dtype), None, None
+
+
+class GPTNeoX(nn.Module):
+    """`forward(input_ids) -> loss`: mean next-token cross-entropy over every position but the last."""
+
+    def __init__(self, spec: ModelSpec, gradient_checkpointing: bool = False):
+        super().__init__()
+        if spec.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act '{spec.hidden_act}' is not supported by the native model; use one of "
+                              f"{', '.join(ACTIVATIONS)}, or model_impl=hf")
+        self.spec = spec
+        self.gradient_checkpointing = gradient_checkpointing
+        self.gpt_neox = _Trunk(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.padded_vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.gpt_neox.embed_in.weight
+        cos, sin = rotary_tables(spec, spec.max_position_embeddings)
+        self.register_buffer("rotary_cos", cos, persistent=False)
+        self.register_buffer("rotary_sin", sin, persistent=False)
+        self.register_load_state_dict_pre_hook(_accept_embed_out)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """HF's initialisation: normal(0, initializer_range) for every Linear and Embedding, zero biases,
+        LayerNorm weight 1 and bias 0."""
+        std = self.spec.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        T = input_ids.shape[1]
+        cos, sin = self.rotary_cos[:T], self.rotary_sin[:T]
+        x = self.gpt_neox.embed_in(input_ids)
+        for block in self.gpt_neox.layers:
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        return self.gpt_neox.final_layer_norm(x)
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids)[:, :-1].reshape(-1, self.spec.hidden_size)
+        targets = input_ids[:, 1:].reshape(-1)
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+            else self.lm_head.weight.dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            return ChunkedLMHeadLoss.apply(hidden, self.lm_head.weight, targets, dtype)
+
+    def compile_blocks(self) -> None:
+        """Regional compile: each block's forward is compiled, and the identical blocks share the compiled
+        code, so the model compiles once per block shape instead of as one large graph."""
+        for block in self.gpt_neox.layers:
+            block.compile()
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(all parameters, those doing matmul work: all but the input embedding lookup table)."""
+        total = sum(p.numel() for p in self.parameters())
+        return total, total - self.gpt_neox.embed_in.weight.numel() * (not self.spec.tie_word_embeddings)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """PaLM's training FLOPs per token: 6N + 12·L·H·Q·T (N matmul parameters, L layers, H heads,
+        Q head dim, T sequence length); the second term is attention's score and value matmuls."""
+        s = self.spec
+        return 6.0 * self.parameter_counts()[1] + 12.0 * s.num_hidden_layers * s.num_attention_heads * s.head_dim * seq_len
+
+
+def _accept_embed_out(module, state_dict, prefix, *args):
+    """GPT-NeoX files name the head `embed_out`; transformers 5 calls it `lm_head` in memory. Both load."""
+    old = prefix + "embed_out.weight"
+    if old in state_dict and prefix + "lm_head.weight" not in state_dict:
+        state_dict[prefix + "lm_head.weight"] = state_dict.pop(old)
