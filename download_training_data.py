@@ -1,4 +1,5 @@
 """Mirror tokenized .npz shards from GCS to local disk: verified (size + crc32c), parallel, resumable.
+With them, the dataset.json and tokenizer.json that prepare_data.py writes at the prefix's root.
 
     python download_training_data.py --source gs://BUCKET/PREFIX --dest data/training [--workers N]
         [--max-files N] [--dry-run]

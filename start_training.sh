@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Launch train.py through `accelerate launch` on 1..N GPUs, N CPU processes, or several nodes.
-# Run with --help for the options. Everything accelerate needs is passed on its command line;
+# Launch train.py through `accelerate launch` on 1..N GPUs, N CPU processes, or several nodes, under a
+# supervisor (utils/launch.py) that delivers a scheduler's SIGTERM to the training ranks however it is sent
+# (to this PID, as a container's PID 1, to the process group, by timeout or SLURM) and waits for their
+# checkpoint. Run with --help for the options. Everything accelerate needs is passed on its command line;
 # no `accelerate config` file is required.
 set -euo pipefail
 
@@ -14,7 +16,7 @@ Usage: ./$PROG --config NAME [options] [-- extra train.py args]
 Launches train.py with accelerate. The command is printed on one line before it runs.
 
 Required:
-  --config NAME            training preset: demo | test | production
+  --config NAME|FILE       training preset (demo | test | production) or a .yaml/.json config file
 
 Where it runs:
   --gpus N                 processes per node (default: every visible GPU). Without --cpu each
@@ -35,11 +37,22 @@ Forwarded to train.py:
   --max-steps N            stop after N optimizer steps
   --mixed-precision M      bf16 | fp16 | no (default: the preset's)
   --no-background-upload   upload checkpoints in the foreground
-  -- ARGS...               everything after -- goes to train.py unchanged (e.g. --set save_steps=50)
+  --set KEY=VALUE          any training-config field (repeatable; python train.py --help lists them)
+  -- ARGS...               everything after -- goes to train.py unchanged (e.g. --output-dir runs/a)
 
 Other:
   --dry-run                print the accelerate command and exit without running it
   -h, --help               this text
+
+Stopping (preemption): SIGTERM, SIGHUP or SIGUSR1 to this script's PID, to its process group, or to it as a
+container's PID 1 (docker stop, Kubernetes), from timeout or from SLURM: every training process finishes
+its current optimizer step, rank 0 writes a checkpoint (the launcher waits as long as that takes), and
+the script exits 0 with a last line naming the checkpoint. Ctrl-C does the same; a second Ctrl-C stops
+the processes at once. Continue with --resume auto (or latest).
+
+Without this script: torchrun --nproc-per-node N train.py --config NAME ... works too (set
+ACCELERATE_USE_CPU=true for CPU processes); it then delivers signals itself (and SIGKILLs ranks 30 s
+after a SIGTERM), so prefer this script where jobs get preempted.
 
 Environment:
   CUDA_VISIBLE_DEVICES     limits the GPUs counted and used
@@ -50,7 +63,8 @@ Examples:
   ./$PROG --config demo                                  # anywhere: one process (GPU if present)
   ./$PROG --config demo --cpu --gpus 2                   # two CPU processes over gloo
   ./$PROG --config production --gpus 8                   # one node, 8 GPUs
-  ./$PROG --config production --resume latest            # continue the newest checkpoint
+  ./$PROG --config production --resume auto              # continue the newest checkpoint, if any
+  ./$PROG --config demo --set max_steps=50 --set learning_rate=1e-3
   ./$PROG --config production --gpus 8 --nodes 2 --node-rank 0 --main-addr 10.0.0.1   # on node 0
   ./$PROG --config production --gpus 8 --nodes 2 --node-rank 1 --main-addr 10.0.0.1   # on node 1
 EOF
@@ -72,7 +86,9 @@ is_count() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
 # --- arguments ---------------------------------------------------------------------------------------
 config="" gpus="" cpu=0 nodes=1 node_rank=0 main_addr="" main_port="" strategy="ddp" dry_run=0
+mixed_precision=""
 train_args=()
+sets=()
 extra_args=()
 
 need_value() {  # need_value FLAG NUMBER_OF_REMAINING_ARGS
@@ -99,16 +115,19 @@ while [[ $# -gt 0 ]]; do
         --max-steps) need_value "$1" $#; is_count "$2" || usage_error "--max-steps '$2' is not a whole number"
                      train_args+=(--max-steps "$2"); shift 2 ;;
         --mixed-precision) need_value "$1" $#
-                     case "$2" in bf16|fp16|no) ;; *) usage_error "--mixed-precision '$2': use bf16, fp16 or no" ;; esac
-                     train_args+=(--mixed-precision "$2"); shift 2 ;;
+                     case "$2" in bf16|fp16|fp8|no) ;; *) usage_error "--mixed-precision '$2': use bf16, fp16, fp8 or no" ;; esac
+                     train_args+=(--mixed-precision "$2"); mixed_precision="$2"; shift 2 ;;
         --no-background-upload) train_args+=(--no-background-upload); shift ;;
+        --set) need_value "$1" $#; [[ "$2" == *=* ]] || usage_error "--set '$2': expected KEY=VALUE"
+               train_args+=(--set "$2"); sets+=(--set "$2"); shift 2 ;;
         --dry-run) dry_run=1; shift ;;
         --) shift; extra_args=("$@"); break ;;
-        *) usage_error "unknown option '$1'" ;;
+        --output-dir|--data-dir|--print-config) usage_error "$1 is a train.py option: put it after -- (e.g. -- $1 ...)" ;;
+        *) usage_error "unknown option '$1' (train.py options go after --)" ;;
     esac
 done
 
-[[ -n "$config" ]] || usage_error "--config NAME is required (demo, test or production)"
+[[ -n "$config" ]] || usage_error "--config NAME is required (demo, test, production, or a .yaml/.json file)"
 [[ -z "$gpus" ]] || is_count "$gpus" || usage_error "--gpus '$gpus' is not a whole number"
 [[ -z "$gpus" || "$gpus" -ge 1 ]] || usage_error "--gpus must be at least 1"
 is_count "$nodes" && [[ "$nodes" -ge 1 ]] || usage_error "--nodes '$nodes' must be a whole number >= 1"
@@ -128,6 +147,18 @@ if [[ -x "$SCRIPT_DIR/.venv/bin/python" ]]; then
 fi
 train_script="${TRAIN_SCRIPT:-$SCRIPT_DIR/train.py}"
 [[ -f "$train_script" ]] || fail "training script not found: $train_script"
+python="$(command -v python3 || command -v python || true)"
+[[ -n "$python" ]] || fail "no python3 on PATH; run ./setup.sh first"
+
+# The preset (or config file) and --set values, checked before anything starts; and the run's mixed
+# precision, which accelerate wants on its command line (fp8 runs torchao's float8 inside bf16).
+if ! precision="$(PYTHONPATH="$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH}" "$python" -m configs.query mixed_precision \
+                  --config "$config" "${sets[@]}" \
+                  ${mixed_precision:+--mixed-precision "$mixed_precision"} 2>&1)"; then
+    echo "$PROG: ${precision##*$'\n'}" >&2
+    exit 2
+fi
+[[ "$precision" == fp8 ]] && precision=bf16
 
 # GPUs this process may use: `nvidia-smi -L` lines, narrowed by CUDA_VISIBLE_DEVICES when it is set.
 visible_gpus() {
@@ -184,7 +215,7 @@ else
         || fail "no .venv here and python3 on PATH has no accelerate; run ./setup.sh first"
     launch=(python3 -m accelerate.commands.launch)
 fi
-launch+=(--num_processes "$total" --num_machines "$nodes" --dynamo_backend no)
+launch+=(--num_processes "$total" --num_machines "$nodes" --dynamo_backend no --mixed_precision "$precision")
 if [[ "$total" -gt 1 && "$strategy" == "ddp" ]]; then
     launch+=(--multi_gpu)  # --use_fsdp (below) selects the same multi-process launcher; both is an error
 fi
@@ -218,4 +249,4 @@ echo "+ ${env_args[*]:+${env_args[*]} }${printed% }"
 for assignment in "${env_args[@]}"; do
     export "${assignment?}"
 done
-exec "${cmd[@]}"
+exec "$python" "$SCRIPT_DIR/utils/launch.py" -- "${cmd[@]}"

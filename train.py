@@ -272,10 +272,14 @@ def remote_checkpoint_root(cfg) -> str | None:
 
 
 def resolve_model_spec(cfg, log):
-    """(architecture, seq_len, weights to start from or None): the `model` preset, or with `init_from` the
-    HF model directory's own config and weights."""
+    """(architecture, seq_len, weights to start from or None). The architecture is the `model` preset, or
+    with `init_from` the HF model directory's own; a dataset.json in the data directory (prepare_data.py)
+    sets the vocabulary to its tokenizer's."""
+    from dataclasses import replace
+
     from configs import get_model_spec
     from configs.training_config import check_seq_len
+    from utils.data.dataset_info import DatasetInfo
 
     weights = None
     if cfg.init_from:
@@ -288,6 +292,19 @@ def resolve_model_spec(cfg, log):
                  f"ignored; optimizer and schedule start fresh")
     else:
         spec = get_model_spec(cfg.model)
+    info = DatasetInfo.load(Path(cfg.data_dir).expanduser())
+    if info is not None and cfg.init_from:
+        if info.vocab_size > spec.padded_vocab_size:
+            raise UserError(f"{info.path}: its tokenizer has {info.vocab_size:,} ids but the init_from model "
+                            f"{cfg.init_from} has {spec.padded_vocab_size:,} embedding rows; prepare the data with "
+                            f"that model's tokenizer")
+        # ids are checked against the tokenizer's size; the embedding keeps the model's own rows
+        spec = replace(spec, vocab_size=info.vocab_size, pad_vocab_multiple=spec.padded_vocab_size)
+    elif info is not None and info.vocab_size != spec.vocab_size:
+        log.info(f"vocabulary from {info.path}: {info.vocab_size:,} token ids (model '{spec.name}' had "
+                 f"{spec.vocab_size:,}); {replace(spec, vocab_size=info.vocab_size).padded_vocab_size:,} "
+                 f"embedding rows")
+        spec = replace(spec, vocab_size=info.vocab_size)
     check_seq_len(cfg.seq_len, spec)
     return spec, cfg.seq_len_for(spec), weights
 
@@ -299,16 +316,19 @@ def build_data(cfg, spec, seq_len, accelerator, log):
     from utils.data.demo import is_built as is_demo_build
     from utils.data.index import ShardIndex
     from utils.data.loader import ResumableLoader, build_eval_batches
+    from utils.errors import main_process_first
 
     rank, world = accelerator.process_index, accelerator.num_processes
     data_dir = Path(cfg.data_dir).expanduser().resolve()
-    with accelerator.main_process_first():  # rank 0 builds demo data and the validation cache first
-        # Build into an empty folder; re-check an existing demo build (it refuses another vocab or seq_len);
-        # a folder of the user's own shards is used as it is.
+    def index():
+        # Build demo data into an empty folder; re-check an existing demo build (it refuses another vocab or
+        # seq_len); a folder of the user's own shards is used as it is.
         if cfg.demo_data and (is_demo_build(data_dir) or not any(data_dir.rglob("*.npz"))):
             build_demo_data(data_dir, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
-        index = ShardIndex.build(data_dir, seq_len=seq_len, vocab_size=spec.vocab_size, max_files=cfg.max_files,
-                                 log=log.info)
+        return ShardIndex.build(data_dir, seq_len=seq_len, vocab_size=spec.vocab_size, max_files=cfg.max_files,
+                                log=log.info)
+
+    index = main_process_first(accelerator, index)  # rank 0 builds the demo data and the shard cache first
     train_index, val_index = index.split(cfg.val_files)
     train_set, val_set = TokenSequenceDataset(train_index), TokenSequenceDataset(val_index)
     loader = ResumableLoader(train_set, cfg.per_device_train_batch_size, rank=rank, world_size=world, seed=cfg.seed,

@@ -15,3 +15,18 @@ class UserError(Exception):
 class DiskFullError(UserError, OSError):
     """No space left (or quota exceeded) while writing; the message names the filesystem, the space
     needed and free, and what to do."""
+
+
+def main_process_first(accelerator, fn):
+    """`fn()` on rank 0 first, then on the other ranks (which may reuse what rank 0 made, e.g. a cache or a
+    download). A UserError is raised on each rank only after the ranks have met at the barrier, so one rank
+    failing never leaves the others waiting at a barrier it will not reach."""
+    result = error = None
+    with accelerator.main_process_first():
+        try:
+            result = fn()
+        except UserError as exc:
+            error = exc
+    if error is not None:
+        raise error
+    return result

@@ -434,21 +434,26 @@ class SyncReport:
 
 
 def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max_files: int = -1,
-                dry_run: bool = False, suffix: str = ".npz", progress: bool = True) -> SyncReport:
-    """Mirror every object ending in `suffix` under `source_url` into `dest_dir` (same relative paths).
+                dry_run: bool = False, suffix: str = ".npz", progress: bool = True,
+                with_root_files: tuple[str, ...] = ("dataset.json", "tokenizer.json")) -> SyncReport:
+    """Mirror every object ending in `suffix` under `source_url` into `dest_dir` (same relative paths), and
+    the `with_root_files` found directly under it (prepare_data.py's dataset description and tokenizer).
     A local file is skipped only when its size and crc32c match; everything else is downloaded, verified
-    and renamed into place. `max_files` >= 0 takes the first N objects by name. Clients are created here,
+    and renamed into place. `max_files` >= 0 takes the first N shards by name. Clients are created here,
     one per worker thread, so this is safe to call after a fork."""
     from tqdm import tqdm
 
     started = time.monotonic()
     bucket, prefix = parse_gs_url(source_url)
     dest_dir = Path(dest_dir)
-    objects = list_objects(client_factory(), bucket, prefix, suffix)
+    listed = list_objects(client_factory(), bucket, prefix, None)
+    objects = [o for o in listed if o.name.endswith(suffix)]
     if not objects:
         raise StorageError(f"no objects ending in {suffix!r} under {source_url}: check --source")
     if max_files is not None and max_files >= 0:
         objects = objects[:max_files]
+    root_files = {_join(prefix, name) for name in with_root_files}
+    objects += [o for o in listed if o.name in root_files]
     report = SyncReport(dry_run=dry_run)
     root = dest_dir.resolve()
     targets: list[tuple[RemoteObject, Path]] = []

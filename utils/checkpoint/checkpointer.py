@@ -25,7 +25,7 @@ from utils.checkpoint.format import (CheckpointError, CheckpointPayload, HostBuf
 from utils.checkpoint.resume import resolve_resume
 from utils.checkpoint.upload import BackgroundUploader
 from utils.checkpoint.writer import AsyncCheckpointWriter
-from utils.errors import DiskFullError, UserError
+from utils.errors import DiskFullError, UserError, main_process_first
 from utils.state import RngState, TrainState
 from utils.storage import make_client
 
@@ -60,9 +60,9 @@ class Checkpointer:
         """`--resume` -> a verified local checkpoint, downloaded from GCS if need be (rank 0 first; the
         others then find it locally). `auto`: the newest complete one, or None for a fresh start."""
         try:
-            with self.accelerator.main_process_first():
-                return resolve_resume("latest" if resume == "auto" else resume, self.root, self.remote_root,
-                                      client_factory=self.client_factory, log=self.log.info)
+            return main_process_first(self.accelerator, lambda: resolve_resume(
+                "latest" if resume == "auto" else resume, self.root, self.remote_root,
+                client_factory=self.client_factory, log=self.log.info))
         except NoCheckpointFound as exc:
             if resume != "auto":
                 raise UserError(f"--resume {resume}: {exc}") from None

@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Turn a corpus and a tokenizer into the engine's training shards (+ tokenizer.json and dataset.json).
+
+    python prepare_data.py --input corpus/ more/*.jsonl.gz --tokenizer tokenizer.json --output data/training
+    python prepare_data.py --input corpus/ --tokenizer path/to/hf-tokenizer-dir --output data/mine \\
+        --workers 8 --upload gs://my-bucket/datasets/mine
+
+Inputs: .txt (one document per file), .jsonl (one document per line, in --text-field), either gzipped,
+and .parquet (with pyarrow installed); folders are searched recursively. Each document is followed by the
+tokenizer's end-of-document token. Output: 1-D uint16 shards (uint32 above 65,536 ids) of --shard-tokens
+ids in part-NNNNN/ folders, tokenizer.json, and dataset.json (vocabulary, EOS, counts, every shard's size
+and crc32c). The output is the same whatever --workers is; a killed run leaves nothing that looks like a
+dataset, and running the same command again starts over (or, when the output is complete, does nothing).
+Exit status: 0 done, 1 upload failed (the local dataset is complete), 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from utils.data.prepare import DEFAULT_SHARD_TOKENS  # noqa: E402
+from utils.errors import UserError  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files, folders or globs")
+    p.add_argument("--tokenizer", required=True, help="a tokenizer.json, or an HF tokenizer directory")
+    p.add_argument("--output", required=True, help="the folder to create (empty or absent)")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="tokenizer processes (default: cores - 1)")
+    p.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding the text")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                   help=f"token ids per shard (default {DEFAULT_SHARD_TOKENS:,} = 2^24: 32 MiB as uint16, so a "
+                        f"bucket holds thousands of objects, each downloads quickly, and the shards held out for "
+                        f"validation stay a small share)")
+    p.add_argument("--eos-token", help="the end-of-document token (default: the tokenizer's own)")
+    p.add_argument("--upload", metavar="gs://BUCKET/PREFIX", help="then upload the result there, verified")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from utils.data.prepare import prepare, report_line, stderr_progress, upload
+
+    progress = None if args.no_progress else stderr_progress()
+    try:
+        result = prepare(args.input, args.tokenizer, args.output, workers=args.workers, text_field=args.text_field,
+                         shard_tokens=args.shard_tokens, eos_token=args.eos_token, progress=progress)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was published; run the same command again", file=sys.stderr)
+        return 130
+    finally:
+        if progress is not None:
+            progress.close()
+    print(report_line(result), flush=True)
+    if args.upload:
+        try:
+            count = upload(result.output, args.upload)
+        except UserError as exc:
+            print(f"error: upload to {args.upload} failed: {exc}; the local dataset in {result.output} is complete: "
+                  f"run the same command again to retry", file=sys.stderr)
+            return 1
+        print(f"uploaded {count} files to {args.upload}; mirror it on each training machine with: python "
+              f"download_training_data.py --source {args.upload} --dest DIR", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

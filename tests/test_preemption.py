@@ -1,0 +1,185 @@
+"""SIGTERM delivered the way schedulers deliver it, to the real launcher with real processes: to the
+launcher's PID, to its process group, to it as a container's PID 1, by `timeout`, and by SLURM's
+`--signal=B:TERM` through scripts/slurm_train.sbatch (with a checkpoint write slowed past torchrun's 30 s).
+Every time: all ranks stop at the same step, one verified checkpoint, exit 0 naming it, nothing left
+running; and the run continues from it with --resume auto."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainkit import REPO_ROOT, TINY, make_shards, run, train_cmd, train_rows
+from utils.checkpoint.format import list_checkpoints, verify_checkpoint
+
+pytestmark = pytest.mark.slow
+STOP_LINE = re.compile(r"^start_training\.sh: stopped by (\S+) after step (\d+); checkpoint (\S+) ", re.M)
+
+
+def launcher_cmd(out: Path, data: Path, gpus: int, workers: int) -> list[str]:
+    cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", str(gpus)]
+    for s in TINY + ["per_device_train_batch_size=2", "max_steps=100000", "save_steps=100000",
+                     f"dataloader_num_workers={workers}", "prefetch_factor=2"]:
+        cmd += ["--set", s]
+    return cmd + ["--", "--output-dir", str(out), "--data-dir", str(data)]
+
+
+def wait_for_steps(out: Path, proc: subprocess.Popen, steps: int = 3, timeout: float = 180) -> None:
+    rows = out / "logs" / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while not (rows.exists() and rows.read_text().count('"loss"') >= steps):
+        assert proc.poll() is None, f"the run ended early ({proc.returncode})"
+        assert time.time() < deadline, "the run did not start training in time"
+        time.sleep(0.2)
+
+
+def leftovers(marker: str) -> list[str]:
+    """Processes whose command line or environment mentions `marker` (a test's own output dir)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            text = (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in text:
+            found.append(f"{proc.name}: {(proc / 'cmdline').read_bytes()[:200]!r}")
+    return found
+
+
+def check_clean_stop(out: Path, stdout: str, returncode: int) -> int:
+    """The launcher exited 0 naming one verified checkpoint at the step every rank stopped at."""
+    assert returncode == 0, stdout[-3000:]
+    match = STOP_LINE.search(stdout)
+    assert match, stdout[-3000:]
+    signame, step, path = match.group(1), int(match.group(2)), Path(match.group(3))
+    assert signame == "SIGTERM"
+    assert path.parent == out / "checkpoints" and f"-step{step}-" in path.name
+    verify_checkpoint(path)
+    assert list_checkpoints(out / "checkpoints") == [path]
+    assert max(train_rows(out)) == step
+    deadline = time.time() + 10  # the kernel may still be reaping
+    while leftovers(str(out)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert leftovers(str(out)) == []
+    return step
+
+
+def resume_continues(out: Path, data: Path, step: int, env: dict) -> None:
+    proc = run(train_cmd(out, data, "per_device_train_batch_size=2", f"max_steps={step + 1}",
+                         extra=("--resume", "auto")), env)
+    assert f"at step {step}" in proc.stdout and max(train_rows(out)) == step + 1
+
+
+def start(cmd: list[str], env: dict, out: Path, **kwargs) -> subprocess.Popen:
+    log = open(out.parent / f"{out.name}.log", "w")
+    return subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def finish(proc: subprocess.Popen, out: Path, timeout: float = 240) -> str:
+    proc.wait(timeout=timeout)
+    return (out.parent / f"{out.name}.log").read_text()
+
+
+@pytest.mark.parametrize("gpus, workers", [(1, 0), (2, 2)])
+def test_sigterm_to_the_launcher_pid(tmp_path, subprocess_env, gpus, workers):
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    proc = start(launcher_cmd(out, data, gpus, workers), subprocess_env, out, start_new_session=True)
+    wait_for_steps(out, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    step = check_clean_stop(out, finish(proc, out), proc.returncode)
+    resume_continues(out, data, step, subprocess_env)
+
+
+@pytest.mark.parametrize("gpus, workers", [(1, 2), (2, 0)])
+def test_sigterm_to_the_process_group(tmp_path, subprocess_env, gpus, workers):
+    """SLURM's scancel, systemd and a terminal signal the whole group: the DataLoader workers and torchrun
+    must not die first."""
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    proc = start(launcher_cmd(out, data, gpus, workers), subprocess_env, out, start_new_session=True)
+    wait_for_steps(out, proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    check_clean_stop(out, finish(proc, out), proc.returncode)
+
+
+def test_sigterm_to_the_launcher_as_a_containers_pid_1(tmp_path, subprocess_env):
+    if os.getuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare to run the launcher as PID 1 of a PID namespace")
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc"] + launcher_cmd(out, data, 1, 2)
+    proc = start(cmd, subprocess_env, out, start_new_session=True)
+    wait_for_steps(out, proc)
+    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                and (p / "stat").exists() and _ppid(p) == proc.pid]
+    assert len(children) == 1  # unshare's child: the launcher, PID 1 inside its namespace (docker stop's target)
+    os.kill(children[0], signal.SIGTERM)
+    check_clean_stop(out, finish(proc, out), proc.returncode)
+
+
+def _ppid(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_timeout_sends_sigterm(tmp_path, subprocess_env):
+    """`timeout` forwards the signal it gets (as when its time runs out) to the command and its group."""
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    cmd = ["timeout", "--preserve-status", "-s", "TERM", "600"] + launcher_cmd(out, data, 1, 0)
+    proc = start(cmd, subprocess_env, out, start_new_session=True)
+    wait_for_steps(out, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    check_clean_stop(out, finish(proc, out), proc.returncode)
+
+
+def slurm_shims(bin_dir: Path, log: Path) -> None:
+    """`srun` runs its command in place (so a signal to srun reaches the task, as srun forwards it);
+    `scontrol` names this host and records requeues."""
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text(
+        f'#!/usr/bin/env bash\nif [[ "$1 $2" == "show hostnames" ]]; then echo 127.0.0.1; exit 0; fi\n'
+        f'echo "$@" >> {log}\n')
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+
+
+def test_slurm_signal_requeue_and_a_checkpoint_slower_than_torchruns_30_s(tmp_path, subprocess_env):
+    """The SLURM example on its first submission (nothing to resume: a fresh start), SIGTERM to the batch
+    shell as `--signal=B:TERM` sends it, two ranks, a checkpoint write that takes 35 s: the checkpoint is
+    whole, the job requeues itself, and the second submission resumes from it."""
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    slurm_shims(tmp_path / "bin", tmp_path / "scontrol.log")
+    sets = " ".join(f"--set {s}" for s in TINY + ["per_device_train_batch_size=2", "save_steps=100000",
+                                                   "max_steps=100000"])
+    env = dict(subprocess_env, PATH=f"{tmp_path / 'bin'}:{subprocess_env['PATH']}", SLURM_JOB_ID="4242",
+               SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(REPO_ROOT),
+               CONFIG="demo", GPUS_PER_NODE="2", MAIN_PORT=str(_free_port()), LAUNCH_ARGS=f"--cpu {sets}",
+               TRAIN_ARGS=f"--output-dir {out} --data-dir {data}", NEOX_TEST_CHECKPOINT_DELAY_S="35")
+    batch = ["bash", str(REPO_ROOT / "scripts" / "slurm_train.sbatch")]
+    proc = start(batch, env, out, start_new_session=True)
+    wait_for_steps(out, proc, timeout=240)
+    started = time.time()
+    os.kill(proc.pid, signal.SIGTERM)  # B:TERM: the batch shell alone
+    text = finish(proc, out, timeout=300)
+    assert time.time() - started > 30, "the checkpoint write was not slowed"
+    assert "--resume auto: no checkpoint found" in text  # the first submission started fresh
+    step = check_clean_stop(out, text, proc.returncode)
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    resume_continues(out, data, step, subprocess_env)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,265 @@
+"""prepare_data.py on a real little corpus (text, JSONL, gzip, unicode, empty documents) and a BPE tokenizer
+built here: exact token and EOS counts, byte-identical output whatever --workers, training on the result,
+uint32 shards for a big vocabulary, upload then download byte for byte, a killed run, bad input."""
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.trainkit import REPO_ROOT, run, train_cmd, train_rows
+from utils import files
+from utils.data.dataset_info import DatasetInfo
+from utils.data.index import ShardIndex
+
+WORDS = ("the quick brown fox jumps over the lazy dog; café naïve façade 日本語 ünïcödé 🙂 tokens model data "
+         "train shard loader engine").split()
+PREPARE = [sys.executable, str(REPO_ROOT / "prepare_data.py")]
+
+
+def text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """(folder, documents in the order prepare_data reads them, empty count)."""
+    root = tmp_path_factory.mktemp("corpus") / "corpus"
+    (root / "sub").mkdir(parents=True)
+    rng = random.Random(0)
+    docs, empty = {}, 0
+    for i in range(3):
+        docs[f"a{i}.txt"] = [text(rng, 300 + 40 * i)]
+        (root / f"a{i}.txt").write_text(docs[f"a{i}.txt"][0])
+    (root / "blank.txt").write_text("  \n\t")
+    empty += 1
+    lines, kept = [], []
+    for i in range(60):
+        t = "" if i % 9 == 0 else text(rng, 20 + i % 13)
+        lines.append(json.dumps({"id": i, "text": t}, ensure_ascii=i % 2 == 0))
+        empty += t == ""
+        kept += [t] if t else []
+    (root / "sub" / "b.jsonl").write_text("\n".join(lines) + "\n\n")  # a trailing blank line is no document
+    docs["sub/b.jsonl"] = kept
+    gz = [text(rng, 15 + i % 7) for i in range(40)]
+    with gzip.open(root / "sub" / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in gz)
+    docs["sub/c.jsonl.gz"] = gz
+    order = ["a0.txt", "a1.txt", "a2.txt", "sub/b.jsonl", "sub/c.jsonl.gz"]  # sorted paths (blank.txt: empty)
+    return root, [d for name in order for d in docs[name]], empty
+
+
+def bpe_tokenizer(path: Path, vocab: int = 400) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    rng = random.Random(1)
+    tok.train_from_iterator([text(rng, 40) for _ in range(300)], trainer)
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return bpe_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+def prepare(args: list, env: dict, check: bool = True):
+    return run(PREPARE + [str(a) for a in args] + ["--no-progress"], env, check=check)
+
+
+def all_ids(out: Path) -> np.ndarray:
+    info = DatasetInfo.load(out)
+    return np.concatenate([np.load(out / s["path"])["input_ids"] for s in info.shards])
+
+
+def test_counts_order_and_byte_identical_whatever_the_workers(corpus, tokenizer, tmp_path, subprocess_env):
+    from tokenizers import Tokenizer
+
+    root, docs, empty = corpus
+    outs = {}
+    for workers in (1, 3):
+        outs[workers] = tmp_path / f"w{workers}"
+        proc = prepare(["--input", root, "--tokenizer", tokenizer, "--output", outs[workers], "--workers", workers,
+                        "--shard-tokens", 1024], subprocess_env)
+        assert re.search(r"[\d,]+ tokens/s", proc.stdout)
+    tree = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    assert tree(outs[1]) == tree(outs[3])  # byte for byte, dataset.json included
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    lengths = [len(tok.encode(d, add_special_tokens=False).ids) for d in docs]
+    info = DatasetInfo.load(outs[1])
+    ids = all_ids(outs[1])
+    assert info.tokens == ids.size == sum(n + 1 for n in lengths)  # every document + its EOS
+    assert info.documents == len(docs) and info.raw["documents_empty"] == empty
+    assert int((ids == info.eos_id).sum()) == len(docs) and info.dtype == "uint16" and ids.dtype == np.uint16
+    expected = np.concatenate([np.append(tok.encode(d, add_special_tokens=False).ids, info.eos_id) for d in docs])
+    assert np.array_equal(ids, expected)  # in input order
+    sizes = [s["tokens"] for s in info.shards]
+    assert all(n == 1024 for n in sizes[:-1]) and 512 <= sizes[-1] < 1536  # no sliver at the end
+    assert all(p.name in ("tokenizer.json", "dataset.json") or p.suffix == ".npz" for p in outs[1].rglob("*") if p.is_file())
+    from utils.storage import file_crc32c
+
+    assert all(file_crc32c(outs[1] / s["path"]) == s["crc32c"] for s in info.shards)
+    ShardIndex.build(outs[1], seq_len=64, vocab_size=info.vocab_size, log=lambda *_: None)
+    again = prepare(["--input", root, "--tokenizer", tokenizer, "--output", outs[1], "--shard-tokens", 1024],
+                    subprocess_env)
+    assert "already holds this dataset" in again.stdout
+
+
+def test_training_on_prepared_data_learns(corpus, tokenizer, tmp_path, subprocess_env):
+    root, _, _ = corpus
+    data = tmp_path / "data"
+    prepare(["--input", root, "--tokenizer", tokenizer, "--output", data, "--shard-tokens", 2048], subprocess_env)
+    out = tmp_path / "out"
+    proc = run(train_cmd(out, data, "max_steps=30", "per_device_train_batch_size=4", "seq_len=32",
+                         "learning_rate=3e-3", "logging_steps=5", "val_files=1", "save_steps=100"), subprocess_env)
+    assert "vocabulary from" in proc.stdout  # the tokenizer's 400-odd ids, not tiny's 512
+    rows = train_rows(out)
+    assert rows[30]["loss"] < rows[5]["loss"] - 0.5, (rows[5]["loss"], rows[30]["loss"])
+    assert (out / "final_model" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+
+
+def big_vocab_tokenizer(path: Path, size: int = 70_000) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0} | {w: i + 1 for i, w in enumerate(dict.fromkeys(WORDS))}
+    vocab |= {f"w{i}": i for i in range(len(vocab), size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w69999"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_a_vocabulary_above_65536_gives_uint32_shards_that_validate_and_train(tmp_path, subprocess_env):
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    rng = random.Random(2)
+    (corpus / "d.jsonl").write_text("".join(json.dumps({"text": text(rng, 50) + " w69000 w65540"}) + "\n"
+                                            for _ in range(80)))
+    data = tmp_path / "data"
+    prepare(["--input", corpus, "--tokenizer", big_vocab_tokenizer(tmp_path / "t.json"), "--output", data,
+             "--shard-tokens", 2048], subprocess_env)
+    info = DatasetInfo.load(data)
+    ids = all_ids(data)
+    assert info.dtype == "uint32" and ids.dtype == np.uint32 and info.vocab_size == 70_000 and ids.max() >= 69_000
+    ShardIndex.build(data, seq_len=32, vocab_size=70_000, log=lambda *_: None)
+    out = tmp_path / "out"
+    proc = run(train_cmd(out, data, "max_steps=2", "per_device_train_batch_size=2", "seq_len=32", "val_files=1",
+                         "save_steps=100"), subprocess_env)
+    assert "vocabulary from" in proc.stdout and "70,016 embedding rows" in proc.stdout  # padded to 128s
+    from safetensors.torch import load_file
+
+    assert load_file(str(out / "final_model" / "model.safetensors"))["gpt_neox.embed_in.weight"].shape[0] == 70_016
+    # an id beyond the tokenizer's vocabulary is refused, naming the file
+    bad = data / "part-00000" / "shard-00000.npz"
+    arr = np.load(bad)["input_ids"].copy()
+    arr[5] = 70_001
+    np.savez(bad, input_ids=arr)
+    proc = run(train_cmd(tmp_path / "o2", data, "max_steps=1", "seq_len=32", "val_files=1"), subprocess_env, check=False)
+    assert proc.returncode == 2 and f"{bad.as_posix()}: holds id 70001 but vocab_size is 70000" in proc.stderr
+
+
+def test_upload_then_download_reproduces_it_byte_for_byte(corpus, tokenizer, tmp_path, subprocess_env,
+                                                          gcs_emulator):
+    root, _, _ = corpus
+    data = tmp_path / "data"
+    subprocess_env["STORAGE_EMULATOR_HOST"] = gcs_emulator.url
+    url = f"gs://{gcs_emulator.bucket}/datasets/mine"
+    proc = prepare(["--input", root, "--tokenizer", tokenizer, "--output", data, "--shard-tokens", 1024,
+                    "--upload", url], subprocess_env)
+    assert "uploaded" in proc.stdout and url in proc.stdout
+    mirror = tmp_path / "mirror"
+    run([sys.executable, str(REPO_ROOT / "download_training_data.py"), "--source", url, "--dest", str(mirror),
+         "--no-progress"], subprocess_env)
+    tree = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
+                      if p.is_file() and not p.name.startswith(".")}
+    assert tree(mirror) == tree(data)
+
+
+def test_a_killed_run_leaves_nothing_that_looks_like_a_dataset(corpus, tokenizer, tmp_path, subprocess_env):
+    big = tmp_path / "big"
+    big.mkdir()
+    rng = random.Random(3)
+    with open(big / "many.jsonl", "w") as f:
+        for _ in range(40_000):
+            f.write(json.dumps({"text": text(rng, 60)}) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(PREPARE + ["--input", str(big), "--tokenizer", str(tokenizer), "--output", str(out),
+                                       "--shard-tokens", "4096", "--workers", "1", "--no-progress"],
+                            env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not any(files.is_temp_name(p.name) and list(p.rglob("*.npz")) for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.time() < deadline, "never started writing shards"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()  # shards exist only inside a hidden temporary folder
+    with pytest.raises(Exception, match="does not exist"):
+        ShardIndex.build(out, seq_len=32, vocab_size=400, log=lambda *_: None)
+    prepare(["--input", big, "--tokenizer", tokenizer, "--output", out, "--shard-tokens", 4096, "--workers", 1],
+            subprocess_env)
+    clean = tmp_path / "clean"
+    prepare(["--input", big, "--tokenizer", tokenizer, "--output", clean, "--shard-tokens", 4096, "--workers", 1],
+            subprocess_env)
+    assert [p.name for p in tmp_path.iterdir() if files.is_temp_name(p.name)] == []  # the dead run's folder is gone
+    tree = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    assert tree(out) == tree(clean)
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("bad_json", r"b\.jsonl:2: not valid JSON"),
+    ("no_field", r"b\.jsonl:1: no 'text' field; name the field with --text-field"),
+    ("not_string", r"b\.jsonl:1: 'text' is a int, not a string"),
+    ("not_utf8", r"a\.txt: not UTF-8 text"),
+    ("empty", r"the corpus is empty"),
+    ("no_eos", r"no end-of-document token found .* name one with --eos-token"),
+    ("missing", r"--input .*nowhere: no such file or folder"),
+])
+def test_bad_input_is_one_line_naming_the_file(tmp_path, subprocess_env, tokenizer, case, fragment):
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    tok = tokenizer
+    inputs = [corpus]
+    if case == "bad_json":
+        (corpus / "b.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    elif case == "no_field":
+        (corpus / "b.jsonl").write_text('{"body": "x"}\n')
+    elif case == "not_string":
+        (corpus / "b.jsonl").write_text('{"text": 7}\n')
+    elif case == "not_utf8":
+        (corpus / "a.txt").write_bytes(b"caf\xe9 au lait")
+    elif case == "empty":
+        (corpus / "a.txt").write_text("\n\n")
+        (corpus / "b.jsonl").write_text('{"text": ""}\n')
+    elif case == "no_eos":
+        (corpus / "a.txt").write_text("hello world")
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        t = Tokenizer(models.WordLevel(vocab={"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+        t.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok = tmp_path / "noeos.json"
+        t.save(str(tok))
+    elif case == "missing":
+        inputs = [tmp_path / "nowhere"]
+    out = tmp_path / "out"
+    proc = prepare(["--input", *inputs, "--tokenizer", tok, "--output", out, "--workers", 1], subprocess_env,
+                   check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and re.search(fragment, lines[0]), proc.stderr
+    assert not out.exists()
+

@@ -1,0 +1,63 @@
+"""`dataset.json`: what prepare_data.py writes beside the shards it makes, and what train.py reads from a
+data directory to size the model's vocabulary by the tokenizer (and check ids against its real size).
+
+    {"format": "gpt-neox-shards", "version": 1,
+     "tokenizer": {"file": "tokenizer.json", "vocab_size": 50277, "eos_id": 0, "eos_token": "<|endoftext|>"},
+     "dtype": "uint16", "documents": 1200, "documents_empty": 3, "tokens": 1843200, "shard_tokens": 16777216,
+     "shards": [{"path": "part-00000/shard-00000.npz", "tokens": 1843200, "bytes": 3686658,
+                 "crc32c": "AbCd1w=="}],
+     "inputs": [{"path": "corpus/a.jsonl", "bytes": 5012}],
+     "settings": {"text_field": "text", "eos_token": null, "shard_tokens": 16777216}}
+
+It carries no timestamp, so the same corpus prepared twice gives the same bytes.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from utils.errors import UserError
+
+FILE = "dataset.json"
+FORMAT = "gpt-neox-shards"
+VERSION = 1
+
+
+class DatasetInfoError(UserError, ValueError):
+    """A dataset.json that cannot be used; the message names the file."""
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    path: Path
+    vocab_size: int  # the tokenizer's ids, added tokens included: every id in the shards is below it
+    eos_id: int
+    eos_token: str
+    dtype: str
+    documents: int
+    tokens: int
+    shards: tuple[dict, ...]
+    raw: dict
+
+    @classmethod
+    def load(cls, data_dir) -> "DatasetInfo | None":
+        """The dataset.json in `data_dir`, or None when there is none."""
+        path = Path(data_dir) / FILE
+        if not path.is_file():
+            return None
+        try:
+            raw = json.loads(path.read_text())
+            tok = raw["tokenizer"]
+            info = cls(path=path, vocab_size=int(tok["vocab_size"]), eos_id=int(tok["eos_id"]),
+                       eos_token=str(tok.get("eos_token")), dtype=str(raw["dtype"]), documents=int(raw["documents"]),
+                       tokens=int(raw["tokens"]), shards=tuple(raw["shards"]), raw=raw)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DatasetInfoError(f"{path} is not a readable dataset description ({type(exc).__name__}: {exc}); "
+                                   f"rerun prepare_data.py or remove the file") from None
+        if raw.get("format") != FORMAT or int(raw.get("version", 0)) > VERSION:
+            raise DatasetInfoError(f"{path}: format {raw.get('format')!r} version {raw.get('version')} is not "
+                                   f"{FORMAT!r} up to version {VERSION}; update the code or rerun prepare_data.py")
+        if info.vocab_size < 1 or not 0 <= info.eos_id < info.vocab_size:
+            raise DatasetInfoError(f"{path}: vocab_size {info.vocab_size} and eos_id {info.eos_id} do not fit together")
+        return info
