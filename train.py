@@ -22,13 +22,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO_ROOT))
 
-import logging  # noqa: E402
-
-# transformers imports torchao (when installed) to look for quantized weights; on a machine where torchao's
-# CUDA extensions cannot load, that import logs harmless warnings into every run's output.
-logging.getLogger("torchao").setLevel(logging.ERROR)
-logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-
 from configs.settle import settle_config  # noqa: E402
 from configs.training_config import describe_fields, to_yaml  # noqa: E402
 from utils.errors import UserError  # noqa: E402

@@ -248,7 +248,10 @@ def engine_job(name: str, repo: Path, s: dict, data_dir: Path, work: Path) -> Jo
     out = work / name
     cmd = [sys.executable, "-c", ENGINE_SHIM, str(repo / "train.py"), "--config", "production",
            "--output-dir", str(out), "--data-dir", str(data_dir), "--no-background-upload"]
-    for key, value in engine_overrides(s).items():
+    overrides = engine_overrides(s)
+    if name == "candidate":  # another checkout may predate model_impl: it trains its own default model
+        overrides.pop("model_impl")
+    for key, value in overrides.items():
         cmd += ["--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
 
     def read_result() -> dict:

@@ -242,3 +242,63 @@ def test_two_nodes_on_localhost(launcher, tmp_path, subprocess_env, probe):
     recs = records(tmp_path / "out")
     assert sorted(r["rank"] for r in recs) == [0, 1]
     assert all(r["world_size"] == 2 and r["all_reduce"] == 3.0 and r["local_rank"] == 0 for r in recs)
+
+
+# ------------------------------------------------------------------ --set, the preset check, precision
+
+def test_set_is_passed_and_the_precision_reaches_accelerate(launcher, subprocess_env):
+    proc = subprocess.run([str(launcher), "--config", "production", "--cpu", "--set", "mixed_precision=no",
+                           "--set", "save_steps=7", "--dry-run"], env=subprocess_env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("+ "))
+    args = shlex.split(line[2:])
+    assert args[args.index("--mixed_precision") + 1] == "no"  # from --set, not the preset's bf16
+    assert args[args.index("--set") + 1] == "mixed_precision=no" and "save_steps=7" in args
+    fp8 = subprocess.run([str(launcher), "--config", "production", "--cpu", "--mixed-precision", "fp8", "--dry-run"],
+                         env=subprocess_env, capture_output=True, text=True)
+    args = shlex.split(next(l for l in fp8.stdout.splitlines() if l.startswith("+ "))[2:])
+    assert args[args.index("--mixed_precision") + 1] == "bf16"  # fp8 runs torchao's float8 inside bf16
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--config", "prodution"], "did you mean 'production'"),
+    (["--config", "demo", "--set", "save_step=3"], "did you mean 'save_steps'"),
+    (["--config", "demo", "--set", "oops"], "--set 'oops': expected KEY=VALUE"),
+    (["--config", "demo", "--output-dir", "x"], "--output-dir is a train.py option: put it after --"),
+    (["--config", "demo", "--bogus"], "train.py options go after --"),
+])
+def test_bad_config_or_option_stops_before_launching(launcher, subprocess_env, argv, fragment):
+    proc = subprocess.run([str(launcher), *argv, "--cpu"], env=subprocess_env, capture_output=True, text=True)
+    assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr
+    assert "accelerate launch" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_a_real_launch_has_no_defaults_used_warning(launcher, subprocess_env, tmp_path):
+    from tests.trainkit import TINY, make_shards
+
+    data = make_shards(tmp_path / "data")
+    cmd = [str(launcher), "--config", "demo", "--cpu", "--gpus", "2"]
+    for s in TINY + ["max_steps=2", "save_steps=100"]:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd + ["--", "--output-dir", str(tmp_path / "out"), "--data-dir", str(data)],
+                          env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "were not passed to `accelerate launch`" not in proc.stdout + proc.stderr
+    assert "start_training.sh: finished after step 2" in proc.stdout
+
+
+def test_torchrun_runs_train_py_directly(subprocess_env, tmp_path, repo_root):
+    """`torchrun --nproc-per-node 2 train.py ...` (no launcher): two CPU ranks train, in sync."""
+    from tests.trainkit import TINY, make_shards, train_rows
+
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    env = dict(subprocess_env, ACCELERATE_USE_CPU="true")
+    cmd = ["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(repo_root / "train.py"),
+           "--config", "demo", "--output-dir", str(out), "--data-dir", str(data)]
+    for s in TINY + ["max_steps=3", "save_steps=100", "per_device_train_batch_size=2"]:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=repo_root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es) on cpu" in proc.stdout and max(train_rows(out)) == 3
+    final = [json.loads(l) for l in (out / "logs" / "metrics.jsonl").read_text().splitlines() if '"final"' in l]
+    assert final and final[-1]["weights_in_sync"] is True and len(final[-1]["weight_sums"]) == 2
