@@ -19,6 +19,7 @@ import zlib
 from datetime import timedelta
 from pathlib import Path
 
+PROCESS_STARTED = time.perf_counter()  # time to first step counts from here
 REPO_ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO_ROOT))
 
@@ -130,7 +131,7 @@ def train(cfg, profile, args) -> int:
     log.start_trackers(accelerator, cfg.effective_run_name, cfg.to_dict(), state.step if resume_path else None)
     tokens_per_step = global_batch * seq_len
     window = MetricsWindow(accelerator, tokens_per_step, core.flops_per_token(seq_len), peak_flops(device),
-                           cfg.mixed_precision)
+                           cfg.mixed_precision, process_started=PROCESS_STARTED)
     describe_run(cfg, profile, spec, core.parameter_counts()[0], global_batch, seq_len, loader, val_batches, state,
                  remote_root, accelerator, log)
     lr_at = schedule_from_config(cfg)
@@ -428,6 +429,9 @@ def log_step(row, state, window, cfg, bar, log) -> None:
     log.write_row(row)
     bar.clear()
     log.info(format_step_line(row, state.best_loss))
+    if "first_step_s" in row:
+        log.info(f"  time to first step: {row['first_step_s']:.1f} s from the process start (imports, data index, "
+                 f"model build, compile)")
     if window.per_device and state.step % (cfg.logging_steps * 10) == 0:
         log.info("  per-GPU memory (GiB used/peak, util%): " + "; ".join(
             f"{s['device']} {s['mem_gb']:.1f}/{s['peak_mem_gb']:.1f} {s['gpu_util']}" for s in window.per_device))

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+WORKER_STARTED = time.perf_counter()  # a worker's time to first step counts from its start
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
@@ -267,7 +268,8 @@ def engine_job(name: str, repo: Path, s: dict, data_dir: Path, work: Path) -> Jo
                 # data_wait_frac is a share of the row's own loop time, log_every / steps_per_sec
                 "waits": [r["data_wait_frac"] * s["log_every"] / r["steps_per_sec"] for r in timed],
                 "peak_mem_gb": last.get("peak_mem_gb") if s["device"] == "cuda" else last.get("host_peak_rss_gb"),
-                "final_loss": last["loss"]}
+                "final_loss": last["loss"],
+                "first_step_s": next((r["first_step_s"] for r in rows.values() if "first_step_s" in r), None)}
 
     return Job(name, cmd, child_env(s, repo), repo, work / f"{name}.log", read_result)
 
@@ -400,7 +402,7 @@ def worker_bare(s: dict) -> dict:
         model.compile_blocks()  # as the engine does: regional compile
     forward = model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=s["precision"] in ("bf16", "fp8"))
-    losses, k, marks, cpu_marks = [], 0, [], []
+    losses, k, marks, cpu_marks, first_step_s = [], 0, [], [], None
     for step in range(1, s["max_steps"] + 1):
         step_loss = torch.zeros((), device=device)
         for _ in range(s["accum"]):
@@ -414,13 +416,16 @@ def worker_bare(s: dict) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
+        if step == 1:
+            _sync(torch, device)
+            first_step_s = time.perf_counter() - WORKER_STARTED
         if _is_mark(step, s):
             _sync(torch, device)
             marks.append(time.perf_counter())
             cpu_marks.append(time.process_time())
     final = torch.stack(losses[-s["log_every"]:]).mean().item()
     return {"clock": "monotonic", "marks": marks, "cpu_marks": cpu_marks, "waits": [0.0] * (len(marks) - 1),
-            "peak_mem_gb": _peak_mem_gb(torch, device), "final_loss": final}
+            "peak_mem_gb": _peak_mem_gb(torch, device), "final_loss": final, "first_step_s": first_step_s}
 
 
 def worker_trainer(s: dict, naive: bool = False) -> dict:
@@ -450,10 +455,13 @@ def worker_trainer(s: dict, naive: bool = False) -> dict:
             ids = sequences[i]
             return {"input_ids": ids, "labels": ids}
 
-    timing = {"marks": [], "cpu_marks": [], "waits": [], "loss": None}
+    timing = {"marks": [], "cpu_marks": [], "waits": [], "loss": None, "first_step_s": None}
 
     class StepTimer(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                _sync(torch, device)
+                timing["first_step_s"] = time.perf_counter() - WORKER_STARTED
             if _is_mark(state.global_step, s):
                 _sync(torch, device)
                 timing["marks"].append(time.perf_counter())
@@ -519,7 +527,8 @@ def worker_trainer(s: dict, naive: bool = False) -> dict:
     if len(timing["marks"]) != s["steps"] // s["log_every"] + 1:
         raise RuntimeError(f"the Trainer stopped early: {len(timing['marks'])} timing marks")
     return {"clock": "monotonic", "marks": timing["marks"], "cpu_marks": timing["cpu_marks"], "waits": timing["waits"],
-            "peak_mem_gb": _peak_mem_gb(torch, device), "final_loss": timing["loss"]}
+            "peak_mem_gb": _peak_mem_gb(torch, device), "final_loss": timing["loss"],
+            "first_step_s": timing["first_step_s"]}
 
 
 def worker_main(args) -> int:
@@ -538,13 +547,13 @@ def worker_main(args) -> int:
 
 def render(summary: dict) -> str:
     fmt = lambda v, f: "null" if v is None else format(v, f)
-    lines = ["| contender | tokens/s | step ms | MFU | peak mem GiB | data wait % | CPU ms/step |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| contender | tokens/s | step ms | MFU | peak mem GiB | data wait % | CPU ms/step | first step s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in summary["median"].items():
         mfu = None if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
         lines.append(f"| {name} | {fmt(m['tokens_per_sec'], ',.0f')} | {fmt(m['step_ms'], '.2f')} | "
                      f"{mfu or 'null'} | {fmt(m['peak_mem_gb'], '.2f')} | {fmt(100 * m['data_wait_frac'], '.1f')} | "
-                     f"{fmt(m['cpu_step_ms'], '.2f')} |")
+                     f"{fmt(m['cpu_step_ms'], '.2f')} | {fmt(m['first_step_s'], '.1f')} |")
     lines.append("")
     for name, r in summary["ratios"].items():
         rounds = ", ".join(f"{x:.3f}" for x in r["rounds"])
@@ -640,7 +649,8 @@ def main(argv=None) -> int:
         values = [run[key] for run in runs[name] if run.get(key) is not None]
         return statistics.median(values) if values else None
 
-    keys = ("tokens_per_sec", "step_ms", "mfu", "peak_mem_gb", "data_wait_frac", "cpu_tokens_per_sec", "cpu_step_ms")
+    keys = ("tokens_per_sec", "step_ms", "mfu", "peak_mem_gb", "data_wait_frac", "cpu_tokens_per_sec", "cpu_step_ms",
+            "first_step_s")
     median = {name: {k: median_of(name, k) for k in keys} for name in only}
     ratios = {}
     for a, b in (("engine", "bare"), ("engine", "trainer"), ("engine", "naive"), ("candidate", "engine"),

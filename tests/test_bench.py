@@ -10,9 +10,9 @@ import sys
 
 from tests.trainkit import REPO_ROOT
 
-# | contender | tokens/s | step ms | MFU (null on the CPU) | peak mem GiB | data wait % | CPU ms/step |
-ROW = re.compile(r"^\| (engine|trainer|naive|bare) \| ([\d,]+) \| ([\d.]+) \| null \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",
-                 re.M)
+# | contender | tokens/s | step ms | MFU (null on the CPU) | peak mem GiB | data wait % | CPU ms/step | first step s |
+ROW = re.compile(r"^\| (engine|trainer|naive|bare) \| ([\d,]+) \| ([\d.]+) \| null \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
+                 r"([\d.]+) \|$", re.M)
 
 
 def test_bench_table_has_every_contender(tmp_path, subprocess_env):
@@ -29,6 +29,7 @@ def test_bench_table_has_every_contender(tmp_path, subprocess_env):
         tokens_per_s, step_ms = float(m[2].replace(",", "")), float(m[3])
         assert tokens_per_s > 0 and step_ms > 0, m[0]
         assert abs(tokens_per_s * step_ms / 1e3 - 16 * 32) / (16 * 32) < 0.01, m[0]  # 512 tokens per step
+        assert 0 < float(m[7]) < 170, m[0]  # time to first step, from the process start
     assert re.search(r"^engine/bare: \d+\.\d{3} tokens/s \(median of the per-round ratios", proc.stdout, re.M)
     assert re.search(r"^engine/trainer: \d+\.\d{3} tokens/s", proc.stdout, re.M)
     assert re.search(r"^engine/naive: \d+\.\d{3} tokens/s", proc.stdout, re.M)

@@ -187,11 +187,14 @@ class MetricsWindow:
     time they took minus eval/checkpoint time, and the time spent waiting for data."""
 
     def __init__(self, accelerator, tokens_per_step: int, flops_per_token: float, peak: float | None,
-                 precision: str):
+                 precision: str, process_started: float | None = None):
         self.accelerator = accelerator
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.precision = precision
         self.per_device: list[dict] = []
+        self.process_started = process_started  # perf_counter() at process start: for time to first step
+        self.first_step_s: float | None = None
+        self._first_step_reported = False
         self.restart(first_step=1)
 
     def restart(self, first_step: int) -> None:
@@ -201,6 +204,10 @@ class MetricsWindow:
         self.started = time.perf_counter()
 
     def add(self, step_loss: torch.Tensor) -> None:
+        if self.first_step_s is None and self.process_started is not None:  # once: imports, setup, compile
+            if self.accelerator.device.type == "cuda":
+                torch.cuda.synchronize(self.accelerator.device)
+            self.first_step_s = time.perf_counter() - self.process_started
         self.losses.append(step_loss)
 
     def exclude(self, seconds: float) -> None:
@@ -231,6 +238,9 @@ class MetricsWindow:
                "tokens_per_sec": tps, "mfu": mfu(tps, self.flops_per_token, self.peak, self.accelerator.num_processes),
                "steps_per_sec": n / elapsed, "data_wait_frac": self.data_wait_s / elapsed}
         row |= self._device_stats()
+        if self.first_step_s is not None and not self._first_step_reported:
+            row["first_step_s"] = self.first_step_s
+            self._first_step_reported = True
         self.restart(step + 1)
         return row
 
