@@ -10,11 +10,11 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
+from benchmarks.bench_checkpoint import BlackHole  # a GCS that accepts connections and never answers
 from tests.trainkit import make_shards, metrics, run, train_cmd, train_rows
 from utils import files
 from utils.checkpoint.format import list_checkpoints, verify_checkpoint
@@ -83,31 +83,6 @@ def test_lock_in_process(tmp_path):
 
 
 # --------------------------------------------------------------------------------- GCS down or hanging
-
-class BlackHole:
-    """A TCP endpoint that accepts connections and never answers: a GCS that hangs."""
-
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.held = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.held.append(conn)
-
-    def close(self):
-        self.sock.close()
-        for conn in self.held:
-            conn.close()
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trouble", ["refusing", "hanging"])

@@ -43,7 +43,9 @@ def hf_model_class():
         return _HFGPTNeoX
     from transformers import GPTNeoXForCausalLM
 
-    class HFGPTNeoX(GPTNeoXForCausalLM):
+    from utils.model.gpt_neox import FlopsMixin
+
+    class HFGPTNeoX(FlopsMixin, GPTNeoXForCausalLM):
         """`forward(input_ids) -> loss`: the LM head on every position but the last, cross-entropy in fp32
         (for a stable log-softmax under bf16/fp16 autocast)."""
 
@@ -59,13 +61,6 @@ def hf_model_class():
             for layer in self.gpt_neox.layers:
                 layer.compile()
 
-        def parameter_counts(self) -> tuple[int, int]:
-            total = sum(p.numel() for p in self.parameters())
-            return total, total - self.gpt_neox.embed_in.weight.numel() * (not self.spec.tie_word_embeddings)
-
-        def flops_per_token(self, seq_len: int) -> float:
-            s = self.spec
-            return 6.0 * self.parameter_counts()[1] + 12.0 * s.num_hidden_layers * s.num_attention_heads * s.head_dim * seq_len
 
     _HFGPTNeoX = HFGPTNeoX
     return HFGPTNeoX

@@ -145,7 +145,22 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         return grad_hidden * scale.to(grad_hidden.dtype), grad_weight * scale.to(grad_weight.dtype), None, None
 
 
-class GPTNeoX(nn.Module):
+class FlopsMixin:
+    """FLOPs and parameter counts of a GPT-NeoX with `spec` and a `gpt_neox.embed_in` (both implementations)."""
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(all parameters, those doing matmul work: all but the input embedding lookup table)."""
+        total = sum(p.numel() for p in self.parameters())
+        return total, total - self.gpt_neox.embed_in.weight.numel() * (not self.spec.tie_word_embeddings)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """PaLM's training FLOPs per token: 6N + 12·L·H·Q·T (N matmul parameters, L layers, H heads,
+        Q head dim, T sequence length); the second term is attention's score and value matmuls."""
+        s = self.spec
+        return 6.0 * self.parameter_counts()[1] + 12.0 * s.num_hidden_layers * s.num_attention_heads * s.head_dim * seq_len
+
+
+class GPTNeoX(FlopsMixin, nn.Module):
     """`forward(input_ids) -> loss`: mean next-token cross-entropy over every position but the last."""
 
     def __init__(self, spec: ModelSpec, gradient_checkpointing: bool = False):
@@ -206,18 +221,6 @@ class GPTNeoX(nn.Module):
         code, so the model compiles once per block shape instead of as one large graph."""
         for block in self.gpt_neox.layers:
             block.compile()
-
-    def parameter_counts(self) -> tuple[int, int]:
-        """(all parameters, those doing matmul work: all but the input embedding lookup table)."""
-        total = sum(p.numel() for p in self.parameters())
-        return total, total - self.gpt_neox.embed_in.weight.numel() * (not self.spec.tie_word_embeddings)
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """PaLM's training FLOPs per token: 6N + 12·L·H·Q·T (N matmul parameters, L layers, H heads,
-        Q head dim, T sequence length); the second term is attention's score and value matmuls."""
-        s = self.spec
-        return 6.0 * self.parameter_counts()[1] + 12.0 * s.num_hidden_layers * s.num_attention_heads * s.head_dim * seq_len
-
 
 def _accept_embed_out(module, state_dict, prefix, *args):
     """GPT-NeoX files name the head `embed_out`; transformers 5 calls it `lm_head` in memory. Both load."""
