@@ -36,3 +36,30 @@ def test_conservative_profile_fits_22_gib_for_1p2b(tmp_path, subprocess_env):
                   "eval_batches=1"), subprocess_env, timeout=1800)
     rows = train_rows(out)
     assert max(r["peak_mem_gb"] for r in rows.values()) <= 22.0
+
+
+def test_fp8_trains_and_checkpoints_plain_weights_on_hopper(tmp_path, subprocess_env):
+    """torchao float8 on a Hopper/Ada GPU: finite losses, a checkpoint of plain fp32 weights, and a resume in
+    bf16 from it."""
+    import torch
+
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("float8 needs compute capability >= 8.9")
+    data = make_shards(tmp_path / "data", n_files=4, rows=256, seq_len=64)
+    out = tmp_path / "out"
+    proc = run(train_cmd(out, data, "mixed_precision=fp8", "compile_model=true", "max_steps=10",
+                         "per_device_train_batch_size=8", "logging_steps=5", "save_steps=5"), subprocess_env,
+               timeout=900)
+    assert "Linear layers run float8 matmuls" in proc.stdout
+    rows = train_rows(out)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows.values())
+    from safetensors.torch import load_file
+
+    from utils.checkpoint.format import list_checkpoints
+
+    weights = load_file(str(list_checkpoints(out / "checkpoints")[-1] / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in weights.values())
+    run(train_cmd(out, data, "mixed_precision=bf16", "compile_model=true", "max_steps=12",
+                  "per_device_train_batch_size=8", "logging_steps=2", extra=("--resume", "latest")), subprocess_env,
+        timeout=900)
+    assert max(train_rows(out)) == 12
