@@ -121,6 +121,7 @@ def test_missing_data_dir(tmp_path, subprocess_env):
     proc = run(train_cmd(tmp_path / "o", missing, "demo_data=false"), subprocess_env, check=False)
     line = _one_error_line(proc)
     assert str(missing) in line and "download_training_data.py" in line
+    assert (tmp_path / "o" / ".run.lock").read_text() == ""  # released at exit: the next run takes nothing over
 
 
 def test_nonfinite_loss_stops_naming_the_step(tmp_path, subprocess_env):
