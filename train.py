@@ -11,7 +11,6 @@ metrics window and run logger (utils/metrics.py), the data loader (utils/data/),
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import sys
@@ -258,7 +257,6 @@ def lock_output_dir(output_dir: Path, accelerator):
         problem = broadcast_object_list([problem])[0]
     if problem:
         raise OutputDirBusy(problem) if accelerator.is_main_process else SystemExit(2)
-    atexit.register(lock.release)  # also when setup fails before the loop's own `finally`
     return lock
 
 

@@ -8,6 +8,7 @@ however it dies, so a lock left by a dead run is simply taken over (and said so)
 """
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -47,6 +48,7 @@ class OutputDirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         self._fd = fd
+        atexit.register(self.release)  # emptied at exit too when the holder fails before releasing it
 
     def release(self) -> None:
         """Empties the record and drops the lock (a crash drops it too, leaving the record behind)."""
