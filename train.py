@@ -92,9 +92,11 @@ def main(argv=None) -> int:
 def train(cfg, profile, args) -> int:
     import torch
 
-    from utils.checkpoint.checkpointer import Checkpointer
+    from utils.checkpoint.checkpointer import Checkpointer, find_checkpoint
     from utils.checkpoint.format import checkpoint_name
     from utils.metrics import MetricsWindow, RunLogger, peak_flops
+    from utils.model.fp8 import after_optimizer_step as precompute_fp8_scales
+    from utils.model.fsdp import clip_grad_norm
     from utils.optim import schedule_from_config
     from utils.signals import StopSignal
     from utils.state import RngState, TrainState
@@ -106,34 +108,41 @@ def train(cfg, profile, args) -> int:
     lock = lock_output_dir(output_dir, accelerator)
     log = RunLogger(output_dir / "logs", is_main=accelerator.is_main_process)
     remote_root = remote_checkpoint_root(cfg)
-    ckpt = Checkpointer(accelerator, output_dir / "checkpoints", remote_root, keep=cfg.save_total_limit, log=log,
-                        background_upload=cfg.background_upload, upload_timeout_s=cfg.upload_timeout_s,
-                        extra_files={"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"})
-    resume_path = ckpt.find(args.resume) if args.resume else None
+    if cfg.strategy == "fsdp":
+        check_shared_output_dir(output_dir, accelerator)
+    resume_path = (find_checkpoint(args.resume, accelerator, output_dir / "checkpoints", remote_root, log)
+                   if args.resume else None)
     spec, seq_len, init_weights = resolve_model_spec(cfg, log)
     loader, val_batches, train_index = build_data(cfg, spec, seq_len, accelerator, log)
     model, optimizer, scheduler = build_training(cfg, spec, init_weights if resume_path is None else None,
                                                  accelerator, log)
+    core = accelerator.unwrap_model(model)
     state = TrainState()
-    stateful = {"optimizer": optimizer, "scheduler": scheduler, "data": loader}
+    stateful = {"scheduler": scheduler, "data": loader}
     if accelerator.scaler is not None:
         stateful["scaler"] = accelerator.scaler
     global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
-    run_record = {"world_size": world, "global_batch_sequences": global_batch, "seq_len": seq_len,
-                  "config": cfg.to_dict(), "model": spec.to_dict(), "data": train_index.fingerprint(),
-                  "max_steps": cfg.max_steps}
-    if resume_path is not None:
-        ckpt.restore(resume_path, model, stateful, state, run_record)
-    params = list(model.parameters())  # walked once, not by every clip
-    core = accelerator.unwrap_model(model)
-    if cfg.compile_model:
-        core.compile_blocks()  # regional: each block compiled once, in place, under DDP's wrapper too
-    log.start_trackers(accelerator, cfg.effective_run_name, cfg.to_dict(), state.step if resume_path else None)
+    run_record = {"world_size": world, "strategy": cfg.strategy, "global_batch_sequences": global_batch,
+                  "seq_len": seq_len, "config": cfg.to_dict(), "model": spec.to_dict(),
+                  "data": train_index.fingerprint(), "max_steps": cfg.max_steps}
     tokens_per_step = global_batch * seq_len
     window = MetricsWindow(accelerator, tokens_per_step, core.flops_per_token(seq_len), peak_flops(device),
                            cfg.mixed_precision, process_started=PROCESS_STARTED)
-    describe_run(cfg, profile, spec, core.parameter_counts()[0], global_batch, seq_len, loader, val_batches, state,
-                 remote_root, accelerator, log)
+    ckpt = Checkpointer(accelerator, output_dir / "checkpoints", remote_root, keep=cfg.save_total_limit, log=log,
+                        model=model, optimizer=optimizer, stateful=stateful, state=state, run=run_record,
+                        window=window, save_steps=cfg.save_steps, sharded=cfg.strategy == "fsdp",
+                        name=lambda: checkpoint_name(loader.epoch, state.step,
+                                                     train_index.files_consumed(loader.position)),
+                        background_upload=cfg.background_upload, upload_timeout_s=cfg.upload_timeout_s,
+                        extra_files={"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"})
+    if resume_path is not None:
+        ckpt.restore(resume_path)
+    params = list(model.parameters())  # walked once, not by every clip
+    clip = clip_grad_norm if cfg.strategy == "fsdp" else accelerator.clip_grad_norm_
+    fp8_scales = cfg.strategy == "fsdp" and cfg.mixed_precision == "fp8"  # float8 all-gather: scales once a step
+    log.start_trackers(accelerator, cfg.effective_run_name, cfg.to_dict(), state.step if resume_path else None)
+    describe_run(cfg, profile, spec, core, global_batch, seq_len, loader, val_batches, state, remote_root,
+                 accelerator, log)
     lr_at = schedule_from_config(cfg)
     stop = StopSignal(distributed=world > 1)
     grad_norm = torch.zeros((), device=device)
@@ -159,8 +168,10 @@ def train(cfg, profile, args) -> int:
                     accelerator.backward(loss)
                     step_loss += loss.detach() / cfg.gradient_accumulation_steps
                     if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+                        grad_norm = clip(params, cfg.max_grad_norm)
                         optimizer.step()
+                        if fp8_scales:
+                            precompute_fp8_scales(model)
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
             state.advance(tokens_per_step)
@@ -175,15 +186,15 @@ def train(cfg, profile, args) -> int:
                 window.exclude(run_eval(model, val_batches, accelerator, state, log))
             stopping = stop.agreed()
             planned_stop = state.step == cfg.stop_at_step
-            if state.step % cfg.save_steps == 0 or state.step == cfg.max_steps or stopping or planned_stop:
-                name = checkpoint_name(loader.epoch, state.step, train_index.files_consumed(loader.position))
-                last_checkpoint, blocked_s = ckpt.save(name, model, stateful, state, run_record, window)
+            saved, blocked_s = ckpt.save(state.step, force=stopping or planned_stop or state.step == cfg.max_steps)
+            if saved:
+                last_checkpoint = saved
                 window.exclude(blocked_s)
-                if stopping or planned_stop:
-                    stopped_by = stop.reason if stopping else "stop_at_step"
-                    ckpt.wait()
-                    log.info(f"Stopped by {stopped_by} after step {state.step}: checkpoint {last_checkpoint}")
-                    break
+            if stopping or planned_stop:
+                stopped_by = stop.reason if stopping else "stop_at_step"
+                ckpt.wait()
+                log.info(f"Stopped by {stopped_by} after step {state.step}: checkpoint {last_checkpoint}")
+                break
         bar.close()
         ckpt.wait()
         if stopped_by is None:
@@ -220,8 +231,8 @@ def make_accelerator(cfg, log_dir: Path):
                          DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
     )
     if accelerator.distributed_type.name == "FSDP":
-        raise UserError("--strategy fsdp is not supported yet: checkpoints are saved from the unwrapped module, "
-                        "which FSDP shards; use --strategy ddp (the 1.2B model fits one GPU with a profile)")
+        raise UserError("accelerate was launched with its own FSDP flags; launch plainly (start_training.sh "
+                        "--strategy fsdp, or --set strategy=fsdp): the engine shards the model itself")
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -334,23 +345,48 @@ def build_data(cfg, spec, seq_len, accelerator, log):
 
 
 def build_training(cfg, spec, init_weights, accelerator, log):
-    """Model (from `init_weights` when given), AdamW and the LR schedule, prepared (the scheduler
-    deliberately not: see utils/optim.py)."""
+    """Model (from `init_weights` when given), AdamW and the LR schedule. DDP: the model is built whole and
+    prepared by accelerate; FSDP: built on the meta device, sharded (utils/model/fsdp.py) and given its
+    weights from rank 0. Compile (regional) comes before sharding. The scheduler is deliberately never
+    prepared (see utils/optim.py)."""
+    import torch
+
     from utils.model import build_model
     from utils.optim import build_optimizer, build_scheduler
 
-    model = build_model(spec, seed=cfg.seed, impl=cfg.model_impl, gradient_checkpointing=cfg.gradient_checkpointing)
-    if init_weights is not None:
-        model.load_state_dict(init_weights, strict=not spec.tie_word_embeddings)
+    fsdp = cfg.strategy == "fsdp"
+    build = lambda: build_model(spec, seed=cfg.seed, impl=cfg.model_impl,  # noqa: E731
+                                gradient_checkpointing=cfg.gradient_checkpointing)
+    if fsdp:
+        with torch.device("meta"):
+            model = build()
+    else:
+        model = build()
+        if init_weights is not None:
+            model.load_state_dict(init_weights, strict=not spec.tie_word_embeddings)
     if cfg.mixed_precision == "fp8":
         from utils.model.fp8 import enable_fp8, fp8_supported
 
         supported, why = fp8_supported(accelerator.device)
         if not supported:
             raise UserError(why)
-        log.info(f"fp8: {enable_fp8(model)} Linear layers run float8 matmuls (torchao, tensorwise scaling)")
+        log.info(f"fp8: {enable_fp8(model, fsdp=fsdp)} Linear layers run float8 matmuls (torchao, tensorwise "
+                 f"scaling{', float8 all-gather' if fsdp else ''})")
+    if cfg.compile_model:
+        model.compile_blocks()  # regional: each block compiled once, in place (under DDP's wrapper too)
+    if fsdp:
+        from utils.model.fsdp import materialize, shard_model
+
+        shard_model(model, accelerator.device, accelerator.num_processes, cfg.mixed_precision)
+        full = None
+        if accelerator.is_main_process:  # rank 0 alone holds the whole model: the seeded init or init_from's
+            full = init_weights if init_weights is not None else build().state_dict()
+        materialize(model, accelerator.device, full)
+        del full
     optimizer = build_optimizer(model, cfg, fused=accelerator.device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg)
+    if fsdp:
+        return model, optimizer, scheduler
     model, optimizer = accelerator.prepare(model, optimizer)
     if accelerator.scaler is None:
         # AcceleratedOptimizer adds only the fp16 loss-scaler path to step/zero_grad, yet looks up an optional
@@ -360,12 +396,45 @@ def build_training(cfg, spec, init_weights, accelerator, log):
     return model, optimizer, scheduler
 
 
-def describe_run(cfg, profile, spec, n_params, global_batch, seq_len, loader, val_batches, state, remote_root,
-                 accelerator, log) -> None:
+def check_shared_output_dir(output_dir: Path, accelerator) -> None:
+    """Sharded checkpoints are written by every rank into one directory: across nodes it must be one
+    shared filesystem. Rank 0 leaves a file there; a node that cannot see it stops every rank in one line."""
+    import secrets
+
+    from accelerate.utils import broadcast_object_list, gather_object
+
     world = accelerator.num_processes
-    log.info(f"Training {cfg.preset} ({cfg.effective_run_name}): model {spec.name} ({n_params / 1e6:.1f}M params), "
-             f"{world} process(es) on {accelerator.device.type}, {cfg.mixed_precision} precision, "
-             f"compile={'on' if cfg.compile_model else 'off'}")
+    if world == 1 or int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
+        return
+    probe = output_dir / f".shared-fs-check-{secrets.token_hex(4)}" if accelerator.is_main_process else None
+    if probe is not None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+    probe = broadcast_object_list([probe])[0]
+    accelerator.wait_for_everyone()
+    blind = [host for host, seen in gather_object([(os.uname().nodename, Path(probe).exists())]) if not seen]
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        Path(probe).unlink(missing_ok=True)
+    if blind:
+        raise UserError(f"strategy=fsdp on several nodes writes one checkpoint from every rank, but --output-dir "
+                        f"{output_dir} is not shared: {', '.join(sorted(set(blind)))} cannot see it; put it on a "
+                        f"shared filesystem (NFS, Lustre, GCS FUSE) or use strategy=ddp")
+
+
+def describe_run(cfg, profile, spec, core, global_batch, seq_len, loader, val_batches, state, remote_root,
+                 accelerator, log) -> None:
+    from configs.profiles import GB
+    from utils.model.fsdp import parameter_bytes
+
+    world = accelerator.num_processes
+    log.info(f"Training {cfg.preset} ({cfg.effective_run_name}): model {spec.name} "
+             f"({core.parameter_counts()[0] / 1e6:.1f}M params), {world} process(es) on {accelerator.device.type}, "
+             f"{cfg.mixed_precision} precision, compile={'on' if cfg.compile_model else 'off'}")
+    weights = parameter_bytes(core)
+    moments = 2 * weights // (2 if cfg.optimizer_state_dtype == "bf16" else 1)
+    log.info(f"  strategy {cfg.strategy}, world size {world}: per-rank state {(2 * weights + moments) / GB:.2f} GB "
+             f"(parameters {weights} bytes, as many in gradients, {moments / GB:.2f} GB AdamW moments)")
     log.info(f"  batch {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps} x {world} "
              f"= {global_batch} sequences of {seq_len} tokens per step; {loader.num_samples:,} train sequences, "
              f"{len(val_batches)} eval batches per rank; steps {state.step} -> {cfg.max_steps}")
@@ -476,21 +545,28 @@ class BatchTrace:
 
 
 def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
-    """End of a completed run: check the ranks agree on the weights, export final_model/ (rank 0).
-    Returns (export dir or None, weights in sync)."""
+    """End of a completed run: check the ranks agree on the weights (DDP; FSDP holds one sharded copy),
+    export final_model/ (rank 0). Returns (export dir or None, weights in sync)."""
     import torch
 
+    from utils.model.fsdp import full_model_state
     from utils.model.hf import export_hf
 
     unwrapped = accelerator.unwrap_model(model)
-    sums = torch.stack([p.detach().double().sum() for p in unwrapped.parameters()]).sum()
-    all_sums = accelerator.gather(sums.reshape(1)).tolist()
-    in_sync = all(s == all_sums[0] for s in all_sums)
-    if not in_sync:
-        log.error(f"weights differ between ranks after training: {all_sums}")
+    if cfg.strategy == "fsdp":
+        weights = full_model_state(unwrapped, accelerator.process_index)  # collective; rank 0 gets it
+        all_sums = [float(sum(t.double().sum() for t in weights.values()))] if weights is not None else []
+        in_sync = True
+    else:
+        weights = unwrapped.state_dict()
+        sums = torch.stack([p.detach().double().sum() for p in unwrapped.parameters()]).sum()
+        all_sums = accelerator.gather(sums.reshape(1)).tolist()
+        in_sync = all(s == all_sums[0] for s in all_sums)
+        if not in_sync:
+            log.error(f"weights differ between ranks after training: {all_sums}")
     if not accelerator.is_main_process:
         return None, in_sync
-    export_dir = export_hf(unwrapped.state_dict(), spec, output_dir / "final_model",
+    export_dir = export_hf(weights, spec, output_dir / "final_model",
                            tokenizer=Path(cfg.data_dir).expanduser() / "tokenizer.json")
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})

@@ -100,6 +100,15 @@ MODELS: dict[str, ModelSpec] = {
         # The seed's architecture: 50257 GPT-2 BPE ids, padded to 50304 embedding rows.
         ModelSpec("gpt-neox-1.2b", vocab_size=50257, hidden_size=2048, num_hidden_layers=24,
                   num_attention_heads=16, intermediate_size=8192, max_position_embeddings=2048),
+        # The Pythia suite (EleutherAI): its exact shapes, 2048 positions, rotary on 25% of each head, parallel
+        # residual, untied head, 50304 embedding rows (50432 for 6.9b: its tokenizer's 50277 ids, padded).
+        # Parameter counts, as published (tests/test_fsdp.py checks them): 162.3M, 405.3M, 1.012B, 1.415B,
+        # 2.775B, 6.857B.
+        *(ModelSpec(f"pythia-{size}", vocab_size=rows, hidden_size=h, num_hidden_layers=layers,
+                    num_attention_heads=heads, intermediate_size=4 * h, max_position_embeddings=2048)
+          for size, h, layers, heads, rows in (
+              ("160m", 768, 12, 12, 50304), ("410m", 1024, 24, 16, 50304), ("1b", 2048, 16, 8, 50304),
+              ("1.4b", 2048, 24, 16, 50304), ("2.8b", 2560, 32, 32, 50304), ("6.9b", 4096, 32, 32, 50432))),
         # The CPU demo: trained on its own byte-level BPE corpus in minutes on two cores.
         ModelSpec("demo", vocab_size=2048, hidden_size=192, num_hidden_layers=4,
                   num_attention_heads=6, intermediate_size=768, max_position_embeddings=128),

@@ -1,18 +1,24 @@
-"""Memory profiles: micro-batch, activation checkpointing and optimizer-state precision by device memory.
+"""Memory profiles: micro-batch, activation checkpointing and optimizer-state precision by device memory,
+and the memory plan they are chosen by.
 
 A profile never changes what is learned per optimizer step: it trades micro-batch for accumulation so the
-per-process batch (micro x accumulation) stays the preset's. `auto` picks by the GPU's memory and does
-nothing on the CPU; `off` trains the config exactly as given.
+per-process batch (micro x accumulation) stays the preset's. `auto` picks, on CUDA, the largest profile
+whose memory plan fits the GPU (90% of it), counting the training state each rank holds: all of it under
+DDP, 1/world of it under FSDP. On the CPU `auto` does nothing; `off` trains the config exactly as given.
 
 Budget for GPT-NeoX 1.2B (1.41B parameters, 50304-row embeddings untied): fp32 weights 5.6 GB + fp32
 gradients 5.6 GB + AdamW moments 11.3 GB = 22.6 GB before any activation. So a 24 GB card cannot hold
-plain AdamW at all; `conservative` keeps the moments in bf16 (5.6 GB) and checkpoints activations.
+plain AdamW under DDP; `conservative` keeps the moments in bf16 (5.6 GB) and checkpoints activations.
+Sharded over 2 GPUs (FSDP) the state is 11.3 GB a GPU and `balanced` fits instead.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from configs.model_config import ConfigError
+from configs.model_config import ConfigError, ModelSpec
+
+GB = 1e9
+USABLE_FRACTION = 0.9  # of the GPU's memory: the allocator's fragmentation and the CUDA context take the rest
 
 
 @dataclass(frozen=True)
@@ -34,8 +40,72 @@ PROFILES = {
 }
 
 
-def choose_profile(device_gib: float) -> MemoryProfile:
-    return max((p for p in PROFILES.values() if device_gib >= p.min_device_gib), key=lambda p: p.min_device_gib)
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per GPU for one training process: the estimate profiles are chosen by."""
+    weights: float  # fp32 master weights (this rank's shards under FSDP)
+    gradients: float  # fp32
+    optimizer: float  # AdamW's two moments, fp32 or bf16
+    gathered: float  # FSDP: the bf16 units gathered at once (two blocks, the embedding, the head)
+    activations: float  # saved for backward: per layer 34·s·h bytes a sequence (bf16, fused attention), or
+    #                     with checkpointing each layer's input (2·s·h) plus one layer recomputed
+    loss: float  # the chunked LM-head loss: two fp32 [chunk rows, vocab] buffers
+    overhead: float = 2 * GB  # CUDA context, cuBLAS workspaces, allocator slack
+
+    @property
+    def state(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.gathered + self.activations + self.loss + self.overhead
+
+    def fits(self, device_gib: float) -> bool:
+        return self.total <= USABLE_FRACTION * device_gib * 2**30
+
+    def lines(self) -> list[str]:
+        rows = [("weights (fp32)", self.weights), ("gradients (fp32)", self.gradients),
+                ("AdamW moments", self.optimizer), ("gathered FSDP units", self.gathered),
+                ("activations", self.activations), ("LM-head loss", self.loss), ("overhead", self.overhead),
+                ("total", self.total)]
+        return [f"  {label:<22}{value / GB:8.2f} GB" for label, value in rows]
+
+
+def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
+                seq_len: int | None = None, checkpointing: bool = False, moments: str = "fp32") -> MemoryPlan:
+    from utils.model.gpt_neox import LOSS_CHUNK_ROWS
+
+    s, h, layers = seq_len or spec.max_position_embeddings, spec.hidden_size, spec.num_hidden_layers
+    embed = spec.padded_vocab_size * h
+    block = 4 * h * h + 2 * h * spec.intermediate_size + 9 * h + spec.intermediate_size
+    params = layers * block + 2 * h + embed * (1 if spec.tie_word_embeddings else 2)
+    shards = world_size if strategy == "fsdp" else 1
+    per_layer = 34 * s * h * micro_batch
+    activations = layers * (2 * s * h * micro_batch) + per_layer if checkpointing else layers * per_layer
+    rows = min(LOSS_CHUNK_ROWS, micro_batch * (s - 1))
+    return MemoryPlan(weights=4 * params / shards, gradients=4 * params / shards,
+                      optimizer=(4 if moments == "bf16" else 8) * params / shards,
+                      gathered=2 * (2 * block + 2 * embed) if strategy == "fsdp" else 0,
+                      activations=activations, loss=2 * 4 * rows * spec.padded_vocab_size)
+
+
+def plan_for(profile: "MemoryProfile", spec: ModelSpec, strategy: str, world_size: int,
+             seq_len: int | None = None) -> MemoryPlan:
+    return memory_plan(spec, strategy=strategy, world_size=world_size, micro_batch=profile.micro_batch,
+                       seq_len=seq_len, checkpointing=profile.gradient_checkpointing,
+                       moments=profile.optimizer_state_dtype)
+
+
+def choose_profile(device_gib: float, spec: ModelSpec | None = None, strategy: str = "ddp", world_size: int = 1,
+                   seq_len: int | None = None) -> MemoryProfile:
+    """The largest profile (by micro-batch) whose plan fits the device; `conservative` when none does."""
+    from configs.model_config import get_model_spec
+
+    spec = spec or get_model_spec("gpt-neox-1.2b")
+    for profile in sorted(PROFILES.values(), key=lambda p: -p.min_device_gib):
+        if plan_for(profile, spec, strategy, world_size, seq_len).fits(device_gib):
+            return profile
+    return PROFILES["conservative"]
 
 
 def apply_profile(cfg, profile: MemoryProfile):
@@ -52,14 +122,17 @@ def apply_profile(cfg, profile: MemoryProfile):
                    optimizer_state_dtype=profile.optimizer_state_dtype)
 
 
-def resolve_profile(cfg, device_type: str, device_gib: float | None):
+def resolve_profile(cfg, device_type: str, device_gib: float | None, world_size: int = 1):
     """(config to train with, profile or None). `auto` applies only on CUDA; a named profile anywhere."""
     if cfg.profile == "off":
         return cfg, None
     if cfg.profile == "auto":
         if device_type != "cuda" or device_gib is None:
             return cfg, None
-        profile = choose_profile(device_gib)
+        from configs.model_config import get_model_spec
+
+        spec = None if cfg.init_from else get_model_spec(cfg.model)  # init_from: sized as the 1.2B
+        profile = choose_profile(device_gib, spec, cfg.strategy, world_size, cfg.seq_len or None)
     else:
         profile = PROFILES[cfg.profile]
     return apply_profile(cfg, profile), profile

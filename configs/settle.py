@@ -25,4 +25,4 @@ def settle_config(config: str, sets: list[str], aliases: dict,
     overrides = parse_overrides(sets) | {k: v for k, v in aliases.items() if v is not None}
     cfg = get_training_config(config, overrides)
     device_type, device_gib = device or local_device()
-    return resolve_profile(cfg, device_type, device_gib)
+    return resolve_profile(cfg, device_type, device_gib, world_size=int(os.environ.get("WORLD_SIZE", "1")))

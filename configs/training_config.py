@@ -14,6 +14,7 @@ MODEL_IMPLS = ("native", "hf")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
+STRATEGIES = ("ddp", "fsdp")
 
 
 def check_seq_len(seq_len: int, spec) -> None:
@@ -58,6 +59,8 @@ class TrainingConfig:
     max_grad_norm: float = _field(1.0, "gradient clipping norm")
     seed: int = _field(42, "seed of the weights, the data order and every RNG")
     # speed and memory
+    strategy: str = _field("ddp", "ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
+                                  "state sharded over the ranks (FSDP2), sharded checkpoints")
     mixed_precision: str = _field("bf16", "bf16 | fp16 (CUDA, with a grad scaler) | fp8 (Hopper/Ada, torchao) | no")
     compile_model: bool = _field(True, "torch.compile each transformer block (regional compile)")
     gradient_checkpointing: bool = _field(False, "recompute activations in the backward pass (less memory)")
@@ -97,6 +100,13 @@ class TrainingConfig:
             )
         if self.model_impl not in MODEL_IMPLS:
             raise ConfigError(f"model_impl='{self.model_impl}' is not valid; use one of {', '.join(MODEL_IMPLS)}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"strategy='{self.strategy}' is not valid; use one of {', '.join(STRATEGIES)}")
+        if self.strategy == "fsdp" and self.model_impl != "native":
+            raise ConfigError("strategy=fsdp shards the native model; use model_impl=native (or strategy=ddp)")
+        if self.strategy == "fsdp" and self.mixed_precision == "fp16":
+            raise ConfigError("strategy=fsdp does not run fp16 (it needs a sharded grad scaler); use "
+                              "--mixed-precision bf16")
         bad = [t for t in self.report_to.split(",") if t.strip() and t.strip().lower() not in REPORT_TO]
         if bad:
             raise ConfigError(f"report_to='{self.report_to}': unknown tracker '{bad[0].strip()}'; use "

@@ -134,16 +134,17 @@ def write_text(final, text: str) -> None:
 
 
 @contextmanager
-def atomic_directory(final, replace: bool = True) -> Iterator[Path]:
+def atomic_directory(final, replace: bool = True, tmp: Path | None = None) -> Iterator[Path]:
     """`with atomic_directory(dest) as tmp:` fill `tmp`; on success it is fsynced and renamed to `dest`.
 
     An existing `dest` is replaced (renamed aside, the new one renamed in, the old one deleted) when
     `replace`; otherwise FileExistsError is raised and the new content discarded (e.g. a concurrent build
-    won the race). On any error the temporary directory is removed."""
+    won the race). On any error the temporary directory is removed. `tmp`: a temporary name from
+    `temp_path(final)` that others (e.g. the ranks of a sharded checkpoint) are already filling."""
     final = Path(final)
-    tmp = temp_path(final)
+    tmp = tmp or temp_path(final)
     try:
-        tmp.mkdir()
+        tmp.mkdir(exist_ok=True)
         yield tmp
         fsync_dir(tmp)
         publish_directory(tmp, final, replace=replace)

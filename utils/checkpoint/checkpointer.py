@@ -1,14 +1,23 @@
 """The Checkpointer: everything a run does with checkpoints, in one object beside the training loop.
 
-It finds the checkpoint to resume from (`find`), restores every stateful component from it after checking
-that it fits this run (`restore`), saves them (`save`: the finite check, then only the device-to-host copy
-blocks the loop; writing, retention and upload run in threads), and at the end reports what is where
-(`close`). Stateful components are anything with `state_dict()` / `load_state_dict()`: the optimizer, the
-LR scheduler, the grad scaler, the data loader's cursor; the model's weights go to `model.safetensors`
-(HF names), `TrainState` into `trainer_state.json`, and each rank's RNG state into `rng.pt`.
+`find_checkpoint` turns `--resume` into a verified local checkpoint before the model is built (so
+`init_from` knows whether its weights are wanted). The Checkpointer is then built once with every stateful
+component of the run registered: the model, the optimizer, the other objects with `state_dict()` /
+`load_state_dict()` (LR scheduler, grad scaler, data cursor), `TrainState`, the run record and the metrics
+window, and a function that names the checkpoint for the current step. From then on `save(step, force=...)`
+decides whether a save is due (every `save_steps`, or forced: the last step, a stop signal) and
+`restore(path)` mirrors it; `close()` reports what is where.
 
-Only rank 0 writes, retains and uploads; every rank takes part in the collective steps (RNG gather,
-finite check), so `save` must be called on all ranks.
+Saving: the finite check (every rank), then only the device-to-host copy blocks the loop; writing,
+retention and upload run in threads. Unsharded (DDP): rank 0 writes the model (`model.safetensors`, HF
+names) and every object (`<key>.pt`, the optimizer's among them). Sharded (FSDP): every rank writes its
+own shards of model and optimizer into `dcp/` (utils/checkpoint/sharded.py), rank 0 the rest and, once
+every rank's files are on disk, the manifest; then the directory is renamed into place. Each rank's RNG
+state goes into `rng.pt`, `TrainState` and the run record into `trainer_state.json`. Extra files (the
+data's tokenizer.json) are looked up when a checkpoint is written, so one made during the run is included.
+
+`save` and `restore` must be called on every rank (they hold collective steps); rank 0 alone writes the
+non-sharded files, retains and uploads.
 """
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ import torch
 
 from utils import files
 from utils.checkpoint.format import (CheckpointError, CheckpointPayload, HostBuffers, NoCheckpointFound,
-                                     apply_retention, read_checkpoint, snapshot_to_cpu)
+                                     ShardedPart, apply_retention, read_checkpoint, snapshot_to_cpu)
 from utils.checkpoint.resume import resolve_resume
 from utils.checkpoint.upload import BackgroundUploader
 from utils.checkpoint.writer import AsyncCheckpointWriter
@@ -37,111 +46,166 @@ class NonFiniteWeights(UserError):
     pass
 
 
+def find_checkpoint(resume: str, accelerator, root: Path, remote_root: str | None, log,
+                    client_factory: Callable = make_client) -> Path | None:
+    """`--resume` -> a verified local checkpoint, downloaded from GCS if need be (rank 0 first; the others
+    then find it locally). `auto`: the newest complete one, or None for a fresh start."""
+    try:
+        return main_process_first(accelerator, lambda: resolve_resume(
+            "latest" if resume == "auto" else resume, Path(root), remote_root, client_factory=client_factory,
+            log=log.info))
+    except NoCheckpointFound as exc:
+        if resume != "auto":
+            raise UserError(f"--resume {resume}: {exc}") from None
+        log.info(f"--resume auto: {str(exc).split(';')[0]}; starting a fresh run")
+        return None
+    except UserError as exc:
+        raise UserError(f"--resume {resume}: {exc}") from None
+
+
 class Checkpointer:
     def __init__(self, accelerator, root: Path, remote_root: str | None, *, keep: int, log,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, stateful: dict, state: TrainState,
+                 run: dict, window, name: Callable[[], str], save_steps: int = 0, sharded: bool = False,
                  background_upload: bool = True, upload_timeout_s: float = 600.0,
                  client_factory: Callable = make_client, extra_files: dict[str, Path] | None = None):
         self.accelerator = accelerator
         self.root, self.remote_root, self.keep, self.log = Path(root), remote_root, keep, log
+        self.model, self.optimizer, self.stateful = model, optimizer, dict(stateful)
+        self.state, self.run, self.window, self.name = state, run, window, name
+        self.save_steps, self.sharded = save_steps, sharded
         self.upload_timeout_s = upload_timeout_s
         self.client_factory = client_factory
-        self.extra_files = {k: v for k, v in (extra_files or {}).items() if Path(v).is_file()}
+        self.extra_files = dict(extra_files or {})  # looked up at each save: they may appear during the run
         self.is_main = accelerator.is_main_process
         self.writer = AsyncCheckpointWriter() if self.is_main else None
         self.uploader = (BackgroundUploader(client_factory, synchronous=not background_upload, log=log.info)
                          if remote_root and self.is_main else None)
         self.buffers = HostBuffers()
+        self.shard_saver = None
+        if sharded:
+            from utils.checkpoint.sharded import ShardedSaver
+
+            self.shard_saver = ShardedSaver()  # a gloo group of its own: created on every rank, in order
         self.last: Path | None = None  # the newest checkpoint this run saved
         self.last_bytes = 0  # its size on disk, for the free-space check before the next one
 
     # ------------------------------------------------------------------------------------------ resume
 
-    def find(self, resume: str) -> Path | None:
-        """`--resume` -> a verified local checkpoint, downloaded from GCS if need be (rank 0 first; the
-        others then find it locally). `auto`: the newest complete one, or None for a fresh start."""
-        try:
-            return main_process_first(self.accelerator, lambda: resolve_resume(
-                "latest" if resume == "auto" else resume, self.root, self.remote_root,
-                client_factory=self.client_factory, log=self.log.info))
-        except NoCheckpointFound as exc:
-            if resume != "auto":
-                raise UserError(f"--resume {resume}: {exc}") from None
-            self.log.info(f"--resume auto: {str(exc).split(';')[0]}; starting a fresh run")
-            return None
-        except UserError as exc:
-            raise UserError(f"--resume {resume}: {exc}") from None
+    def restore(self, path: Path) -> None:
+        """Loads everything saved at `path` into the registered objects, after checking it fits this run,
+        whatever the strategy and world size that wrote it (every rank calls it)."""
+        from utils.checkpoint.sharded import is_sharded, load_full, load_sharded
 
-    def restore(self, path: Path, model: torch.nn.Module, stateful: dict, state: TrainState, run: dict) -> None:
-        """Loads everything saved at `path` into this run's objects, after checking it fits (`run` holds
-        this run's record: model, seq_len, data fingerprint, max_steps, world_size, global batch)."""
-        payload = read_checkpoint(path, verify=False)  # find() verified it
-        saved = payload.trainer_state
+        payload = read_checkpoint(path, verify=False)  # find_checkpoint verified it
+        saved, run = payload.trainer_state, self.run
         _check_fits(path, saved, run)
+        core = self.accelerator.unwrap_model(self.model)
+        objects = dict(payload.objects)
         try:
-            self.accelerator.unwrap_model(model).load_state_dict(payload.model_state)
-        except RuntimeError as exc:
-            raise CheckpointError(f"checkpoint {path}: its weights do not fit this model "
-                                  f"({str(exc).splitlines()[0]})") from None
-        for key, obj in stateful.items():
-            if payload.objects.get(key) is None:
-                continue  # e.g. no grad scaler was saved (bf16/fp32) or none is used now
+            if is_sharded(path):
+                load_sharded(core, self.optimizer, path)
+            elif self.sharded:
+                load_full(core, self.optimizer, payload.model_state, objects.pop("optimizer", None))
+            else:
+                core.load_state_dict(payload.model_state)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {path}: its weights or optimizer state do not fit this model "
+                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        for key, obj in self.stateful_objects().items():
+            if objects.get(key) is None:
+                continue  # e.g. no grad scaler was saved (bf16/fp32) or none is used now; sharded optimizer
             try:
-                obj.load_state_dict(payload.objects[key])
+                obj.load_state_dict(objects[key])
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise CheckpointError(f"checkpoint {path}: cannot restore its {key} state: {exc}") from None
-        rank, saved_rngs = self.accelerator.process_index, payload.objects["rng"]
+        rank, saved_rngs = self.accelerator.process_index, objects["rng"]
         if rank < len(saved_rngs):
             RngState.load_state_dict(saved_rngs[rank])
         else:
             RngState.seed(run["config"]["seed"] + 1_000_003 * saved["step"] + rank)
-        state.load_state_dict(saved)
-        self.log.info(f"Resumed from {path} at step {state.step} ({state.tokens:,} tokens)")
-        if saved["world_size"] != run["world_size"]:
-            self.log.info(f"  checkpoint written by {saved['world_size']} processes, now {run['world_size']}: "
-                          f"ranks below {min(run['world_size'], saved['world_size'])} restore their saved RNG, "
-                          f"others seed theirs from (seed, step, rank); the data cursor is global, so no sample "
-                          f"is skipped or repeated")
+        self.state.load_state_dict(saved)
+        saved_strategy = "fsdp" if is_sharded(path) else "ddp"
+        self.log.info(f"Resumed from {path} at step {self.state.step} ({self.state.tokens:,} tokens)")
+        if saved["world_size"] != run["world_size"] or saved_strategy != run.get("strategy", "ddp"):
+            self.log.info(f"  checkpoint written by {saved['world_size']} processes ({saved_strategy}), now "
+                          f"{run['world_size']} ({run.get('strategy', 'ddp')}): model and optimizer state are "
+                          f"resharded; ranks below {min(run['world_size'], saved['world_size'])} restore their "
+                          f"saved RNG, others seed theirs from (seed, step, rank); the data cursor is global, so "
+                          f"no sample is skipped or repeated")
         old_global = saved.get("global_batch_sequences")
         if old_global and old_global != run["global_batch_sequences"]:
             self.log.warning(f"  global batch changes from {old_global} to {run['global_batch_sequences']} "
                              f"sequences per step; the LR schedule is per optimizer step and is not rescaled")
 
+    def stateful_objects(self) -> dict:
+        """The objects saved as `<key>.pt`: the optimizer too unless it is sharded with the model."""
+        return self.stateful if self.sharded else {"optimizer": self.optimizer} | self.stateful
+
     # -------------------------------------------------------------------------------------------- save
 
-    def save(self, name: str, model: torch.nn.Module, stateful: dict, state: TrainState, run: dict,
-             window) -> tuple[Path, float]:
-        """Checks nothing non-finite would be saved (every rank), then snapshots and hands the write to
-        the writer thread (rank 0). Returns the checkpoint's path and how long the loop was blocked."""
+    def due(self, step: int) -> bool:
+        return bool(self.save_steps) and step % self.save_steps == 0
+
+    def save(self, step: int, force: bool = False) -> tuple[Path | None, float]:
+        """Saves when due at `step` (or `force`): checks nothing non-finite would be saved (every rank),
+        snapshots and hands the write to the writer thread(s). Returns the checkpoint's path (None when no
+        save was due) and how long the loop was blocked."""
+        if not (force or self.due(step)):
+            return None, 0.0
+        from utils.model.fsdp import local
+
         started = time.perf_counter()
-        window.checked_losses()
-        params = list(model.parameters())
-        finite = torch.stack([torch.isfinite(p).all() for p in params]).all().float()
+        self.window.checked_losses()
+        params = list(self.model.parameters())
+        finite = torch.stack([torch.isfinite(local(p)).all() for p in params]).all().float()
         if self.accelerator.reduce(finite, reduction="sum").item() != self.accelerator.num_processes:
-            raise NonFiniteWeights(f"non-finite weights after step {state.step}; no checkpoint was written for "
-                                   f"it. Lower learning_rate, or resume from the last checkpoint")
+            raise NonFiniteWeights(f"non-finite weights after step {self.state.step}; no checkpoint was written "
+                                   f"for it. Lower learning_rate, or resume from the last checkpoint")
         rngs = _gather([RngState.state_dict()], self.accelerator)
+        name = self.name()
         path = self.root / name
+        if self.is_main:
+            self.writer.wait()  # at most one write in flight (raising its error); the buffers are free again
+            self._check_free_space(path)
+        copy_started = time.perf_counter()
+        sharded = self._start_sharded(path) if self.sharded else None
         if not self.is_main:
             return path, time.perf_counter() - started
-        self.writer.wait()  # at most one write in flight (raising its error); the buffers are free again
-        self._check_free_space(path)
-        copy_started = time.perf_counter()
-        unwrapped = self.accelerator.unwrap_model(model)
-        snapshot = snapshot_to_cpu({"model": unwrapped.state_dict(),
-                                    "objects": {k: v.state_dict() for k, v in stateful.items()}}, self.buffers)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        snapshot = snapshot_to_cpu({"model": None if self.sharded else unwrapped.state_dict(),
+                                    "objects": {k: v.state_dict() for k, v in self.stateful_objects().items()}},
+                                   self.buffers)
         copy_s = time.perf_counter() - copy_started
-        trainer_state = state.state_dict() | {k: v for k, v in run.items() if k != "max_steps"} | {
+        trainer_state = self.state.state_dict() | {k: v for k, v in self.run.items() if k != "max_steps"} | {
             "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}}
         payload = CheckpointPayload(snapshot["model"], snapshot["objects"] | {"rng": rngs}, trainer_state)
-        self.writer.save(self.root, name, payload, on_done=self._after_write, extra_files=self.extra_files)
+        extra = {k: Path(v) for k, v in self.extra_files.items() if Path(v).is_file()}
+        self.writer.save(self.root, name, payload, on_done=self._after_write, extra_files=extra, sharded=sharded)
         blocked_s = time.perf_counter() - started
-        self.log.write_row({"step": state.step, "checkpoint": name, "blocked_s": blocked_s, "copy_s": copy_s})
+        self.log.write_row({"step": self.state.step, "checkpoint": name, "blocked_s": blocked_s, "copy_s": copy_s})
         self.log.info(f"Checkpoint {name}: loop blocked {blocked_s:.3f} s (device->host copy {copy_s:.3f} s); "
                       f"writing{' and uploading' if self.uploader else ''} in the background")
         return path, blocked_s
 
+    def _start_sharded(self, path: Path) -> ShardedPart | None:
+        """Every rank stages its shards and starts writing them into the temporary directory rank 0 names."""
+        from accelerate.utils import broadcast_object_list
+
+        from utils.checkpoint.sharded import SHARDED_DIR
+
+        self.shard_saver.wait()  # this rank's previous shards are on disk (the writer may still finish it)
+        tmp = files.temp_path(path) if self.is_main else None
+        if self.accelerator.num_processes > 1:
+            tmp = broadcast_object_list([tmp])[0]
+        future = self.shard_saver.start(self.accelerator.unwrap_model(self.model), self.optimizer,
+                                        Path(tmp) / SHARDED_DIR)
+        return ShardedPart(Path(tmp), future.result) if self.is_main else None
+
     def wait(self) -> Path | None:
-        """Blocks until the last save is on disk (rank 0); raises its error."""
+        """Blocks until the last save is on disk (rank 0's files; every rank's shards); raises its error."""
+        if self.shard_saver is not None:
+            self.shard_saver.wait()
         return self.writer.wait() if self.writer else None
 
     def _check_free_space(self, path: Path) -> None:
@@ -167,9 +231,15 @@ class Checkpointer:
     def close(self) -> int:
         """Waits for the last write and (at most upload_timeout_s) for uploads; says what is where.
         Returns 1 when the newest checkpoint failed to write or did not reach GCS, else 0."""
-        if not self.is_main:
-            return 0
         code = 0
+        if self.shard_saver is not None:
+            try:
+                self.shard_saver.wait()
+            except Exception as exc:  # noqa: BLE001 - rank 0's writer reports the failed checkpoint
+                self.log.warning(f"warning: writing this rank's checkpoint shards failed: {exc}")
+                code = 1
+        if not self.is_main:
+            return code
         try:
             self.writer.wait()
         except DiskFullError as exc:

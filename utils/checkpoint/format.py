@@ -2,8 +2,10 @@
 
 A checkpoint is a directory `checkpoint-epoch{E}-step{S}-files{F}/` holding
 
-    model.safetensors     the unwrapped model state (HF parameter names)
+    model.safetensors     the unwrapped model state (HF parameter names)            } unsharded (DDP)
     <key>.pt              one torch.save file per stateful object (optimizer, scheduler, rng, cursor ...)
+    dcp/                  instead of model.safetensors and optimizer.pt under FSDP: every rank's shards of
+                          model and optimizer (utils/checkpoint/sharded.py)
     trainer_state.json    step, epoch, tokens, world size, config, versions
     <extra files>         copied in as given (e.g. tokenizer.json)
     manifest.json         written last: size and crc32c of every other file
@@ -69,9 +71,17 @@ def parse_checkpoint_name(name: str) -> tuple[int, int, int] | None:
 
 @dataclass
 class CheckpointPayload:
-    model_state: dict[str, torch.Tensor]
+    model_state: dict[str, torch.Tensor] | None  # None: sharded, in dcp/
     objects: dict[str, Any]
     trainer_state: dict
+
+
+@dataclass
+class ShardedPart:
+    """A sharded save under way: every rank writes its shards into `tmp` (the checkpoint's temporary
+    directory); `wait()` returns once all of them are on disk, or raises."""
+    tmp: Path
+    wait: Any
 
 
 # ---------------------------------------------------------------------------------------------- snapshot
@@ -192,12 +202,13 @@ def build_manifest(directory: Path, name: str, objects: list[str]) -> dict:
 
 
 def write_checkpoint(root, name: str, payload: CheckpointPayload,
-                     extra_files: dict[str, Path] | None = None) -> Path:
+                     extra_files: dict[str, Path] | None = None, sharded: ShardedPart | None = None) -> Path:
     """Writes `root/name` atomically (see the module docstring) and returns its path.
 
     Safe to run on a background thread while training continues, provided `payload` is a snapshot that
     nobody mutates (see `snapshot_to_cpu`). Re-saving an existing name replaces it: the old directory is
-    renamed aside, the new one renamed in, then the old one deleted."""
+    renamed aside, the new one renamed in, then the old one deleted. With `sharded`, the ranks' shards are
+    being written into its temporary directory: this waits for them before the manifest."""
     root = Path(root)
     if parse_checkpoint_name(name) is None:
         raise CheckpointError(f"'{name}' is not a checkpoint name; build it with checkpoint_name()")
@@ -207,22 +218,24 @@ def write_checkpoint(root, name: str, payload: CheckpointPayload,
     except OSError as e:
         raise CheckpointError(f"cannot create checkpoint directory {root}: {e}") from e
     try:
-        with files.atomic_directory(final) as tmp:
-            _write_contents(tmp, name, payload, extra_files)
+        with files.atomic_directory(final, tmp=sharded.tmp if sharded else None) as tmp:
+            _write_contents(tmp, name, payload, extra_files, sharded)
         return final
     except CheckpointError:
         raise
     except Exception as e:
         if files.is_disk_full(e):
-            needed = sum(t.numel() * t.element_size() for t in payload.model_state.values())
-            raise files.disk_full_error(final, needed) from None
+            needed = sum(t.numel() * t.element_size() for t in (payload.model_state or {}).values())
+            raise files.disk_full_error(final, needed or None) from None
         raise CheckpointError(f"writing checkpoint {final} failed: {type(e).__name__}: {e}") from e
 
 
-def _write_contents(tmp: Path, name: str, payload: CheckpointPayload, extra_files: dict[str, Path] | None) -> None:
-    save_safetensors(_model_tensors(payload.model_state), str(tmp / MODEL_FILE), metadata={"format": "pt"})
-    files.set_default_mode(tmp / MODEL_FILE)
-    files.fsync_file(tmp / MODEL_FILE)
+def _write_contents(tmp: Path, name: str, payload: CheckpointPayload, extra_files: dict[str, Path] | None,
+                    sharded: ShardedPart | None) -> None:
+    if payload.model_state is not None:
+        save_safetensors(_model_tensors(payload.model_state), str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        files.set_default_mode(tmp / MODEL_FILE)
+        files.fsync_file(tmp / MODEL_FILE)
 
     for key, obj in payload.objects.items():
         if not _OBJECT_KEY_RE.fullmatch(key):
@@ -247,6 +260,11 @@ def _write_contents(tmp: Path, name: str, payload: CheckpointPayload, extra_file
 
     if _TEST_WRITE_DELAY_S:  # fault injection for the preemption tests: a slow disk
         time.sleep(_TEST_WRITE_DELAY_S)
+    if sharded is not None:
+        sharded.wait()  # every rank's shards are on disk (and fsynced) before the manifest lists them
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                files.set_default_mode(path)
     manifest = build_manifest(tmp, name, sorted(payload.objects))
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=2)
@@ -387,10 +405,12 @@ def read_checkpoint(path, map_location="cpu", verify: bool = True, objects: bool
     path = Path(path)
     manifest = verify_checkpoint(path) if verify else _read_manifest(path)
     device = str(map_location)
-    try:
-        model_state = load_safetensors(str(path / MODEL_FILE), device=device)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path}: cannot load {MODEL_FILE}: {e}") from e
+    model_state = None  # a sharded checkpoint's weights are in dcp/ (utils/checkpoint/sharded.py)
+    if MODEL_FILE in manifest["files"] or not any(rel.startswith("dcp/") for rel in manifest["files"]):
+        try:
+            model_state = load_safetensors(str(path / MODEL_FILE), device=device)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path}: cannot load {MODEL_FILE}: {e}") from e
     loaded = {}
     with torch.serialization.safe_globals(_numpy_safe_globals()):
         for key in manifest.get("objects", []) if objects else ():

@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from utils.checkpoint.format import CheckpointError, CheckpointPayload, non_cpu_tensor, write_checkpoint
+from utils.checkpoint.format import CheckpointError, CheckpointPayload, ShardedPart, non_cpu_tensor, write_checkpoint
 from utils.errors import UserError
 
 
@@ -29,14 +29,14 @@ class AsyncCheckpointWriter:
 
     def save(self, root, name: str, payload: CheckpointPayload,
              on_done: Callable[[Path], None] | None = None,
-             extra_files: dict[str, Path] | None = None) -> None:
+             extra_files: dict[str, Path] | None = None, sharded: ShardedPart | None = None) -> None:
         self.wait()
         device = non_cpu_tensor([payload.model_state, payload.objects])
         if device:
             raise CheckpointError(f"checkpoint {name}: payload holds a tensor on {device}; "
                                   "pass snapshot_to_cpu(...) output to AsyncCheckpointWriter.save")
         self._idle.clear()
-        self._jobs.put((Path(root), name, payload, on_done, extra_files))
+        self._jobs.put((Path(root), name, payload, on_done, extra_files, sharded))
 
     def wait(self) -> Path | None:
         """Blocks until no write is running; returns the last written path or raises the write's error."""
@@ -51,17 +51,18 @@ class AsyncCheckpointWriter:
             job = self._jobs.get()
             if job is None:
                 return
-            root, name, payload, on_done, extra_files = job
+            root, name, payload, on_done, extra_files, sharded = job
             try:
-                path = write_checkpoint(root, name, payload, extra_files)
+                path = write_checkpoint(root, name, payload, extra_files, sharded)
                 self._last = path
                 if on_done is not None:
                     on_done(path)
             except UserError as e:  # CheckpointError, DiskFullError
                 self._error = e
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread by wait()
-                error = CheckpointError(f"checkpoint {root / name}: after-write callback failed: "
-                                        f"{type(e).__name__}: {e}")
+                what = "writing the ranks' shards" if sharded is not None and self._last != root / name \
+                    else "after-write callback"
+                error = CheckpointError(f"checkpoint {root / name}: {what} failed: {type(e).__name__}: {e}")
                 error.__cause__ = e
                 self._error = error
             finally:

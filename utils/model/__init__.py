@@ -72,11 +72,13 @@ _HFGPTNeoX = None
 def preflight_problem(model: nn.Module, batches: list[torch.Tensor]) -> str | None:
     """Forward + backward on each batch in the run's precision. None when the loss and every gradient are
     finite, else what was not. Gradients are cleared afterwards; no weight changes."""
+    from utils.model.fsdp import local
+
     problem = None
     for i, batch in enumerate(batches, 1):
         loss = model(batch)
         loss.backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
         if not bool(torch.isfinite(loss.detach())):
             problem = f"the loss is {loss.item()} on preflight batch {i}"
         elif grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):

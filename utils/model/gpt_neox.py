@@ -145,6 +145,20 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         return grad_hidden * scale.to(grad_hidden.dtype), grad_weight * scale.to(grad_weight.dtype), None, None
 
 
+class LMHead(nn.Linear):
+    """The output projection (HF's `lm_head`, no bias). Called with `targets` it returns the mean
+    cross-entropy through ChunkedLMHeadLoss instead of logits: the loss is the head's own forward, so a
+    wrapper that acts on module calls (FSDP2 gathers a unit's weights when its forward starts) sees it."""
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(hidden)
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
+        with torch.autocast(device, enabled=False):
+            return ChunkedLMHeadLoss.apply(hidden, self.weight, targets, dtype)
+
+
 class FlopsMixin:
     """FLOPs and parameter counts of a GPT-NeoX with `spec` and a `gpt_neox.embed_in` (both implementations)."""
 
@@ -171,19 +185,28 @@ class GPTNeoX(FlopsMixin, nn.Module):
         self.spec = spec
         self.gradient_checkpointing = gradient_checkpointing
         self.gpt_neox = _Trunk(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.padded_vocab_size, bias=False)
+        self.lm_head = LMHead(spec.hidden_size, spec.padded_vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.gpt_neox.embed_in.weight
-        cos, sin = rotary_tables(spec, spec.max_position_embeddings)
-        self.register_buffer("rotary_cos", cos, persistent=False)
-        self.register_buffer("rotary_sin", sin, persistent=False)
+        self.register_buffer("rotary_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rotary_sin", torch.empty(0), persistent=False)
         self.register_load_state_dict_pre_hook(_accept_embed_out)
         self.reset_parameters()
+
+    def reset_buffers(self) -> None:
+        """The rotary tables (not in any state dict): built here, and again after a meta-device model is
+        materialised with `to_empty`, which leaves buffers uninitialised."""
+        device = self.lm_head.weight.device
+        cos, sin = rotary_tables(self.spec, self.spec.max_position_embeddings)
+        self.rotary_cos, self.rotary_sin = cos.to(device), sin.to(device)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """HF's initialisation: normal(0, initializer_range) for every Linear and Embedding, zero biases,
         LayerNorm weight 1 and bias 0."""
+        self.reset_buffers()
+        if self.lm_head.weight.is_meta:
+            return
         std = self.spec.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -210,11 +233,7 @@ class GPTNeoX(FlopsMixin, nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.hidden_states(input_ids)[:, :-1].reshape(-1, self.spec.hidden_size)
-        targets = input_ids[:, 1:].reshape(-1)
-        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
-            else self.lm_head.weight.dtype
-        with torch.autocast(hidden.device.type, enabled=False):
-            return ChunkedLMHeadLoss.apply(hidden, self.lm_head.weight, targets, dtype)
+        return self.lm_head(hidden, input_ids[:, 1:].reshape(-1))
 
     def compile_blocks(self) -> None:
         """Regional compile: each block's forward is compiled, and the identical blocks share the compiled
