@@ -24,9 +24,9 @@ Where it runs:
   --cpu                    run on the CPU: --gpus N starts N processes over gloo (default 1).
                            Same distributed code path as GPUs; useful for tests and laptops.
                            With no GPU visible and neither --cpu nor --gpus, one CPU process runs.
-  --strategy ddp|fsdp      data parallel (default ddp); fsdp passes accelerate's FULL_SHARD flags, but
-                           train.py refuses it for now (its checkpoints need an unsharded state)
-                           (fsdp: GPUs only)
+  --strategy ddp|fsdp      ddp (default): every process holds the whole model; fsdp: parameters,
+                           gradients and optimizer state sharded over the processes (FSDP2), sharded
+                           checkpoints (sets --set strategy=...; works with --cpu too)
   --nodes N                number of machines (default 1); run this script once on each of them
   --node-rank R            this machine's rank, 0..N-1 (default 0)
   --main-addr HOST         address of the rank-0 machine (required when --nodes > 1)
@@ -110,7 +110,8 @@ while [[ $# -gt 0 ]]; do
         --node-rank) need_value "$1" $#; node_rank="$2"; shift 2 ;;
         --main-addr) need_value "$1" $#; main_addr="$2"; shift 2 ;;
         --main-port) need_value "$1" $#; main_port="$2"; shift 2 ;;
-        --strategy) need_value "$1" $#; strategy="$2"; shift 2 ;;
+        --strategy) need_value "$1" $#; strategy="$2"; sets+=(--set "strategy=$2"); train_args+=(--set "strategy=$2")
+                    shift 2 ;;
         --resume) need_value "$1" $#; train_args+=(--resume "$2"); shift 2 ;;
         --max-steps) need_value "$1" $#; is_count "$2" || usage_error "--max-steps '$2' is not a whole number"
                      train_args+=(--max-steps "$2"); shift 2 ;;
@@ -201,9 +202,6 @@ else
     fi
 fi
 total=$((per_node * nodes))
-if [[ "$strategy" == "fsdp" && "$cpu" -eq 1 ]]; then
-    fail "--strategy fsdp needs GPUs (accelerate's FSDP does not run on the CPU); use --strategy ddp with --cpu"
-fi
 
 # --- the accelerate command --------------------------------------------------------------------------
 env_args=()
@@ -216,8 +214,8 @@ else
     launch=(python3 -m accelerate.commands.launch)
 fi
 launch+=(--num_processes "$total" --num_machines "$nodes" --dynamo_backend no --mixed_precision "$precision")
-if [[ "$total" -gt 1 && "$strategy" == "ddp" ]]; then
-    launch+=(--multi_gpu)  # --use_fsdp (below) selects the same multi-process launcher; both is an error
+if [[ "$total" -gt 1 ]]; then
+    launch+=(--multi_gpu)  # torchrun's multi-process launcher; FSDP is applied by train.py itself
 fi
 if [[ "$cpu" -eq 1 ]]; then
     # `accelerate launch --cpu` starts a single process whatever --num_processes says; several CPU
@@ -234,11 +232,6 @@ if [[ "$nodes" -gt 1 ]]; then
     launch+=(--machine_rank "$node_rank" --main_process_ip "$main_addr" --main_process_port "${main_port:-29500}")
 elif [[ -n "$main_port" ]]; then
     launch+=(--main_process_port "$main_port")
-fi
-if [[ "$strategy" == "fsdp" ]]; then
-    launch+=(--use_fsdp --fsdp_version 1 --fsdp_sharding_strategy FULL_SHARD
-             --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap GPTNeoXLayer
-             --fsdp_state_dict_type FULL_STATE_DICT --fsdp_use_orig_params true --fsdp_sync_module_states true)
 fi
 
 cmd=("${launch[@]}" "$train_script" --config "$config" "${train_args[@]}" "${extra_args[@]}")

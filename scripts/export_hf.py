@@ -3,9 +3,10 @@
 
     python scripts/export_hf.py checkpoints/checkpoint-epoch0-step5000-files12 exported/step5000
 
-Reads the checkpoint's weights (verified against its manifest) and its model record, writes them through
-transformers' own GPTNeoXForCausalLM (`save_pretrained`), and copies the checkpoint's tokenizer.json. The
-end of every completed run does the same into final_model/.
+Reads the checkpoint's weights (verified against its manifest; a sharded FSDP checkpoint's shards are
+reassembled in this one process) and its model record, writes them through transformers' own
+GPTNeoXForCausalLM (`save_pretrained`; above 5 GB as sharded safetensors with their index), and copies the
+checkpoint's tokenizer.json. The end of every completed run does the same into final_model/.
 """
 from __future__ import annotations
 
@@ -38,7 +39,12 @@ def main(argv=None) -> int:
             spec = ModelSpec(**record)
         except TypeError as exc:
             raise UserError(f"{args.checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
-        export_hf(payload.model_state, spec, out, tokenizer=Path(args.checkpoint) / "tokenizer.json")
+        weights = payload.model_state
+        if weights is None:  # sharded (strategy=fsdp): every rank's shards, reassembled
+            from utils.checkpoint.sharded import read_full_model_state
+
+            weights = read_full_model_state(args.checkpoint)
+        export_hf(weights, spec, out, tokenizer=Path(args.checkpoint) / "tokenizer.json")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -121,25 +121,31 @@ def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
     cfg, model, optimizer, scheduler = _objects(seed=1)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     log = Log()
-    ckpt = Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=2, log=log)
     window = MetricsWindow(accelerator, 32, 1.0, None, "no")
     state = TrainState()
     run = {"world_size": 1, "global_batch_sequences": 2, "seq_len": 16, "config": cfg.to_dict(),
            "model": get_model_spec("tiny").to_dict(), "data": {"sha256": "x"}, "max_steps": 10}
+
+    def checkpointer(model, optimizer, scheduler, state):
+        return Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=2, log=log, model=model,
+                            optimizer=optimizer, stateful={"scheduler": scheduler}, state=state, run=run,
+                            window=window, save_steps=2, name=lambda: f"checkpoint-epoch0-step{state.step}-files0")
+
+    ckpt = checkpointer(model, optimizer, scheduler, state)
     saved = []
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4, 5):
         model(ids).backward()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
         state.advance(32)
-        path, blocked = ckpt.save(f"checkpoint-epoch0-step{step}-files0", model, {"optimizer": optimizer,
-                                  "scheduler": scheduler}, state, run, window)
-        assert blocked < 5.0
-        if step == 1:
+        path, blocked = ckpt.save(step, force=step == 5)  # due at 2 and 4 (save_steps), forced at 5
+        assert (path is None) == (step in (1, 3)) and blocked < 5.0
+        if step == 2:
             first_alloc = ckpt.buffers.allocated_bytes
             pointers = {k: v.data_ptr() for k, v in ckpt.buffers._pool.items()}
-        saved.append(path)
+        if path:
+            saved.append(path)
     ckpt.wait()
     assert ckpt.buffers.allocated_bytes == first_alloc > 0  # nothing allocated after the first save
     assert ckpt.buffers.reused_bytes == 2 * first_alloc
@@ -149,10 +155,9 @@ def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
 
     _, fresh, fresh_opt, fresh_sched = _objects(seed=2)
     restored = TrainState()
-    Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=2, log=log).restore(
-        saved[-1], fresh, {"optimizer": fresh_opt, "scheduler": fresh_sched}, restored, run)
+    checkpointer(fresh, fresh_opt, fresh_sched, restored).restore(saved[-1])
     assert restored == state
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
-    assert fresh_sched.state_dict()["last_epoch"] == 3
+    assert fresh_sched.state_dict()["last_epoch"] == 5
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     assert any("Resumed from" in line for line in log.lines)

@@ -23,6 +23,7 @@ import torch
 from configs.model_config import ConfigError, ModelSpec
 from utils import files
 
+EXPORT_SHARD_SIZE = "5GB"  # larger exports are sharded safetensors with an index json, as transformers writes them
 _NOT_WEIGHTS = re.compile(r"(attention\.(bias|masked_bias)|rotary_emb\.inv_freq)$")
 
 
@@ -111,7 +112,7 @@ def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenize
     """Writes `state` as an HF model directory (through transformers' class), files readable by others."""
     out_dir = Path(out_dir)
     model = to_transformers({k: v.detach().cpu() for k, v in state.items()}, spec)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=EXPORT_SHARD_SIZE)
     if tokenizer is not None and Path(tokenizer).is_file():
         shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
     for path in out_dir.iterdir():

@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""Per-GPU memory of a training configuration, before renting the GPUs: weights, gradients, optimizer state,
+activations, and whether it fits.
+
+    python scripts/memory_plan.py --model pythia-6.9b --strategy fsdp --world-size 8 --micro-batch 2 \\
+        --checkpointing --device-gib 80
+
+The figures are the estimate the memory profiles choose by (configs/profiles.py: `memory_plan`); the
+training log states the measured per-rank parameter bytes at start. Exit status 1 when it does not fit.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from configs.model_config import MODELS, ConfigError, get_model_spec  # noqa: E402
+from configs.profiles import USABLE_FRACTION, memory_plan  # noqa: E402
+from configs.training_config import OPTIMIZER_STATE_DTYPES, STRATEGIES  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt-neox-1.2b", help=f"one of: {', '.join(MODELS)}")
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    p.add_argument("--world-size", type=int, default=1, help="processes (GPUs) in all")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per GPU")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the model's positions)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    p.add_argument("--moments", choices=OPTIMIZER_STATE_DTYPES, default="fp32", help="AdamW moment precision")
+    p.add_argument("--device-gib", type=float, default=80.0, help="memory of one GPU, GiB (default 80)")
+    args = p.parse_args(argv)
+    try:
+        spec = get_model_spec(args.model)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.world_size < 1 or args.micro_batch < 1 or args.seq_len < 0:
+        print("error: --world-size and --micro-batch must be at least 1, --seq-len not negative", file=sys.stderr)
+        return 2
+    plan = memory_plan(spec, strategy=args.strategy, world_size=args.world_size, micro_batch=args.micro_batch,
+                       seq_len=args.seq_len or None, checkpointing=args.checkpointing, moments=args.moments)
+    print(f"{spec.name}, {args.strategy} over {args.world_size} GPU(s), micro-batch {args.micro_batch}, "
+          f"activation checkpointing {'on' if args.checkpointing else 'off'}, AdamW moments {args.moments}:")
+    print("\n".join(plan.lines()))
+    usable = USABLE_FRACTION * args.device_gib * 2**30 / 1e9
+    if plan.fits(args.device_gib):
+        print(f"fits a {args.device_gib:g} GiB GPU ({usable:.1f} GB usable)")
+        return 0
+    print(f"does NOT fit a {args.device_gib:g} GiB GPU ({usable:.1f} GB usable): shard it (--strategy fsdp, more "
+          f"GPUs), turn on --checkpointing, lower --micro-batch or use --moments bf16")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

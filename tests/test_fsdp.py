@@ -1,0 +1,213 @@
+"""strategy=fsdp on the CPU over gloo (real processes): FSDP2 trains like DDP, sharded checkpoints resume on
+any world size and strategy (also from GCS), a corrupt shard is skipped, SIGTERM stops cleanly, the export
+loads in transformers; and, in-process, the Pythia presets and the memory plan."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import Emulator
+from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
+
+STEPS = ("max_steps=8", "save_steps=4", "save_total_limit=3")
+
+
+def launch(out: Path, data: Path, gpus: int, *sets: str, extra: tuple = (), env=None):
+    cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", str(gpus),
+           "--strategy", "fsdp", "--", "--output-dir", str(out), "--data-dir", str(data)]
+    for s in TINY + list(sets):
+        cmd += ["--set", s]
+    return run(cmd + list(extra), env, timeout=600)
+
+
+def close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    emu = Emulator()
+    yield emu
+    emu.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, emulator):
+    """A: 2 FSDP ranks (micro 1 x accumulation 2), uploading to the GCS emulator; B: 1 DDP process (micro 2 x
+    accumulation 2): the same global batch of 4, 8 steps, checkpoints at 4 and 8."""
+    root = tmp_path_factory.mktemp("fsdp")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "STORAGE_EMULATOR_HOST": emulator.url, "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    data = make_shards(root / "data")
+    a, b = root / "fsdp2", root / "ddp1"
+    launch(a, data, 2, *STEPS, "per_device_train_batch_size=1", "gradient_accumulation_steps=2",
+           f"gcs_bucket={emulator.bucket}", "run_name=fsdp", env=env)
+    run(train_cmd(b, data, *STEPS, "per_device_train_batch_size=2", "gradient_accumulation_steps=2"), env)
+    return {"root": root, "data": data, "a": a, "b": b, "env": env}
+
+
+def checkpoint(out: Path, step: int) -> Path:
+    return next((out / "checkpoints").glob(f"checkpoint-epoch*-step{step}-files*"))
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_train_like_one_ddp_process(runs):
+    a, b = train_rows(runs["a"]), train_rows(runs["b"])
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert close(a[step]["loss"], b[step]["loss"]), (step, a[step]["loss"], b[step]["loss"])
+        assert close(a[step]["grad_norm"], b[step]["grad_norm"]), (step, a[step]["grad_norm"], b[step]["grad_norm"])
+        assert a[step]["lr"] == b[step]["lr"] and a[step]["tokens"] == b[step]["tokens"]
+    wa, wb = (load_weights(out / "final_model" / "model.safetensors") for out in (runs["a"], runs["b"]))
+    assert wa.keys() == wb.keys()
+    # the whole model within 1e-5 (relative): fp32 sums in another order differ in the last bits, and AdamW
+    # turns the rounding noise of gradients that are zero in exact arithmetic (the key biases) into full-size
+    # updates, so a per-element bound would measure AdamW, not FSDP
+    flat = lambda w: torch.cat([w[k].flatten() for k in sorted(w)])  # noqa: E731
+    assert ((flat(wa) - flat(wb)).norm() / flat(wb).norm()).item() < 1e-5
+
+    # the log says the strategy, and each FSDP rank holds half the parameters a DDP process holds
+    def param_bytes(out):
+        log = (out / "logs" / "training.log").read_text()
+        line = re.search(r"strategy (\w+), world size (\d+): per-rank state .*\(parameters (\d+) bytes", log)
+        return line.group(1), int(line.group(2)), int(line.group(3))
+
+    (sa, wa_, pa), (sb, wb_, pb) = param_bytes(runs["a"]), param_bytes(runs["b"])
+    assert (sa, wa_, sb, wb_) == ("fsdp", 2, "ddp", 1)
+    assert abs(pa / pb - 0.5) < 0.025, (pa, pb)
+
+    # the sharded checkpoint: every rank's file listed in the manifest, no model.safetensors
+    manifest = json.loads((checkpoint(runs["a"], 8) / "manifest.json").read_text())
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(manifest["files"])
+    assert "model.safetensors" not in manifest["files"] and "optimizer.pt" not in manifest["files"]
+
+
+@pytest.mark.slow
+def test_fsdp_export_loads_in_transformers_with_the_native_loss(runs):
+    from transformers import AutoModelForCausalLM
+
+    from configs import get_model_spec
+    from utils.model import build_model
+
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(3))
+    hf = AutoModelForCausalLM.from_pretrained(runs["a"] / "final_model").eval()
+    native = build_model(get_model_spec("tiny"), seed=0).eval()
+    native.load_state_dict(load_weights(runs["a"] / "final_model" / "model.safetensors"), strict=False)
+    with torch.no_grad():
+        hf_loss = hf(input_ids=ids, labels=ids).loss.item()
+        assert close(native(ids).item(), hf_loss)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_on_other_world_sizes_and_strategies(runs, emulator):
+    env, data, a, b = runs["env"], runs["data"], runs["a"], runs["b"]
+    expected_a, expected_b = train_rows(a), train_rows(b)
+
+    # FSDP (2 ranks) -> DDP (1 process), from its copy in GCS (uploaded in the background by run A)
+    remote = f"gs://{emulator.bucket}/checkpoints/fsdp/{checkpoint(a, 4).name}"
+    one = runs["root"] / "fsdp2-to-ddp1"
+    proc = run(train_cmd(one, data, *STEPS, "per_device_train_batch_size=2", "gradient_accumulation_steps=2",
+                         extra=("--resume", remote)), env)
+    assert "checkpoint written by 2 processes (fsdp), now 1 (ddp)" in proc.stdout
+    # FSDP (2 ranks) -> FSDP (4 ranks)
+    four = runs["root"] / "fsdp2-to-fsdp4"
+    launch(four, data, 4, *STEPS, "per_device_train_batch_size=1", "gradient_accumulation_steps=1", env=env,
+           extra=("--resume", str(checkpoint(a, 4))))
+    # DDP (1 process, unsharded checkpoint) -> FSDP (2 ranks)
+    two = runs["root"] / "ddp1-to-fsdp2"
+    launch(two, data, 2, *STEPS, "per_device_train_batch_size=1", "gradient_accumulation_steps=2", env=env,
+           extra=("--resume", str(checkpoint(b, 4))))
+    for out, expected in ((one, expected_a), (four, expected_a), (two, expected_b)):
+        rows = train_rows(out)
+        assert sorted(rows) == [5, 6, 7, 8], out.name
+        for step in range(5, 9):
+            assert rows[step]["lr"] == expected[step]["lr"]
+            assert close(rows[step]["loss"], expected[step]["loss"]), (out.name, step, rows[step], expected[step])
+
+
+@pytest.mark.slow
+def test_corrupt_rank_file_is_skipped_and_named(runs, tmp_path):
+    from utils.checkpoint.format import find_latest_local
+
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(runs["a"] / "checkpoints", copy)
+    newest = checkpoint(copy.parent, 8)
+    shard = newest / "dcp" / "__1_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    lines = []
+    assert find_latest_local(copy, lines.append) == checkpoint(copy.parent, 4)
+    assert any(newest.name in line and "dcp/__1_0.distcp" in line and "corrupt" in line for line in lines), lines
+
+
+def test_pythia_presets_have_the_published_parameter_counts():
+    from configs import get_model_spec
+    from utils.model import build_model
+
+    published = {"pythia-160m": 162_322_944, "pythia-410m": 405_334_016, "pythia-1b": 1_011_781_632,
+                 "pythia-1.4b": 1_414_647_808, "pythia-2.8b": 2_775_208_960, "pythia-6.9b": 6_857_302_016}
+    for name, count in published.items():
+        with torch.device("meta"):
+            model = build_model(get_model_spec(name), seed=0)
+        assert abs(model.parameter_counts()[0] / count - 1) < 0.005, name
+
+
+def test_memory_plan_matches_the_profile_budget_and_shards_under_fsdp():
+    from configs import get_model_spec
+    from configs.profiles import choose_profile, memory_plan
+
+    spec = get_model_spec("gpt-neox-1.2b")
+    ddp = memory_plan(spec, strategy="ddp", world_size=8, micro_batch=4, checkpointing=True)
+    assert round(ddp.state / 1e9, 1) == 22.6  # configs/profiles.py: 5.6 + 5.6 + 11.3 GB
+    fsdp = memory_plan(spec, strategy="fsdp", world_size=8, micro_batch=4, checkpointing=True)
+    assert math.isclose(fsdp.state * 8, ddp.state) and fsdp.activations == ddp.activations
+    # a 24 GB card: DDP must fall back to bf16 moments; sharded over 2 GPUs the balanced profile fits
+    assert choose_profile(23.6, spec, "ddp", 2).name == "conservative"
+    assert choose_profile(23.6, spec, "fsdp", 2).name == "balanced"
+    assert not memory_plan(get_model_spec("pythia-6.9b"), strategy="ddp", micro_batch=1, checkpointing=True).fits(80)
+    assert memory_plan(get_model_spec("pythia-6.9b"), strategy="fsdp", world_size=8, micro_batch=2,
+                       checkpointing=True).fits(80)
+    out = subprocess.run([str(REPO_ROOT / ".venv" / "bin" / "python"), str(REPO_ROOT / "scripts" / "memory_plan.py"),
+                          "--model", "pythia-6.9b", "--world-size", "8"], capture_output=True, text=True)
+    assert out.returncode == 1 and "does NOT fit" in out.stdout and "weights (fp32)" in out.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_during_an_fsdp_run(tmp_path, subprocess_env):
+    from utils.checkpoint.format import verify_checkpoint
+
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", "2", "--strategy", "fsdp",
+           "--", "--output-dir", str(out), "--data-dir", str(data)]
+    for s in TINY + ["per_device_train_batch_size=2", "max_steps=100000", "save_steps=100000"]:
+        cmd += ["--set", s]
+    launcher = subprocess.Popen(cmd, env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    rows = out / "logs" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (rows.exists() and rows.read_text().count('"loss"') >= 3):
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=180)
+    assert launcher.returncode == 0, stderr[-3000:]
+    stopped = max(train_rows(out))
+    ckpts = [p for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")]
+    assert len(ckpts) == 1 and f"-step{stopped}-" in ckpts[0].name, ckpts
+    manifest = verify_checkpoint(ckpts[0])
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(manifest["files"])
+    assert f"stopped by SIGTERM after step {stopped}" in stdout
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]  # no temporary left
+    assert subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 1  # no process left
