@@ -406,16 +406,17 @@ def check_shared_output_dir(output_dir: Path, accelerator) -> None:
     world = accelerator.num_processes
     if world == 1 or int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
         return
-    probe = output_dir / f".shared-fs-check-{secrets.token_hex(4)}" if accelerator.is_main_process else None
-    if probe is not None:
+    name = f".shared-fs-check-{secrets.token_hex(4)}" if accelerator.is_main_process else None
+    if name is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-    probe = broadcast_object_list([probe])[0]
+        (output_dir / name).write_text("")
+    name = broadcast_object_list([name])[0]
     accelerator.wait_for_everyone()
-    blind = [host for host, seen in gather_object([(os.uname().nodename, Path(probe).exists())]) if not seen]
+    seen = (output_dir / name).exists()  # each node's own --output-dir: the same directory only if shared
+    blind = [host for host, ok in gather_object([(os.uname().nodename, seen)]) if not ok]
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        Path(probe).unlink(missing_ok=True)
+        (output_dir / name).unlink(missing_ok=True)
     if blind:
         raise UserError(f"strategy=fsdp on several nodes writes one checkpoint from every rank, but --output-dir "
                         f"{output_dir} is not shared: {', '.join(sorted(set(blind)))} cannot see it; put it on a "

@@ -185,14 +185,16 @@ def test_memory_plan_matches_the_profile_budget_and_shards_under_fsdp():
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_during_an_fsdp_run(tmp_path, subprocess_env):
+def test_init_from_and_sigterm_to_the_launcher_during_an_fsdp_run(runs, tmp_path, subprocess_env):
+    """Starts 2 FSDP ranks from run A's exported model (init_from: rank 0 reads it, the others get their
+    shards by broadcast), then stops them with SIGTERM to the launcher."""
     from utils.checkpoint.format import verify_checkpoint
 
-    data = make_shards(tmp_path / "data")
     out = tmp_path / "out"
     cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", "2", "--strategy", "fsdp",
-           "--", "--output-dir", str(out), "--data-dir", str(data)]
-    for s in TINY + ["per_device_train_batch_size=2", "max_steps=100000", "save_steps=100000"]:
+           "--", "--output-dir", str(out), "--data-dir", str(runs["data"])]
+    for s in TINY + ["per_device_train_batch_size=1", "gradient_accumulation_steps=2", "max_steps=100000",
+                     "save_steps=100000", f"init_from={runs['a'] / 'final_model'}"]:
         cmd += ["--set", s]
     launcher = subprocess.Popen(cmd, env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -203,6 +205,11 @@ def test_sigterm_to_the_launcher_during_an_fsdp_run(tmp_path, subprocess_env):
     launcher.send_signal(signal.SIGTERM)
     stdout, stderr = launcher.communicate(timeout=180)
     assert launcher.returncode == 0, stderr[-3000:]
+
+    # init_from: the first evaluation sees run A's final weights (same validation batches)
+    val = lambda out: {r["step"]: r["val_loss"] for r in metrics(out) if "val_loss" in r}  # noqa: E731
+    assert close(val(out)[0], val(runs["a"])[8]), (val(out), val(runs["a"]))
+
     stopped = max(train_rows(out))
     ckpts = [p for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")]
     assert len(ckpts) == 1 and f"-step{stopped}-" in ckpts[0].name, ckpts
@@ -211,3 +218,27 @@ def test_sigterm_to_the_launcher_during_an_fsdp_run(tmp_path, subprocess_env):
     assert f"stopped by SIGTERM after step {stopped}" in stdout
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]  # no temporary left
     assert subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 1  # no process left
+
+
+@pytest.mark.slow
+def test_two_nodes_without_a_shared_output_dir_are_refused(tmp_path, subprocess_env):
+    """Two launchers on this machine stand in for two nodes; each has its own --output-dir, as two machines
+    with local disks would: the run stops before training, saying the output dir is not shared."""
+    from tests.conftest import free_port
+
+    port, data = str(free_port()), make_shards(tmp_path / "data")
+    procs = []
+    for rank in (0, 1):
+        cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", "1", "--nodes", "2",
+               "--node-rank", str(rank), "--main-addr", "127.0.0.1", "--main-port", port, "--strategy", "fsdp",
+               "--", "--output-dir", str(tmp_path / f"node{rank}"), "--data-dir", str(data)]
+        for s in TINY + ["max_steps=2"]:
+            cmd += ["--set", s]
+        procs.append(subprocess.Popen(cmd, env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=180) for p in procs]
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode != 0
+        assert "is not shared" in stderr and "cannot see it" in stderr, stderr[-2000:]
+    assert not (tmp_path / "node0" / "logs" / "metrics.jsonl").exists() or \
+        '"loss"' not in (tmp_path / "node0" / "logs" / "metrics.jsonl").read_text()
