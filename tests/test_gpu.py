@@ -63,3 +63,22 @@ def test_fp8_trains_and_checkpoints_plain_weights_on_hopper(tmp_path, subprocess
                   "per_device_train_batch_size=8", "logging_steps=2", extra=("--resume", "latest")), subprocess_env,
         timeout=900)
     assert max(train_rows(out)) == 12
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_fsdp_on_one_gpu_trains_checkpoints_and_resumes(tmp_path, subprocess_env, precision):
+    """strategy=fsdp on one GPU: bf16 parameters with fp32 reduction (and torchao's float8 all-gather under
+    fp8), a sharded checkpoint, and a resume from it."""
+    import torch
+
+    if precision == "fp8" and torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("float8 needs compute capability >= 8.9")
+    data = make_shards(tmp_path / "data", n_files=4, rows=256, seq_len=64)
+    out = tmp_path / "out"
+    sets = ("strategy=fsdp", f"mixed_precision={precision}", "compile_model=true", "per_device_train_batch_size=8",
+            "logging_steps=5", "save_steps=5")
+    proc = run(train_cmd(out, data, *sets, "max_steps=10"), subprocess_env, timeout=900)
+    assert "strategy fsdp, world size 1" in proc.stdout
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train_rows(out).values())
+    run(train_cmd(out, data, *sets, "max_steps=12", extra=("--resume", "latest")), subprocess_env, timeout=900)
+    assert max(train_rows(out)) == 12
