@@ -71,6 +71,12 @@ def test_chunked_loss_equals_the_plain_one(monkeypatch):
     assert abs(loss.item() - plain.item()) <= 1e-6
     for name, p in model.named_parameters():
         assert torch.allclose(chunked[name], p.grad, atol=1e-7, rtol=1e-5), name
+    # under no_grad (eval) the loss-only path: the same value without the two gradient matmuls
+    calls = []
+    monkeypatch.setattr(gpt_neox.ChunkedLMHeadLoss, "forward", lambda *a: calls.append(a))
+    with torch.no_grad():
+        assert abs(model(x).item() - plain.item()) <= 1e-6
+    assert calls == []
 
 
 def test_gradient_checkpointing_and_regional_compile_change_nothing():

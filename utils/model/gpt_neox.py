@@ -156,7 +156,21 @@ class LMHead(nn.Linear):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
         with torch.autocast(device, enabled=False):
-            return ChunkedLMHeadLoss.apply(hidden, self.weight, targets, dtype)
+            if torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad):
+                return ChunkedLMHeadLoss.apply(hidden, self.weight, targets, dtype)
+            return chunked_loss_only(hidden, self.weight, targets, dtype)
+
+
+def chunked_loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """ChunkedLMHeadLoss's value without its gradients (eval, no_grad): one vocab-sized matmul per chunk
+    instead of three."""
+    w, total = weight.to(dtype), torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], LOSS_CHUNK_ROWS):
+        logits = (hidden[start:start + LOSS_CHUNK_ROWS].to(dtype) @ w.t()).float()
+        t = targets[start:start + LOSS_CHUNK_ROWS]
+        total += (torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)).sum()
+    return total / hidden.shape[0]
 
 
 class FlopsMixin:
