@@ -43,3 +43,20 @@ def test_bench_table_has_every_contender(tmp_path, subprocess_env):
         assert run["final_loss"] > 0
     assert summary["median"]["bare"]["data_wait_frac"] == 0.0
     assert 0 < summary["ratios"]["engine/bare"]["paired"] < 10
+
+
+def test_profile_step_prints_top_operators_and_writes_a_chrome_trace(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.trainkit import REPO_ROOT
+
+    trace = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "profile_step.py"), "--model", "micro",
+                           "--micro-batch", "2", "--seq-len", "16", "--warmup", "1", "--steps", "1", "--top", "5",
+                           "--out", str(trace)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tokens/s" in proc.stdout and "aten::" in proc.stdout and "Self CPU" in proc.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "train_step" for e in events)
