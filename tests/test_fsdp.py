@@ -242,3 +242,22 @@ def test_two_nodes_without_a_shared_output_dir_are_refused(tmp_path, subprocess_
         assert "is not shared" in stderr and "cannot see it" in stderr, stderr[-2000:]
     assert not (tmp_path / "node0" / "logs" / "metrics.jsonl").exists() or \
         '"loss"' not in (tmp_path / "node0" / "logs" / "metrics.jsonl").read_text()
+
+
+def test_a_large_export_is_sharded_safetensors_with_an_index(tmp_path, monkeypatch):
+    """Above EXPORT_SHARD_SIZE (5 GB) the export is split as transformers writes it, and loads back."""
+    from transformers import AutoModelForCausalLM
+
+    from configs import get_model_spec
+    from utils.model import build_model, hf
+
+    monkeypatch.setattr(hf, "EXPORT_SHARD_SIZE", "200KB")  # the tiny model (0.7 MB) stands in for a 6.9B one
+    spec = get_model_spec("tiny")
+    model = build_model(spec, seed=4)
+    hf.export_hf(model.state_dict(), spec, tmp_path / "out")
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert close(loaded(input_ids=ids, labels=ids).loss.item(), model(ids).item())
