@@ -233,12 +233,12 @@ def make_trackers(cfg, log_dir: Path) -> list:
     """accelerate's trackers for `report_to`; TensorBoard writes into logs/tensorboard/ as it always has."""
     from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
 
-    from utils.metrics import tracker_names
+    from utils.metrics import usable_trackers
 
     made = {"tensorboard": lambda: TensorBoardTracker("tensorboard", str(log_dir)),
             "wandb": lambda: WandBTracker(cfg.effective_run_name),
             "mlflow": lambda: MLflowTracker(cfg.effective_run_name, logging_dir=str(log_dir / "mlruns"))}
-    return [made[name]() for name in tracker_names(cfg.report_to)]
+    return [made[name]() for name in usable_trackers(cfg.report_to)]
 
 
 def lock_output_dir(output_dir: Path, accelerator):

@@ -227,14 +227,37 @@ def mount_point(path) -> Path:
     return path
 
 
-def disk_full_error(path, needed_bytes: int | None = None):
+RESUME_ADVICE = ("free space there (or lower save_total_limit), then resume with --resume auto: the checkpoints "
+                 "written before are intact")
+
+
+def disk_full_error(path, needed_bytes: int | None = None, advice: str = RESUME_ADVICE):
     """The one-line DiskFullError for a write to `path` that ran out of space: where, how much, what to do."""
     from utils.errors import DiskFullError
 
     need = f"about {needed_bytes / 1e9:.2f} GB needed, " if needed_bytes else ""
-    return DiskFullError(f"no space left on {mount_point(path)} writing {path} ({need}{free_bytes(path) / 1e9:.2f} "
-                         f"GB free); free space there (or lower save_total_limit), then resume with --resume auto: "
-                         f"the checkpoints written before are intact")
+    try:
+        where, free = mount_point(path), f"{free_bytes(path) / 1e9:.2f} GB free"
+    except OSError:
+        where, free = Path(path).parent, "free space unknown"
+    return DiskFullError(f"no space left on {where} writing {path} ({need}{free}); {advice}")
+
+
+@contextmanager
+def disk_full_guard(path, needed_bytes: int | None = None, advice: str = RESUME_ADVICE) -> Iterator[None]:
+    """`with disk_full_guard(path): write...` turns "no space left" (however wrapped) into the one-line
+    DiskFullError naming `path`; every other error passes through unchanged. The one mechanism every
+    writer (logs, metrics, checkpoints, prepare_data, download) uses for a full disk."""
+    from utils.errors import DiskFullError
+
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(path, needed_bytes, advice) from None
+        raise
 
 
 def is_disk_full(exc: BaseException) -> bool:

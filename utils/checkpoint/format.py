@@ -206,16 +206,15 @@ def write_checkpoint(root, name: str, payload: CheckpointPayload,
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"cannot create checkpoint directory {root}: {e}") from e
+    needed = sum(t.numel() * t.element_size() for t in payload.model_state.values()
+                 if isinstance(t, torch.Tensor))
     try:
-        with files.atomic_directory(final) as tmp:
+        with files.disk_full_guard(final, needed), files.atomic_directory(final) as tmp:
             _write_contents(tmp, name, payload, extra_files)
         return final
-    except CheckpointError:
+    except UserError:  # CheckpointError, DiskFullError
         raise
     except Exception as e:
-        if files.is_disk_full(e):
-            needed = sum(t.numel() * t.element_size() for t in payload.model_state.values())
-            raise files.disk_full_error(final, needed) from None
         raise CheckpointError(f"writing checkpoint {final} failed: {type(e).__name__}: {e}") from e
 
 
@@ -258,9 +257,14 @@ def _write_contents(tmp: Path, name: str, payload: CheckpointPayload, extra_file
 
 def _read_manifest(path: Path) -> dict:
     manifest_path = path / MANIFEST
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
-    if not manifest_path.is_file():
+    try:
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+        present = manifest_path.is_file()
+    except OSError as e:  # e.g. a directory this user may not enter (chmod 000, another user's)
+        raise CheckpointError(f"checkpoint {path}: cannot open it ({e.strerror}); check its permissions"
+                              f"{_owner(path)}") from None
+    if not present:
         raise CheckpointError(
             f"checkpoint {path} has no {MANIFEST}: it is incomplete (an interrupted write, copy or upload); "
             "resume from another checkpoint or delete it")
@@ -279,6 +283,20 @@ def _read_manifest(path: Path) -> dict:
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists '{rel}', outside the checkpoint")
     return manifest
+
+
+def _owner(path: Path) -> str:
+    """`" (owner NAME)"` for a path, for messages about permissions; empty where unknown."""
+    try:
+        import pwd
+
+        uid = path.stat().st_uid
+        try:
+            return f" (owner {pwd.getpwuid(uid).pw_name})"
+        except KeyError:
+            return f" (owner uid {uid})"
+    except (OSError, ImportError):
+        return ""
 
 
 def verify_checkpoint(path) -> dict:
