@@ -180,3 +180,141 @@ def test_a_tracker_without_its_package_is_one_line_and_others_keep_working(monke
     said = []
     assert usable_trackers("tensorboard,wandb", warn=said.append) == ["tensorboard"]
     assert len(said) == 1 and "pip install wandb" in said[0]
+
+
+# ---------------------------------------------------------------------------- bug 3 and prepare_data
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    from tests.test_prepare_data import bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("prep")
+    (root / "corpus").mkdir()
+    for i in range(3):
+        (root / "corpus" / f"d{i}.txt").write_text("the quick brown fox jumps over the lazy dog " * (50 + i))
+    return root / "corpus", bpe_tokenizer(root / "tokenizer.json", vocab=300)
+
+
+def prepare_cli(*args, timeout: float = 120):
+    return run_py([REPO_ROOT / "prepare_data.py", "--no-progress", "--workers", "1", *args], timeout=timeout)
+
+
+def test_a_second_prepare_on_one_output_is_refused_at_start(small_corpus, tmp_path):
+    from utils.data.prepare import lock_output
+
+    corpus, tok = small_corpus
+    out = tmp_path / "data"
+    held = lock_output(out)  # this test plays the first, still running, prepare_data
+    try:
+        line = one_line(prepare_cli("--input", corpus, "--tokenizer", tok, "--output", out))
+    finally:
+        held.release()
+    assert f"{out} is in use by another live run (host" in line and f"pid {os.getpid()}" in line
+    assert "--output" in line and not out.exists()
+    proc = prepare_cli("--input", corpus, "--tokenizer", tok, "--output", out)
+    assert proc.returncode == 0 and "prepared 3 documents" in proc.stdout, proc.stderr
+
+
+def test_prepare_output_that_is_a_file_and_a_non_gs_upload_are_one_line_before_work(small_corpus, tmp_path):
+    corpus, tok = small_corpus
+    (tmp_path / "file").write_text("x")
+    line = one_line(prepare_cli("--input", corpus, "--tokenizer", tok, "--output", tmp_path / "file"))
+    assert "--output" in line and "is a file" in line
+    line = one_line(prepare_cli("--input", corpus, "--tokenizer", tok, "--output", tmp_path / "o",
+                                "--upload", "s3://bucket/x"))
+    assert "--upload s3://bucket/x" in line and not (tmp_path / "o").exists()
+
+
+def test_non_utf8_input_names_the_line_and_the_byte(tmp_path):
+    from utils.data.prepare import PrepareError, read_documents
+
+    good = "".join(json.dumps({"text": "word " * 2000}) + "\n" for _ in range(20))  # past the decoder's buffer
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(good.encode() + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(PrepareError, match=rf"invalid continuation byte at line 21, byte {len(good.encode()) + 13}\)"):
+        list(read_documents(path, "text"))
+
+
+def test_prepare_on_a_full_disk_is_one_line(small_corpus, tmp_path):
+    from utils.data.prepare import prepare
+
+    corpus, tok = small_corpus
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        with pytest.raises(DiskFullError, match=r"no space left on .*small.*run the same command again"):
+            prepare([str(corpus)], str(tok), mount / "data", shard_tokens=1024)
+        assert [p.name for p in mount.iterdir()] == [], "a partial output was left"
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_sigterm_during_prepare_leaves_no_worker_tracebacks(tmp_path):
+    import signal
+    import time
+
+    from tests.test_prepare_data import bpe_tokenizer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(400):
+        (corpus / f"d{i:03d}.txt").write_text("the quick brown fox jumps over the lazy dog " * 400)
+    tok = bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, REPO_ROOT / "prepare_data.py", "--input", corpus, "--tokenizer", tok,
+                             "--output", tmp_path / "out", "--workers", "2", "--no-progress",
+                             "--shard-tokens", "1024"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(p.name.startswith(".out.partial") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    time.sleep(1.0)  # the pool is up and tokenizing
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    time.sleep(0.5)  # orphaned workers would print after the main process exits
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert "interrupted: nothing was published" in err
+    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out.partial") for p in tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------ the output-dir lock
+
+def test_processes_forked_under_the_lock_do_not_hold_it(tmp_path):
+    """A run with DataLoader workers is killed with -9: the orphaned workers must not keep the lock."""
+    import signal
+    import time
+
+    from utils.lock import OutputDirLock
+
+    code = ("import os, sys, time; from utils.lock import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(); "
+            "pid = os.fork()\nif pid == 0: print(os.getpid(), flush=True); time.sleep(60); os._exit(0)\n"
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    child = int(proc.stdout.readline())  # the child runs (its fork hooks have run) before the kill
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        said = []
+        lock = OutputDirLock(tmp_path)
+        lock.acquire(log=said.append)  # the child is still alive: before the fix this is refused
+        assert said and f"pid {proc.pid}" in said[0] and "no longer alive" in said[0]
+        lock.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        time.sleep(0.1)
+
+
+def test_an_output_dir_this_user_may_not_write_is_one_line(open_tmp):
+    if not as_nobody_ok():
+        pytest.skip("needs root and setpriv to run as an unprivileged user")
+    out = open_tmp / "out"
+    out.mkdir()  # owned by root, 0755
+    code = ("import sys; from utils.errors import UserError; from utils.lock import OutputDirLock\n"
+            f"try: OutputDirLock({str(out)!r}).acquire()\nexcept UserError as e: print('error:', e)")
+    proc = run_py(["-c", code], user=NOBODY)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"cannot create {out}/.run.lock (Permission denied) ({out} is owned by root)" in proc.stdout

@@ -218,6 +218,23 @@ def free_bytes(path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def owner_of(path) -> str:
+    """`" (owned by NAME)"` for the path or its nearest existing parent; empty where unknown."""
+    import pwd
+
+    path = Path(path)
+    try:
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        uid = path.stat().st_uid
+    except OSError:
+        return ""
+    try:
+        return f" ({path} is owned by {pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f" ({path} is owned by uid {uid})"
+
+
 def mount_point(path) -> Path:
     path = Path(path).resolve()
     while not path.exists() and path != path.parent:

@@ -263,7 +263,7 @@ def _read_manifest(path: Path) -> dict:
         present = manifest_path.is_file()
     except OSError as e:  # e.g. a directory this user may not enter (chmod 000, another user's)
         raise CheckpointError(f"checkpoint {path}: cannot open it ({e.strerror}); check its permissions"
-                              f"{_owner(path)}") from None
+                              f"{files.owner_of(path)}") from None
     if not present:
         raise CheckpointError(
             f"checkpoint {path} has no {MANIFEST}: it is incomplete (an interrupted write, copy or upload); "
@@ -283,20 +283,6 @@ def _read_manifest(path: Path) -> dict:
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists '{rel}', outside the checkpoint")
     return manifest
-
-
-def _owner(path: Path) -> str:
-    """`" (owner NAME)"` for a path, for messages about permissions; empty where unknown."""
-    try:
-        import pwd
-
-        uid = path.stat().st_uid
-        try:
-            return f" (owner {pwd.getpwuid(uid).pw_name})"
-        except KeyError:
-            return f" (owner uid {uid})"
-    except (OSError, ImportError):
-        return ""
 
 
 def verify_checkpoint(path) -> dict:
