@@ -4,8 +4,9 @@
     python scripts/export_hf.py checkpoints/checkpoint-epoch0-step5000-files12 exported/step5000
 
 Reads the checkpoint's weights (verified against its manifest) and its model record, writes them through
-transformers' own GPTNeoXForCausalLM (`save_pretrained`), and copies the checkpoint's tokenizer.json. The
-end of every completed run does the same into final_model/.
+transformers' own GPTNeoXForCausalLM (`save_pretrained`), and copies the checkpoint's tokenizer.json (or the
+one given with --tokenizer; an export without one says so). The end of every completed run does the same
+into final_model/.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint directory (checkpoints/checkpoint-epoch*-step*-files*)")
     p.add_argument("out_dir", help="the HF model directory to write (must not exist, or be empty)")
+    p.add_argument("--tokenizer", metavar="PATH", help="the tokenizer.json to ship with the model (default: the "
+                   "checkpoint's own)")
     args = p.parse_args(argv)
     from utils.checkpoint.format import read_checkpoint
     from utils.model.hf import export_hf
@@ -38,10 +41,17 @@ def main(argv=None) -> int:
             spec = ModelSpec(**record)
         except TypeError as exc:
             raise UserError(f"{args.checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
-        export_hf(payload.model_state, spec, out, tokenizer=Path(args.checkpoint) / "tokenizer.json")
+        tokenizer = Path(args.tokenizer) if args.tokenizer else Path(args.checkpoint) / "tokenizer.json"
+        if args.tokenizer and not tokenizer.is_file():
+            raise UserError(f"--tokenizer {tokenizer}: no such file; give the tokenizer.json the model was trained with")
+        export_hf(payload.model_state, spec, out, tokenizer=tokenizer)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if not tokenizer.is_file():
+        print(f"warning: {args.checkpoint} holds no tokenizer.json, so {out} has none: AutoTokenizer cannot load it "
+              f"(or loads a wrong one). Export again with --tokenizer PATH (the tokenizer.json the model was trained "
+              f"with, e.g. DATA_DIR/tokenizer.json)", file=sys.stderr)
     print(f"exported {args.checkpoint} (step {payload.trainer_state.get('step')}) to {out}")
     return 0
 

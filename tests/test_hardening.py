@@ -318,3 +318,42 @@ def test_an_output_dir_this_user_may_not_write_is_one_line(open_tmp):
     proc = run_py(["-c", code], user=NOBODY)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert f"cannot create {out}/.run.lock (Permission denied) ({out} is owned by root)" in proc.stdout
+
+
+# ------------------------------------------------------------------ bug 4: extra files at save time
+
+def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_without_one(tmp_path):
+    """The demo builds its data (and tokenizer.json) after the Checkpointer exists: checkpoints must still
+    carry it. A checkpoint without one exports with a warning naming --tokenizer."""
+    from accelerate import Accelerator
+
+    from configs.model_config import get_model_spec
+    from utils.checkpoint.checkpointer import Checkpointer
+    from utils.metrics import MetricsWindow, RunLogger
+    from utils.model import build_model
+    from utils.state import TrainState
+
+    accelerator = Accelerator(cpu=True)
+    log = RunLogger(tmp_path / "logs", is_main=True)
+    tokenizer = tmp_path / "data" / "tokenizer.json"
+    ckpt = Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=3, log=log,
+                        extra_files={"tokenizer.json": tokenizer})
+    spec = get_model_spec("tiny")
+    model = build_model(spec, seed=0)
+    window = MetricsWindow(accelerator, 1, 1.0, None, "no")
+    run = {"model": spec.to_dict(), "world_size": 1, "max_steps": 10}
+    bare, _ = ckpt.save(checkpoint_name(0, 1, 1), model, {}, TrainState(step=1), run, window)
+    ckpt.wait()
+    tokenizer.parent.mkdir()
+    tokenizer.write_text('{"made": "after setup"}')
+    with_tok, _ = ckpt.save(checkpoint_name(0, 2, 1), model, {}, TrainState(step=2), run, window)
+    ckpt.wait()
+    log.close()
+    assert not (bare / "tokenizer.json").exists()
+    assert (with_tok / "tokenizer.json").read_text() == '{"made": "after setup"}'
+
+    proc = run_py([REPO_ROOT / "scripts" / "export_hf.py", bare, tmp_path / "exported"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: " in proc.stderr and "holds no tokenizer.json" in proc.stderr and "--tokenizer PATH" in proc.stderr
+    proc = run_py([REPO_ROOT / "scripts" / "export_hf.py", bare, tmp_path / "e2", "--tokenizer", tmp_path / "nope"])
+    assert "error: --tokenizer" in proc.stderr and "no such file" in proc.stderr and proc.returncode == 2

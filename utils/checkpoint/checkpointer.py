@@ -45,7 +45,7 @@ class Checkpointer:
         self.root, self.remote_root, self.keep, self.log = Path(root), remote_root, keep, log
         self.upload_timeout_s = upload_timeout_s
         self.client_factory = client_factory
-        self.extra_files = {k: v for k, v in (extra_files or {}).items() if Path(v).is_file()}
+        self.extra_files = dict(extra_files or {})  # resolved at each save: e.g. tokenizer.json made after setup
         self.is_main = accelerator.is_main_process
         self.writer = AsyncCheckpointWriter() if self.is_main else None
         self.uploader = (BackgroundUploader(client_factory, synchronous=not background_upload, log=log.info)
@@ -133,7 +133,7 @@ class Checkpointer:
         trainer_state = state.state_dict() | {k: v for k, v in run.items() if k != "max_steps"} | {
             "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}}
         payload = CheckpointPayload(snapshot["model"], snapshot["objects"] | {"rng": rngs}, trainer_state)
-        self.writer.save(self.root, name, payload, on_done=self._after_write, extra_files=self.extra_files)
+        self.writer.save(self.root, name, payload, on_done=self._after_write, extra_files={k: v for k, v in self.extra_files.items() if Path(v).is_file()})
         blocked_s = time.perf_counter() - started
         self.log.write_row({"step": state.step, "checkpoint": name, "blocked_s": blocked_s, "copy_s": copy_s})
         self.log.info(f"Checkpoint {name}: loop blocked {blocked_s:.3f} s (device->host copy {copy_s:.3f} s); "
