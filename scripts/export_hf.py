@@ -32,6 +32,8 @@ def main(argv=None) -> int:
 
     out = Path(args.out_dir)
     try:
+        if out.exists() and not out.is_dir():
+            raise UserError(f"{out} is a file; give a new directory to export into")
         if out.exists() and any(out.iterdir()):
             raise UserError(f"{out} already exists and is not empty; choose a new output directory")
         payload = read_checkpoint(args.checkpoint, objects=False)

@@ -357,3 +357,69 @@ def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_with
     assert "warning: " in proc.stderr and "holds no tokenizer.json" in proc.stderr and "--tokenizer PATH" in proc.stderr
     proc = run_py([REPO_ROOT / "scripts" / "export_hf.py", bare, tmp_path / "e2", "--tokenizer", tmp_path / "nope"])
     assert "error: --tokenizer" in proc.stderr and "no such file" in proc.stderr and proc.returncode == 2
+
+
+# ------------------------------------------------------------------------- the general guard: no traceback
+
+def guard_cases(tmp: Path) -> list[tuple[str, list]]:
+    """(what, argv) pairs: every command-line entry point against bad input it can meet."""
+    data = make_shards(tmp / "data", n_files=2, rows=8)
+    (tmp / "a_file").write_text("x")
+    (tmp / "empty.yaml").write_text("")
+    (tmp / "not_a_checkpoint").mkdir()
+    (tmp / "corpus.txt").write_text("some text")
+    py = sys.executable
+    train = [py, "train.py", "--config", "demo", "--set", "model=tiny", "--output-dir", str(tmp / "out"),
+             "--data-dir", str(data)]
+    prepare = [py, "prepare_data.py", "--no-progress", "--workers", "1"]
+    download = [py, "download_training_data.py", "--no-progress"]
+    export = [py, "scripts/export_hf.py"]
+    cases = [
+        ("train: unknown preset", [py, "train.py", "--config", "nope"]),
+        ("train: empty config file", train[:2] + ["--config", str(tmp / "empty.yaml")]),
+        ("train: report_to with none", train + ["--set", "report_to=tensorboard,none"]),
+        ("train: data dir is a file", train[:-1] + [str(tmp / "a_file")]),
+        ("train: output dir is a file", train[:6] + [str(tmp / "a_file")] + train[7:]),
+        ("train: resume from a non-checkpoint dir", train + ["--resume", str(tmp / "not_a_checkpoint")]),
+        ("start_training.sh: unknown preset", ["bash", "start_training.sh", "--cpu", "--config", "nope"]),
+        ("start_training.sh: bad --gpus", ["bash", "start_training.sh", "--cpu", "--config", "demo", "--gpus", "x"]),
+        ("prepare: missing input", prepare + ["--input", str(tmp / "nope"), "--tokenizer", "t", "--output", "o"]),
+        ("prepare: missing tokenizer", prepare + ["--input", str(tmp / "corpus.txt"), "--tokenizer",
+                                                  str(tmp / "nope.json"), "--output", str(tmp / "p")]),
+        ("prepare: output is a file", prepare + ["--input", str(tmp / "corpus.txt"), "--tokenizer", "t",
+                                                 "--output", str(tmp / "a_file")]),
+        ("prepare: s3 upload", prepare + ["--input", str(tmp / "corpus.txt"), "--tokenizer", "t", "--output",
+                                          str(tmp / "p"), "--upload", "s3://b/x"]),
+        ("download: s3 source", download + ["--source", "s3://b/x", "--dest", str(tmp / "d")]),
+        ("download: --max-files 0", download + ["--source", "gs://b/x", "--dest", str(tmp / "d"), "--max-files", "0"]),
+        ("download: --workers 0", download + ["--source", "gs://b/x", "--dest", str(tmp / "d"), "--workers", "0"]),
+        ("download: GCS unreachable", download + ["--source", "gs://b/x", "--dest", str(tmp / "d")]),
+        ("export: not a checkpoint", export + [str(tmp / "not_a_checkpoint"), str(tmp / "e")]),
+        ("export: output is a file", export + [str(tmp / "not_a_checkpoint"), str(tmp / "a_file")]),
+    ]
+    if (REPO_ROOT / "generate.py").is_file():
+        cases += [("generate: missing model", [py, "generate.py", str(tmp / "nope")])]
+    return cases
+
+
+@pytest.mark.slow
+def test_no_entry_point_shows_a_traceback_for_bad_input(tmp_path):
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               STORAGE_EMULATOR_HOST="http://127.0.0.1:9", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+
+    def one(case):
+        what, argv = case
+        started = time.monotonic()
+        proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        print(f"{time.monotonic() - started:5.1f} s  {what}")
+        return what, proc
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(one, guard_cases(tmp_path)))
+    bad = [f"{what} (exit {p.returncode}):\n{p.stderr[-1500:]}" for what, p in results
+           if "Traceback" in p.stderr or p.returncode == 0 or not p.stderr.strip()]
+    assert not bad, "\n\n".join(bad)
