@@ -423,3 +423,17 @@ def test_no_entry_point_shows_a_traceback_for_bad_input(tmp_path):
     bad = [f"{what} (exit {p.returncode}):\n{p.stderr[-1500:]}" for what, p in results
            if "Traceback" in p.stderr or p.returncode == 0 or not p.stderr.strip()]
     assert not bad, "\n\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def test_hidden_files_and_folders_in_the_data_dir_are_ignored_and_counted(tmp_path):
+    from utils.data.index import ShardIndex
+
+    data = make_shards(tmp_path / "data", n_files=2, rows=8)
+    make_shards(tmp_path / "data" / ".data.partial-host-123-abcd", n_files=2, rows=8)  # a killed prepare_data
+    shutil.copy(next((tmp_path / "data").rglob("shard-000.npz")), data / ".editor-copy.npz")
+    said = []
+    index = ShardIndex.build(data, seq_len=64, vocab_size=512, log=said.append)
+    assert len(index) == 2 and all(not part.startswith(".") for s in index.shards for part in Path(s.path).parts)
+    assert any("ignoring 3 .npz file(s) under hidden names" in line for line in said), said
