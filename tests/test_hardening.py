@@ -389,11 +389,11 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
         ("prepare: output is a file", prepare + ["--input", str(tmp / "corpus.txt"), "--tokenizer", "t",
                                                  "--output", str(tmp / "a_file")]),
         ("prepare: s3 upload", prepare + ["--input", str(tmp / "corpus.txt"), "--tokenizer", "t", "--output",
-                                          str(tmp / "p"), "--upload", "s3://b/x"]),
-        ("download: s3 source", download + ["--source", "s3://b/x", "--dest", str(tmp / "d")]),
-        ("download: --max-files 0", download + ["--source", "gs://b/x", "--dest", str(tmp / "d"), "--max-files", "0"]),
-        ("download: --workers 0", download + ["--source", "gs://b/x", "--dest", str(tmp / "d"), "--workers", "0"]),
-        ("download: GCS unreachable", download + ["--source", "gs://b/x", "--dest", str(tmp / "d")]),
+                                          str(tmp / "p"), "--upload", "s3://my-bucket/x"]),
+        ("download: s3 source", download + ["--source", "s3://my-bucket/x", "--dest", str(tmp / "d")]),
+        ("download: --max-files 0", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d"), "--max-files", "0"]),
+        ("download: --workers 0", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d"), "--workers", "0"]),
+        ("download: GCS unreachable", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d")]),
         ("export: not a checkpoint", export + [str(tmp / "not_a_checkpoint"), str(tmp / "e")]),
         ("export: output is a file", export + [str(tmp / "not_a_checkpoint"), str(tmp / "a_file")]),
     ]
@@ -437,3 +437,60 @@ def test_hidden_files_and_folders_in_the_data_dir_are_ignored_and_counted(tmp_pa
     index = ShardIndex.build(data, seq_len=64, vocab_size=512, log=said.append)
     assert len(index) == 2 and all(not part.startswith(".") for s in index.shards for part in Path(s.path).parts)
     assert any("ignoring 3 .npz file(s) under hidden names" in line for line in said), said
+
+
+def test_download_refuses_max_files_zero_and_negative(capsys):
+    import download_training_data as dl
+
+    for bad in ("0", "-3"):
+        assert dl.main(["--source", "gs://my-bucket/x", "--dest", "/nonexistent/x", "--max-files", bad, "--no-progress"]) == 2
+        assert f"error: --max-files must be at least 1, got {bad}" in capsys.readouterr().err
+
+
+@pytest.fixture
+def two_sources(gcs_emulator):
+    from tests.test_download import shard_bytes
+    from utils.storage import make_client
+
+    bucket = make_client().bucket(gcs_emulator.bucket)
+    for source in ("web", "code"):
+        for i in range(3):
+            bucket.blob(f"mix/{source}/shard-{i}.npz").upload_from_string(shard_bytes(i + (10 if source == "web" else 0)))
+    return f"gs://{gcs_emulator.bucket}/mix"
+
+
+def test_a_bad_dest_is_said_once(two_sources, open_tmp, capsys):
+    import download_training_data as dl
+
+    (open_tmp / "file").write_text("x")
+    assert dl.main(["--source", f"{two_sources}/web", "--dest", str(open_tmp / "file"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED" not in err and err.count("error:") == 1 and "is a file" in err
+
+
+def test_several_sources_in_one_call(two_sources, tmp_path, capsys):
+    import download_training_data as dl
+
+    assert dl.main(["--source", f"{two_sources}/web", "--source", f"py={two_sources}/code", "--dest",
+                    str(tmp_path / "d"), "--no-progress"]) == 0
+    assert sorted(p.relative_to(tmp_path / "d").as_posix() for p in (tmp_path / "d").rglob("*.npz")) == [
+        "py/shard-0.npz", "py/shard-1.npz", "py/shard-2.npz", "web/shard-0.npz", "web/shard-1.npz", "web/shard-2.npz"]
+    assert dl.main(["--source", f"{two_sources}/web", "--source", f"{two_sources}/x/web", "--dest", "d"]) == 2
+    assert "two sources would go into d/web; name them" in capsys.readouterr().err
+
+
+def test_download_on_a_full_disk_is_one_line(two_sources, tmp_path, capsys):
+    import download_training_data as dl
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        assert dl.main(["--source", f"{two_sources}/web", "--dest", str(mount / "d"), "--no-progress",
+                        "--workers", "1"]) == 1
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    err = capsys.readouterr().err
+    assert "FAILED" not in err and err.count("error:") == 1, err
+    assert "no space left on" in err and "completed files are kept" in err

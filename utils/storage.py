@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 import google_crc32c
 
 from utils import files
-from utils.errors import UserError
+from utils.errors import DiskFullError, UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CREDENTIALS_DIR = REPO_ROOT / "credentials"
@@ -409,9 +409,37 @@ def download_verified(client, bucket: str, obj: RemoteObject, dest, retries: int
             files.release_temp(temp)
 
     try:
-        return retry_call(attempt, what=f"downloading {url} to {dest}", retries=retries)
+        with files.disk_full_guard(dest, advice=DOWNLOAD_DISK_FULL_ADVICE):
+            return retry_call(attempt, what=f"downloading {url} to {dest}", retries=retries)
+    except DiskFullError:
+        raise
     except Exception as exc:
         raise _explain(exc, url) from exc
+
+
+DOWNLOAD_DISK_FULL_ADVICE = ("free space there, then run the same command again: completed files are kept and "
+                             "not downloaded again")
+
+
+def check_destination(dest_dir) -> None:
+    """One StorageError, before any download, when `dest_dir` cannot hold files: it is a file, or this
+    user may not create it or write in it (rather than one FAILED line per object)."""
+    dest_dir = Path(dest_dir)
+    try:
+        if dest_dir.exists() and not dest_dir.is_dir():
+            raise StorageError(f"--dest {dest_dir} is a file; give a folder")
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        probe = files.temp_path(dest_dir / "write-check")
+        try:
+            probe.write_bytes(b"")
+        finally:
+            probe.unlink(missing_ok=True)
+            files.release_temp(probe)
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"--dest {dest_dir}: cannot write there ({exc.strerror}){files.owner_of(dest_dir)}; "
+                           f"choose a folder you may write, or fix its permissions") from None
 
 
 @dataclass
@@ -452,6 +480,8 @@ def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max
         raise StorageError(f"no objects ending in {suffix!r} under {source_url}: check --source")
     if max_files is not None and max_files >= 0:
         objects = objects[:max_files]
+    if not dry_run:
+        check_destination(dest_dir)
     root_files = {_join(prefix, name) for name in with_root_files}
     objects += [o for o in listed if o.name in root_files]
     report = SyncReport(dry_run=dry_run)
@@ -496,10 +526,18 @@ def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max
         with lock:
             bar.update(n)
 
+    full: list[DiskFullError] = []  # the first full-disk error: said once, and the other downloads stop
+
     def fetch(item: tuple[RemoteObject, Path]):
         obj, target = item
+        if full:
+            return
         try:
             n = download_verified(client(), bucket, obj, target, on_bytes=on_bytes)
+        except DiskFullError as exc:
+            with lock:
+                full.append(exc)
+            return
         except Exception as exc:
             with lock:
                 report.failed.append(gs_url(bucket, obj.name))
@@ -514,6 +552,8 @@ def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max
             list(pool.map(fetch, todo))
     finally:
         bar.close()
+    if full:
+        raise full[0]
     report.failed.sort()
     report.seconds = time.monotonic() - started
     return report
