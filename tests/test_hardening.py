@@ -494,3 +494,41 @@ def test_download_on_a_full_disk_is_one_line(two_sources, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "FAILED" not in err and err.count("error:") == 1, err
     assert "no space left on" in err and "completed files are kept" in err
+
+
+# ------------------------------------------------------------------------------------------- init_from
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_init_from_a_directory_with_only_pytorch_model_bin(tmp_path, sharded):
+    """Older Pythia revisions ship only pytorch_model.bin (single or sharded with its index): load them."""
+    from dataclasses import replace
+
+    from configs.model_config import get_model_spec
+    from utils.model import build_model
+    from utils.model.hf import load_hf_pretrained, to_transformers
+
+    spec = replace(get_model_spec("tiny"), pad_vocab_multiple=1)
+    d = tmp_path / "old"
+    hf = to_transformers(build_model(spec, seed=3, impl="hf").state_dict(), spec)
+    hf.config.save_pretrained(d)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if sharded:
+        keys = sorted(state)
+        parts = {"pytorch_model-00001-of-00002.bin": keys[: len(keys) // 2],
+                 "pytorch_model-00002-of-00002.bin": keys[len(keys) // 2:]}
+        for name, part in parts.items():
+            torch.save({k: state[k] for k in part}, d / name)
+        (d / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"weight_map": {k: name for name, part in parts.items() for k in part}}))
+    else:
+        torch.save(state, d / "pytorch_model.bin")
+    _, loaded = load_hf_pretrained(d)
+    assert "lm_head.weight" in loaded and "gpt_neox.embed_in.weight" in loaded
+    for key, value in loaded.items():
+        assert torch.equal(value, state[key]), key
+    if not sharded:  # a pickle that holds more than tensors is refused, not executed
+        from utils.model.hf import HFLoadError
+
+        torch.save({"x": Path("anything but a tensor")}, d / "pytorch_model.bin")
+        with pytest.raises(HFLoadError, match=r"pytorch_model.bin: cannot read it"):
+            load_hf_pretrained(d)
