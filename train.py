@@ -283,7 +283,8 @@ def resolve_model_spec(cfg, log):
         check_weights(spec, weights, cfg.init_from)
         log.info(f"init_from {cfg.init_from}: architecture from its config.json (hidden {spec.hidden_size}, "
                  f"{spec.num_hidden_layers} layers, vocab {spec.vocab_size}); the model field ('{cfg.model}') is "
-                 f"ignored; optimizer and schedule start fresh")
+                 f"ignored; a fresh run starts from these weights with a new optimizer and schedule (with "
+                 f"--resume, the checkpoint's weights, optimizer and schedule are restored instead)")
     else:
         spec = get_model_spec(cfg.model)
     info = DatasetInfo.load(Path(cfg.data_dir).expanduser())

@@ -532,3 +532,46 @@ def test_init_from_a_directory_with_only_pytorch_model_bin(tmp_path, sharded):
         torch.save({"x": Path("anything but a tensor")}, d / "pytorch_model.bin")
         with pytest.raises(HFLoadError, match=r"pytorch_model.bin: cannot read it"):
             load_hf_pretrained(d)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+def test_resume_from_an_output_dir_or_its_checkpoints_folder_says_what_it_is(tmp_path):
+    from utils.checkpoint.format import CheckpointError
+    from utils.checkpoint.resume import resolve_resume
+
+    out = tmp_path / "run"
+    names = [fake_checkpoint(out / "checkpoints", step).name for step in (2, 4, 6)]
+    for given, what in ((out, "a run's output directory"), (out / "checkpoints", "a folder of checkpoints")):
+        with pytest.raises(CheckpointError) as err:
+            resolve_resume(str(given), tmp_path / "elsewhere", log=lambda m: None)
+        msg = str(err.value)
+        assert f"{given} is {what}, not a checkpoint; it holds 3 checkpoints: {', '.join(names)}" in msg
+        assert f"--resume {out / 'checkpoints' / names[-1]}" in msg and f"--output-dir {out} --resume latest" in msg
+        assert "delete it" not in msg
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="neither a checkpoint nor a folder holding any"):
+        resolve_resume(str(tmp_path / "empty"), tmp_path / "elsewhere", log=lambda m: None)
+
+
+def test_resume_gs_folder_missing_name_and_missing_bucket_are_told_apart(gcs_emulator, tmp_path):
+    from utils.checkpoint.format import CheckpointError
+    from utils.checkpoint.resume import resolve_resume
+    from utils.storage import make_client, upload_directory
+
+    client = make_client()
+    run_url = f"gs://{gcs_emulator.bucket}/checkpoints/run1"
+    for step in (2, 4):
+        path = fake_checkpoint(tmp_path / "local", step)
+        upload_directory(client, path, f"{run_url}/{path.name}")
+    messages = {}
+    for key, url in (("folder", run_url), ("name", f"{run_url}/checkpoint-epoch0-step9-files1"),
+                     ("bucket", "gs://no-such-bucket-here/checkpoints/run1")):
+        with pytest.raises(CheckpointError) as err:
+            resolve_resume(url, tmp_path / "dl", log=lambda m: None)
+        messages[key] = str(err.value)
+    assert "is a folder of checkpoints, not a checkpoint; it holds 2 checkpoints" in messages["folder"]
+    assert f"--resume {run_url}/checkpoint-epoch0-step4-files1" in messages["folder"]
+    assert "nothing in gs://" in messages["name"] and "under that name" in messages["name"]
+    assert "bucket gs://no-such-bucket-here does not exist" in messages["bucket"]
+    assert resolve_resume(f"{run_url}/checkpoint-epoch0-step4-files1", tmp_path / "dl", log=lambda m: None).is_dir()

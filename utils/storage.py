@@ -354,6 +354,18 @@ def list_subdirectories(client, gs_url_: str) -> list[str]:
         raise _explain(exc, gs_url_) from exc
 
 
+def bucket_exists(client, bucket: str) -> bool:
+    """False when the bucket does not exist; a bucket these credentials may not read counts as existing."""
+    from google.api_core import exceptions as api
+
+    try:
+        return retry_call(lambda: client.bucket(bucket).exists(retry=None), what=f"checking gs://{bucket}")
+    except api.Forbidden:
+        return True
+    except Exception as exc:
+        raise _explain(exc, gs_url(bucket)) from exc
+
+
 def object_exists(client, gs_url_: str) -> bool:
     bucket, name = parse_gs_url(gs_url_)
     if not name:
