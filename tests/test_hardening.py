@@ -575,3 +575,27 @@ def test_resume_gs_folder_missing_name_and_missing_bucket_are_told_apart(gcs_emu
     assert "nothing in gs://" in messages["name"] and "under that name" in messages["name"]
     assert "bucket gs://no-such-bucket-here does not exist" in messages["bucket"]
     assert resolve_resume(f"{run_url}/checkpoint-epoch0-step4-files1", tmp_path / "dl", log=lambda m: None).is_dir()
+
+
+# ------------------------------------------------------------------------------------------------- GCS
+
+def test_repeated_upload_failures_keep_only_the_newest_failed_checkpoint(gcs_emulator, tmp_path):
+    """A mistyped bucket: every upload fails. Retention may delete all but the newest failed checkpoint
+    (it used to keep every one, and a long run filled its disk), and says so once."""
+    from utils.checkpoint.format import apply_retention, list_checkpoints
+    from utils.checkpoint.upload import BackgroundUploader
+
+    lines = []
+    uploader = BackgroundUploader(synchronous=True, log=lines.append)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        path = fake_checkpoint(root, step)
+        uploader.submit(path, f"gs://no-such-bucket-here/ck/{path.name}")
+        apply_retention(root, keep=2, protect={path} | uploader.protected(), log=lines.append)
+    assert [p.name for p in list_checkpoints(root)] == [checkpoint_name(0, s, 1) for s in (3, 4)]
+    said = [line for line in lines if "uploads failed in a row" in line]
+    assert len(said) == 1 and "keeping only the newest" in said[0]
+    report = uploader.close()
+    assert len(report.failed) == 4
+    assert sum("upload it with:" in line for line in report.summary()) == 2  # the two still on disk
+    assert sum("retention keeps only the newest" in line for line in report.summary()) == 2
