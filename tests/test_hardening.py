@@ -599,3 +599,43 @@ def test_repeated_upload_failures_keep_only_the_newest_failed_checkpoint(gcs_emu
     assert len(report.failed) == 4
     assert sum("upload it with:" in line for line in report.summary()) == 2  # the two still on disk
     assert sum("retention keeps only the newest" in line for line in report.summary()) == 2
+
+
+def test_a_missing_bucket_is_one_line_at_start_and_unreachable_gcs_only_warns(gcs_emulator, tmp_path):
+    from benchmarks.bench_checkpoint import BlackHole
+    from utils.checkpoint.upload import BackgroundUploader
+    from utils.storage import StorageError
+
+    lines = []
+    uploader = BackgroundUploader(synchronous=True, log=lines.append)
+    uploader.check(f"gs://{gcs_emulator.bucket}/ck/run")  # fine: nothing said, no probe left behind
+    assert not lines and not list(gcs_emulator.client().list_blobs(gcs_emulator.bucket))
+    with pytest.raises(StorageError, match=r"gs://no-such-bucket-here does not exist .*check gcs_bucket"):
+        uploader.check("gs://no-such-bucket-here/ck/run")
+    hole = BlackHole()
+    try:
+        os.environ["STORAGE_EMULATOR_HOST"] = hole.url  # gcs_emulator's monkeypatch restores it
+        import time
+
+        started = time.monotonic()
+        from utils.storage import check_writable, make_client
+
+        warning = check_writable(make_client(), "gs://some-bucket/ck/run", timeout=1.0)
+        assert time.monotonic() - started < 10
+        assert warning and "could not reach GCS within 1 s" in warning and "training goes on" in warning
+    finally:
+        hole.close()
+
+
+def test_a_slow_gcs_call_says_what_it_waits_for(monkeypatch, capfd):
+    import time
+
+    from utils import storage
+
+    monkeypatch.setattr(storage, "SLOW_NOTICE_S", 0.2)
+    storage.retry_call(lambda: time.sleep(0.6), what="listing gs://b/x", retries=2)
+    err = capfd.readouterr().err
+    assert "GCS: listing gs://b/x: no answer after 0 s; waiting up to 60 s per attempt, 3 attempts" in err
+    storage.retry_call(lambda: None, what="listing gs://b/y", retries=2)
+    time.sleep(0.4)
+    assert "gs://b/y" not in capfd.readouterr().err  # a quick call says nothing

@@ -218,10 +218,36 @@ def _backoff(attempt: int, base_delay: float) -> float:
     return min(MAX_BACKOFF_S, base_delay * 2**attempt) * random.uniform(0.5, 1.0)
 
 
+# The google-cloud-storage client waits up to this long for each answer (its default), and retry_call retries
+# transient failures: a GCS (or proxy) that accepts connections and never answers costs minutes. After
+# SLOW_NOTICE_S without an answer, one line says what is being waited for and for at most how long.
+REQUEST_TIMEOUT_S = 60.0
+SLOW_NOTICE_S = 15.0
+
+
+def _slow_notice(what: str, retries: int) -> threading.Timer:
+    most = (retries + 1) * REQUEST_TIMEOUT_S + sum(min(MAX_BACKOFF_S, 0.5 * 2**a) for a in range(retries))
+    timer = threading.Timer(SLOW_NOTICE_S, lambda: print(
+        f"GCS: {what}: no answer after {SLOW_NOTICE_S:.0f} s; waiting up to {REQUEST_TIMEOUT_S:.0f} s per attempt, "
+        f"{retries + 1} attempts (at most about {most / 60:.0f} min) before giving up; check the network, "
+        f"STORAGE_EMULATOR_HOST, or GCS status", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def retry_call(fn: Callable, *, what: str, retries: int = 5, base_delay: float = 0.5):
     """`fn()`, retried up to `retries` more times with exponential backoff and jitter on transient errors.
     A non-transient error (e.g. 403, 404) is raised at once, unchanged; running out of retries raises
-    StorageError naming `what` and chained to the last error."""
+    StorageError naming `what` and chained to the last error. A call slower than SLOW_NOTICE_S says so."""
+    notice = _slow_notice(what, retries)
+    try:
+        return _retry_call(fn, what, retries, base_delay)
+    finally:
+        notice.cancel()
+
+
+def _retry_call(fn: Callable, what: str, retries: int, base_delay: float):
     attempt = 0
     while True:
         try:
@@ -625,6 +651,38 @@ def upload_verified(client, bucket: str, local_path, object_name: str, retries: 
         retry_call(attempt, what=f"uploading {local_path} to {url}", retries=retries)
     except Exception as exc:
         raise _explain(exc, url) from exc
+
+
+def check_writable(client, gs_url_: str, timeout: float = 10.0) -> str | None:
+    """At the start of a run that uploads: one StorageError when the bucket is missing or the prefix is
+    not writable (instead of finding out at the first upload, after the first checkpoint). Writes and
+    deletes one small object, `PREFIX/.write-check-HOST-PID`, trying once for at most `timeout` s. GCS
+    unreachable is not an error here (uploads retry later, training goes on): returns a warning then."""
+    from google.api_core import exceptions as api
+
+    bucket, prefix = parse_gs_url(gs_url_)
+    name = _join(prefix, f".write-check-{files.host_tag()}-{os.getpid()}")
+    blob = client.bucket(bucket).blob(name)
+    try:
+        blob.upload_from_string(b"", retry=None, timeout=timeout)
+    except api.NotFound:
+        raise StorageError(f"gs://{bucket} does not exist (or these credentials cannot see it): checkpoints could "
+                           f"not be uploaded to {gs_url_}; check gcs_bucket, or leave it empty to keep "
+                           f"checkpoints local") from None
+    except (api.Forbidden, api.Unauthorized) as exc:
+        raise StorageError(f"cannot write to {gs_url_} (HTTP {exc.code}): the credentials in use may not create "
+                           f"objects there; grant them Storage Object Admin on gs://{bucket}, or fix "
+                           f"gcs_bucket/gcs_prefix") from None
+    except Exception as exc:
+        if not is_transient(exc):
+            raise _explain(exc, gs_url_) from exc
+        return (f"warning: could not reach GCS within {timeout:.0f} s to check {gs_url_} ({_short(exc, 200)}); "
+                f"training goes on and each checkpoint's upload retries")
+    try:
+        blob.delete(retry=None, timeout=timeout)
+    except Exception:  # noqa: BLE001 - a write-only role may not delete; the probe is tiny and hidden
+        pass
+    return None
 
 
 def _upload_order(local_dir: Path, last: Iterable[str]) -> list[Path]:

@@ -50,6 +50,8 @@ class Checkpointer:
         self.writer = AsyncCheckpointWriter() if self.is_main else None
         self.uploader = (BackgroundUploader(client_factory, synchronous=not background_upload, log=log.info)
                          if remote_root and self.is_main else None)
+        if self.uploader:
+            self.uploader.check(remote_root)  # a mistyped bucket is one line now, not at the first upload
         self.buffers = HostBuffers()
         self.last: Path | None = None  # the newest checkpoint this run saved
         self.last_bytes = 0  # its size on disk, for the free-space check before the next one

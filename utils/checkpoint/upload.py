@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from utils.storage import StorageError, make_client, upload_directory
+from utils.storage import StorageError, check_writable, make_client, upload_directory
 
 UPLOAD_COMMAND = "python -m utils.checkpoint.upload"
 
@@ -94,6 +94,13 @@ class BackgroundUploader:
         if not synchronous:
             self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
             self._thread.start()
+
+    def check(self, gs_url: str) -> None:
+        """Raises StorageError now when `gs_url` cannot take uploads (a missing bucket, no permission),
+        rather than at the first checkpoint's upload; GCS unreachable is logged and training goes on."""
+        warning = check_writable(self._client_factory(), gs_url)
+        if warning:
+            self._log(warning)
 
     @property
     def thread(self) -> threading.Thread | None:
