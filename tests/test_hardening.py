@@ -639,3 +639,18 @@ def test_a_slow_gcs_call_says_what_it_waits_for(monkeypatch, capfd):
     storage.retry_call(lambda: None, what="listing gs://b/y", retries=2)
     time.sleep(0.4)
     assert "gs://b/y" not in capfd.readouterr().err  # a quick call says nothing
+
+
+def test_log_files_owned_by_another_user_are_one_line(open_tmp):
+    if not as_nobody_ok():
+        pytest.skip("needs root and setpriv to run as an unprivileged user")
+    logs = open_tmp / "out" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "training.log").write_text("root's run\n")  # 0644, owned by root
+    os.chmod(logs, 0o777)
+    code = ("from utils.errors import UserError; from utils.metrics import RunLogger\n"
+            f"try: RunLogger({str(logs)!r}, True)\nexcept UserError as e: print('error:', e)")
+    proc = run_py(["-c", code], user=NOBODY)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: cannot write {logs}/training.log (Permission denied) ({logs}/training.log is owned by root)" \
+        in proc.stdout

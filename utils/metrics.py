@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from utils.errors import DiskFullError, UserError
-from utils.files import disk_full_guard
+from utils.files import disk_full_guard, owner_of
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s. Checked in order; first substring match wins.
 PEAK_BF16_FLOPS = (
@@ -117,9 +117,16 @@ class RunLogger:
         self._accelerator = None
         self._tensorboard = None  # its SummaryWriter, for the tokens-seen axis
         if is_main:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            for name in ("training.log", "metrics.jsonl"):
-                self._files[name] = open(self.log_dir / name, "a", buffering=1)
+            path = self.log_dir
+            try:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                for name in ("training.log", "metrics.jsonl"):
+                    path = self.log_dir / name
+                    self._files[name] = open(path, "a", buffering=1)
+            except OSError as exc:  # e.g. logs/ or a log file left by another user
+                self._drop_files()
+                raise UserError(f"cannot write {path} ({exc.strerror}){owner_of(path)}; use an --output-dir you "
+                                f"may write, or fix its permissions") from None
 
     def start_trackers(self, accelerator, run_name: str, config: dict, resume_step: int | None) -> None:
         """accelerate's trackers, with the resolved config as hyperparameters. On a resume, TensorBoard
