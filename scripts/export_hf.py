@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", metavar="PATH", help="the tokenizer.json to ship with the model (default: the "
                    "checkpoint's own)")
     args = p.parse_args(argv)
+    from utils import files
     from utils.checkpoint.format import read_checkpoint
     from utils.model.hf import export_hf
 
@@ -36,6 +37,9 @@ def main(argv=None) -> int:
             raise UserError(f"{out} is a file; give a new directory to export into")
         if out.exists() and any(out.iterdir()):
             raise UserError(f"{out} already exists and is not empty; choose a new output directory")
+        if args.tokenizer and not Path(args.tokenizer).is_file():
+            raise UserError(f"--tokenizer {args.tokenizer}: no such file; give the tokenizer.json the model was "
+                            f"trained with")
         payload = read_checkpoint(args.checkpoint, objects=False)
         record = dict(payload.trainer_state.get("model") or {})
         record.pop("padded_vocab_size", None)
@@ -44,9 +48,14 @@ def main(argv=None) -> int:
         except TypeError as exc:
             raise UserError(f"{args.checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
         tokenizer = Path(args.tokenizer) if args.tokenizer else Path(args.checkpoint) / "tokenizer.json"
-        if args.tokenizer and not tokenizer.is_file():
-            raise UserError(f"--tokenizer {tokenizer}: no such file; give the tokenizer.json the model was trained with")
-        export_hf(payload.model_state, spec, out, tokenizer=tokenizer)
+        try:
+            with files.disk_full_guard(out, advice="free space there and export again"):
+                export_hf(payload.model_state, spec, out, tokenizer=tokenizer)
+        except UserError:
+            raise
+        except OSError as exc:  # e.g. a folder of another user's
+            raise UserError(f"cannot write {exc.filename or out} ({exc.strerror}){files.owner_of(exc.filename or out)}; "
+                            f"export into a folder you may write") from None
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

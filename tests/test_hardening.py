@@ -322,6 +322,7 @@ def test_an_output_dir_this_user_may_not_write_is_one_line(open_tmp):
 
 # ------------------------------------------------------------------ bug 4: extra files at save time
 
+@pytest.mark.slow
 def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_without_one(tmp_path):
     """The demo builds its data (and tokenizer.json) after the Checkpointer exists: checkpoints must still
     carry it. A checkpoint without one exports with a warning naming --tokenizer."""

@@ -270,7 +270,7 @@ def _read_manifest(path: Path) -> dict:
             "resume from another checkpoint or delete it")
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
+        listed = manifest["files"]
         version = manifest["format_version"]
     except OSError as e:
         raise CheckpointError(f"checkpoint {path}: cannot read {MANIFEST} ({e}); check its permissions") from e
@@ -279,7 +279,7 @@ def _read_manifest(path: Path) -> dict:
     if version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {version}; this code reads up to "
                               f"{FORMAT_VERSION}: update the code")
-    for rel in files:
+    for rel in listed:
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists '{rel}', outside the checkpoint")
     return manifest
