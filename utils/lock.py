@@ -78,7 +78,7 @@ class OutputDirLock:
     def release(self) -> None:
         """Empties the record and drops the lock (a crash drops it too, leaving the record behind)."""
         fd, self._fd = self._fd, None
-        if fd is None:
+        if fd is None or fd not in _HELD:  # not held, or a forked child whose copy is closed (the number may be reused)
             return
         _HELD.discard(fd)
         try:
