@@ -655,3 +655,26 @@ def test_log_files_owned_by_another_user_are_one_line(open_tmp):
     assert "Traceback" not in proc.stderr, proc.stderr
     assert f"error: cannot write {logs}/training.log (Permission denied) ({logs}/training.log is owned by root)" \
         in proc.stdout
+
+
+def test_a_lock_held_by_a_dead_runs_child_says_so(tmp_path):
+    """Should a child of a dead run still hold the lock (one that kept the descriptor on purpose), the
+    refusal says the run is dead and who to look for, rather than naming the dead pid as the live run."""
+    import signal
+
+    from utils.lock import OutputDirBusy, OutputDirLock
+
+    code = ("import os, sys, time, fcntl; from utils.lock import OutputDirLock; l = OutputDirLock(sys.argv[1]); "
+            "l.acquire(); fd = os.dup(l._fd)\npid = os.fork()\n"
+            "if pid == 0: print(os.getpid(), flush=True); time.sleep(60); os._exit(0)\ntime.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    child = int(proc.stdout.readline())
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        with pytest.raises(OutputDirBusy, match=rf"the run that locked it \(.*pid {proc.pid}.*\) is dead, but a process "
+                                                rf"it started still holds"):
+            OutputDirLock(tmp_path).acquire(log=lambda m: None)
+    finally:
+        os.kill(child, signal.SIGKILL)

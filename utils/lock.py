@@ -61,8 +61,13 @@ class OutputDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _describe(_read(fd))
+            record = _read(fd)
+            holder = _describe(record)
             os.close(fd)
+            if record and record.get("host") == socket.gethostname() and not files.pid_alive(int(record.get("pid", 0))):
+                raise OutputDirBusy(f"{self.target}: the run that locked it ({holder}) is dead, but a process it "
+                                    f"started still holds {self.path} (see: fuser -v {self.path}); stop that process, "
+                                    f"or wait for it to exit") from None
             raise OutputDirBusy(f"{self.target} is in use by another live run ({holder}); wait for it to "
                                 f"finish, stop it, or use another {self.option}") from None
         _HELD.add(fd)
