@@ -77,6 +77,10 @@ def main(argv=None) -> int:
             print(f"error: upload to {args.upload} failed: {exc}; the local dataset in {result.output} is complete: "
                   f"run the same command again to retry", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            print(f"interrupted during the upload to {args.upload}; the local dataset in {result.output} is complete: "
+                  f"run the same command again to finish the upload", file=sys.stderr)
+            return 130
         print(f"uploaded {count} files to {args.upload}; mirror it on each training machine with: python "
               f"download_training_data.py --source {args.upload} --dest DIR", flush=True)
     return 0
