@@ -17,7 +17,7 @@ import torch
 from tests.trainkit import REPO_ROOT, make_shards
 from utils import files
 from utils.checkpoint.format import CheckpointPayload, checkpoint_name, write_checkpoint
-from utils.errors import DiskFullError, UserError
+from utils.errors import DiskFullError
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
