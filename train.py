@@ -481,6 +481,7 @@ def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
     Returns (export dir or None, weights in sync)."""
     import torch
 
+    from utils import files
     from utils.model.hf import export_hf
 
     unwrapped = accelerator.unwrap_model(model)
@@ -491,8 +492,10 @@ def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
         log.error(f"weights differ between ranks after training: {all_sums}")
     if not accelerator.is_main_process:
         return None, in_sync
-    export_dir = export_hf(unwrapped.state_dict(), spec, output_dir / "final_model",
-                           tokenizer=Path(cfg.data_dir).expanduser() / "tokenizer.json")
+    with files.write_guard(output_dir / "final_model", advice="the checkpoints are intact: export one with "
+                           "scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into a folder you may write"):
+        export_dir = export_hf(unwrapped.state_dict(), spec, output_dir / "final_model",
+                               tokenizer=Path(cfg.data_dir).expanduser() / "tokenizer.json")
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
     log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")

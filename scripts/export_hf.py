@@ -48,14 +48,8 @@ def main(argv=None) -> int:
         except TypeError as exc:
             raise UserError(f"{args.checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
         tokenizer = Path(args.tokenizer) if args.tokenizer else Path(args.checkpoint) / "tokenizer.json"
-        try:
-            with files.disk_full_guard(out, advice="free space there and export again"):
-                export_hf(payload.model_state, spec, out, tokenizer=tokenizer)
-        except UserError:
-            raise
-        except OSError as exc:  # e.g. a folder of another user's
-            raise UserError(f"cannot write {exc.filename or out} ({exc.strerror}){files.owner_of(exc.filename or out)}; "
-                            f"export into a folder you may write") from None
+        with files.write_guard(out, advice="export into a folder you may write, with space to spare"):
+            export_hf(payload.model_state, spec, out, tokenizer=tokenizer)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

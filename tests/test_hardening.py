@@ -17,7 +17,7 @@ import torch
 from tests.trainkit import REPO_ROOT, make_shards
 from utils import files
 from utils.checkpoint.format import CheckpointPayload, checkpoint_name, write_checkpoint
-from utils.errors import DiskFullError
+from utils.errors import DiskFullError, UserError
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
@@ -678,3 +678,16 @@ def test_a_lock_held_by_a_dead_runs_child_says_so(tmp_path):
             OutputDirLock(tmp_path).acquire(log=lambda m: None)
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_write_guard_names_the_path_and_owner(open_tmp):
+    theirs = open_tmp / "final_model"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(UserError, match=rf"cannot write {theirs}/model.safetensors \(Permission denied\) \({theirs} is "
+                                        rf"owned by nobody\); export elsewhere"):
+        with files.write_guard(theirs, advice="export elsewhere"):
+            raise PermissionError(13, "Permission denied", str(theirs / "model.safetensors"))
+    with pytest.raises(DiskFullError, match="export elsewhere"):
+        with files.write_guard(theirs, advice="export elsewhere"):
+            raise OSError(28, "No space left on device")

@@ -277,6 +277,20 @@ def disk_full_guard(path, needed_bytes: int | None = None, advice: str = RESUME_
         raise
 
 
+@contextmanager
+def write_guard(path, advice: str, needed_bytes: int | None = None) -> Iterator[None]:
+    """`disk_full_guard`, and a write this user may not make (another user's folder or file) as one
+    UserError naming the path, its owner and `advice`, instead of a PermissionError traceback."""
+    from utils.errors import UserError
+
+    try:
+        with disk_full_guard(path, needed_bytes, advice):
+            yield
+    except PermissionError as exc:
+        where = exc.filename or path
+        raise UserError(f"cannot write {where} ({exc.strerror}){owner_of(where)}; {advice}") from None
+
+
 def is_disk_full(exc: BaseException) -> bool:
     """True for 'no space left' / 'quota exceeded', including torch's wrapped writer errors."""
     while exc is not None:
