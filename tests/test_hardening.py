@@ -363,10 +363,10 @@ def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_with
 # ------------------------------------------------------------------------- the general guard: no traceback
 
 def guard_cases(tmp: Path) -> list[tuple[str, list]]:
-    """(what, argv) pairs: every command-line entry point against bad input it can meet."""
+    """(what, argv) pairs: every command-line entry point against bad input it can meet (config mistakes
+    share one path in train.py, checked in-process above; one of them runs here)."""
     data = make_shards(tmp / "data", n_files=2, rows=8)
     (tmp / "a_file").write_text("x")
-    (tmp / "empty.yaml").write_text("")
     (tmp / "not_a_checkpoint").mkdir()
     (tmp / "corpus.txt").write_text("some text")
     py = sys.executable
@@ -377,8 +377,6 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
     export = [py, "scripts/export_hf.py"]
     cases = [
         ("train: unknown preset", [py, "train.py", "--config", "nope"]),
-        ("train: empty config file", train[:2] + ["--config", str(tmp / "empty.yaml")]),
-        ("train: report_to with none", train + ["--set", "report_to=tensorboard,none"]),
         ("train: data dir is a file", train[:-1] + [str(tmp / "a_file")]),
         ("train: output dir is a file", train[:6] + [str(tmp / "a_file")] + train[7:]),
         ("train: resume from a non-checkpoint dir", train + ["--resume", str(tmp / "not_a_checkpoint")]),
