@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -131,7 +132,7 @@ class TrainingConfig:
             raise ConfigError(
                 f"gcs_bucket='{self.gcs_bucket}' must be a bare bucket name; put folders in gcs_prefix"
             )
-        if self.warmup_steps > self.max_steps:
+        if self.warmup_steps > self.max_steps and os.environ.get("RANK", "0") == "0":  # said once, not per rank
             print(f"warning: warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}: the learning rate "
                   f"never reaches learning_rate={self.learning_rate:g}; lower warmup_steps", file=sys.stderr)
         return self

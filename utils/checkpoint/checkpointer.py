@@ -135,7 +135,8 @@ class Checkpointer:
         trainer_state = state.state_dict() | {k: v for k, v in run.items() if k != "max_steps"} | {
             "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}}
         payload = CheckpointPayload(snapshot["model"], snapshot["objects"] | {"rng": rngs}, trainer_state)
-        self.writer.save(self.root, name, payload, on_done=self._after_write, extra_files={k: v for k, v in self.extra_files.items() if Path(v).is_file()})
+        present = {k: v for k, v in self.extra_files.items() if Path(v).is_file()}
+        self.writer.save(self.root, name, payload, on_done=self._after_write, extra_files=present)
         blocked_s = time.perf_counter() - started
         self.log.write_row({"step": state.step, "checkpoint": name, "blocked_s": blocked_s, "copy_s": copy_s})
         self.log.info(f"Checkpoint {name}: loop blocked {blocked_s:.3f} s (device->host copy {copy_s:.3f} s); "
