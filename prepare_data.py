@@ -46,10 +46,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from utils.data.prepare import prepare, report_line, stderr_progress, upload
+    import signal
 
+    from utils.data.prepare import check_upload_url, lock_output, prepare, report_line, stderr_progress, upload
+
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the pool and clean up, as for Ctrl-C
     progress = None if args.no_progress else stderr_progress()
+    lock = None
     try:
+        check_upload_url(args.upload)
+        lock = lock_output(args.output)
         result = prepare(args.input, args.tokenizer, args.output, workers=args.workers, text_field=args.text_field,
                          shard_tokens=args.shard_tokens, eos_token=args.eos_token, progress=progress)
     except UserError as exc:
@@ -61,6 +67,8 @@ def main(argv=None) -> int:
     finally:
         if progress is not None:
             progress.close()
+        if lock is not None:
+            lock.release()
     print(report_line(result), flush=True)
     if args.upload:
         try:
@@ -69,9 +77,17 @@ def main(argv=None) -> int:
             print(f"error: upload to {args.upload} failed: {exc}; the local dataset in {result.output} is complete: "
                   f"run the same command again to retry", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            print(f"interrupted during the upload to {args.upload}; the local dataset in {result.output} is complete: "
+                  f"run the same command again to finish the upload", file=sys.stderr)
+            return 130
         print(f"uploaded {count} files to {args.upload}; mirror it on each training machine with: python "
               f"download_training_data.py --source {args.upload} --dest DIR", flush=True)
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

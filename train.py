@@ -244,12 +244,12 @@ def make_trackers(cfg, log_dir: Path) -> list:
     """accelerate's trackers for `report_to`; TensorBoard writes into logs/tensorboard/ as it always has."""
     from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
 
-    from utils.metrics import tracker_names
+    from utils.metrics import usable_trackers
 
     made = {"tensorboard": lambda: TensorBoardTracker("tensorboard", str(log_dir)),
             "wandb": lambda: WandBTracker(cfg.effective_run_name),
             "mlflow": lambda: MLflowTracker(cfg.effective_run_name, logging_dir=str(log_dir / "mlruns"))}
-    return [made[name]() for name in tracker_names(cfg.report_to)]
+    return [made[name]() for name in usable_trackers(cfg.report_to)]
 
 
 def lock_output_dir(output_dir: Path, accelerator):
@@ -294,7 +294,8 @@ def resolve_model_spec(cfg, log):
         check_weights(spec, weights, cfg.init_from)
         log.info(f"init_from {cfg.init_from}: architecture from its config.json (hidden {spec.hidden_size}, "
                  f"{spec.num_hidden_layers} layers, vocab {spec.vocab_size}); the model field ('{cfg.model}') is "
-                 f"ignored; optimizer and schedule start fresh")
+                 f"ignored; a fresh run starts from these weights with a new optimizer and schedule (with "
+                 f"--resume, the checkpoint's weights, optimizer and schedule are restored instead)")
     else:
         spec = get_model_spec(cfg.model)
     info = DatasetInfo.load(Path(cfg.data_dir).expanduser())
@@ -550,6 +551,7 @@ def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
     export final_model/ (rank 0). Returns (export dir or None, weights in sync)."""
     import torch
 
+    from utils import files
     from utils.model.fsdp import full_model_state
     from utils.model.hf import export_hf
 
@@ -567,8 +569,10 @@ def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
             log.error(f"weights differ between ranks after training: {all_sums}")
     if not accelerator.is_main_process:
         return None, in_sync
-    export_dir = export_hf(weights, spec, output_dir / "final_model",
-                           tokenizer=Path(cfg.data_dir).expanduser() / "tokenizer.json")
+    with files.write_guard(output_dir / "final_model", advice="the checkpoints are intact: export one with "
+                           "scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into a folder you may write"):
+        export_dir = export_hf(weights, spec, output_dir / "final_model",
+                               tokenizer=Path(cfg.data_dir).expanduser() / "tokenizer.json")
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
     log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
+import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -111,6 +113,10 @@ class TrainingConfig:
         if bad:
             raise ConfigError(f"report_to='{self.report_to}': unknown tracker '{bad[0].strip()}'; use "
                               f"{', '.join(REPORT_TO)} or a comma-separated list of them")
+        named = [t.strip().lower() for t in self.report_to.split(",") if t.strip()]
+        if "none" in named and len(named) > 1:
+            raise ConfigError(f"report_to='{self.report_to}': 'none' cannot be combined with trackers; use "
+                              f"report_to=none, or list only the trackers")
         if self.profile not in MEMORY_PROFILES:
             raise ConfigError(f"profile='{self.profile}' is not valid; use one of {', '.join(MEMORY_PROFILES)}")
         if self.optimizer_state_dtype not in OPTIMIZER_STATE_DTYPES:
@@ -136,6 +142,9 @@ class TrainingConfig:
             raise ConfigError(
                 f"gcs_bucket='{self.gcs_bucket}' must be a bare bucket name; put folders in gcs_prefix"
             )
+        if self.warmup_steps > self.max_steps and os.environ.get("RANK", "0") == "0":  # said once, not per rank
+            print(f"warning: warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}: the learning rate "
+                  f"never reaches learning_rate={self.learning_rate:g}; lower warmup_steps", file=sys.stderr)
         return self
 
     def to_dict(self) -> dict:
@@ -244,8 +253,9 @@ def read_config_file(path) -> tuple[str | None, dict]:
     except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError: both say where
         first = str(exc).replace("\n", " ")
         raise ConfigError(f"--config {path}: not valid {path.suffix.lstrip('.').upper()} ({first})") from None
-    if raw is None:
-        raw = {}
+    if raw is None:  # an empty file (or only comments) would silently train the default 1.2B model
+        raise ConfigError(f"--config {path}: the file is empty; give at least one field (e.g. 'base: tiny'), "
+                          f"or drop --config to use a preset")
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field: value, found a {type(raw).__name__}")
     base = raw.pop("base", None)

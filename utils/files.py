@@ -219,6 +219,23 @@ def free_bytes(path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def owner_of(path) -> str:
+    """`" (owned by NAME)"` for the path or its nearest existing parent; empty where unknown."""
+    import pwd
+
+    path = Path(path)
+    try:
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        uid = path.stat().st_uid
+    except OSError:
+        return ""
+    try:
+        return f" ({path} is owned by {pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f" ({path} is owned by uid {uid})"
+
+
 def mount_point(path) -> Path:
     path = Path(path).resolve()
     while not path.exists() and path != path.parent:
@@ -228,14 +245,51 @@ def mount_point(path) -> Path:
     return path
 
 
-def disk_full_error(path, needed_bytes: int | None = None):
+RESUME_ADVICE = ("free space there (or lower save_total_limit), then resume with --resume auto: the checkpoints "
+                 "written before are intact")
+
+
+def disk_full_error(path, needed_bytes: int | None = None, advice: str = RESUME_ADVICE):
     """The one-line DiskFullError for a write to `path` that ran out of space: where, how much, what to do."""
     from utils.errors import DiskFullError
 
     need = f"about {needed_bytes / 1e9:.2f} GB needed, " if needed_bytes else ""
-    return DiskFullError(f"no space left on {mount_point(path)} writing {path} ({need}{free_bytes(path) / 1e9:.2f} "
-                         f"GB free); free space there (or lower save_total_limit), then resume with --resume auto: "
-                         f"the checkpoints written before are intact")
+    try:
+        where, free = mount_point(path), f"{free_bytes(path) / 1e9:.2f} GB free"
+    except OSError:
+        where, free = Path(path).parent, "free space unknown"
+    return DiskFullError(f"no space left on {where} writing {path} ({need}{free}); {advice}")
+
+
+@contextmanager
+def disk_full_guard(path, needed_bytes: int | None = None, advice: str = RESUME_ADVICE) -> Iterator[None]:
+    """`with disk_full_guard(path): write...` turns "no space left" (however wrapped) into the one-line
+    DiskFullError naming `path`; every other error passes through unchanged. The one mechanism every
+    writer (logs, metrics, checkpoints, prepare_data, download) uses for a full disk."""
+    from utils.errors import DiskFullError
+
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(path, needed_bytes, advice) from None
+        raise
+
+
+@contextmanager
+def write_guard(path, advice: str, needed_bytes: int | None = None) -> Iterator[None]:
+    """`disk_full_guard`, and a write this user may not make (another user's folder or file) as one
+    UserError naming the path, its owner and `advice`, instead of a PermissionError traceback."""
+    from utils.errors import UserError
+
+    try:
+        with disk_full_guard(path, needed_bytes, advice):
+            yield
+    except PermissionError as exc:
+        where = exc.filename or path
+        raise UserError(f"cannot write {where} ({exc.strerror}){owner_of(where)}; {advice}") from None
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -17,13 +17,14 @@ import json
 import math
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-from utils.errors import UserError
-from utils.files import disk_full_error, is_disk_full
+from utils.errors import DiskFullError, UserError
+from utils.files import disk_full_guard, owner_of
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s. Checked in order; first substring match wins.
 PEAK_BF16_FLOPS = (
@@ -90,6 +91,22 @@ def tracker_names(report_to: str) -> list[str]:
     return [] if names in ([], ["none"]) else names
 
 
+def usable_trackers(report_to: str, warn=None) -> list[str]:
+    """`tracker_names`, less those whose package is not installed: one warning line each with the pip
+    command, and the others keep working (accelerate would fail them all at once)."""
+    import importlib.util
+
+    warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    usable = []
+    for name in tracker_names(report_to):
+        if importlib.util.find_spec(name) is None:
+            warn(f"warning: report_to={name}: the {name} package is not installed, so nothing is logged to it; "
+                 f"pip install {name} (or drop it from report_to)")
+        else:
+            usable.append(name)
+    return usable
+
+
 class RunLogger:
     """Console + logs/training.log + logs/metrics.jsonl + trackers, continued across resumes."""
 
@@ -100,9 +117,16 @@ class RunLogger:
         self._accelerator = None
         self._tensorboard = None  # its SummaryWriter, for the tokens-seen axis
         if is_main:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            for name in ("training.log", "metrics.jsonl"):
-                self._files[name] = open(self.log_dir / name, "a", buffering=1)
+            path = self.log_dir
+            try:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                for name in ("training.log", "metrics.jsonl"):
+                    path = self.log_dir / name
+                    self._files[name] = open(path, "a", buffering=1)
+            except OSError as exc:  # e.g. logs/ or a log file left by another user
+                self._drop_files()
+                raise UserError(f"cannot write {path} ({exc.strerror}){owner_of(path)}; use an --output-dir you "
+                                f"may write, or fix its permissions") from None
 
     def start_trackers(self, accelerator, run_name: str, config: dict, resume_step: int | None) -> None:
         """accelerate's trackers, with the resolved config as hyperparameters. On a resume, TensorBoard
@@ -113,7 +137,8 @@ class RunLogger:
         try:
             accelerator.init_trackers(run_name, config=config, init_kwargs=init_kwargs)
         except Exception as exc:  # a tracker that cannot start (no login, no server) must not stop training
-            self.warning(f"trackers {accelerator.log_with} disabled: {type(exc).__name__}: {exc}")
+            names = ", ".join(getattr(t, "name", str(t)) for t in accelerator.log_with)
+            self.warning(f"warning: trackers {names} disabled: {type(exc).__name__}: {exc}")
             return
         self._accelerator = accelerator
         if any(t.name == "tensorboard" for t in accelerator.trackers):
@@ -124,11 +149,12 @@ class RunLogger:
         if f is None:
             return
         try:
-            f.write(text)
-        except OSError as exc:
+            with disk_full_guard(self.log_dir / name):
+                f.write(text)
+        except (DiskFullError, OSError) as exc:
             self._drop_files()  # the lines that report this one must not fail the same way
-            if is_disk_full(exc):
-                raise disk_full_error(self.log_dir / name, exc) from None
+            if isinstance(exc, DiskFullError):
+                raise
             raise UserError(f"cannot write {self.log_dir / name}: {exc}") from None
 
     def info(self, msg: str) -> None:
@@ -154,11 +180,20 @@ class RunLogger:
         group = "eval" if "val_loss" in row else "checkpoint" if "checkpoint" in row else "train"
         scalars = {f"{group}/{k}": v for k, v in row.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-        self._accelerator.log(scalars, step=row["step"])
-        tokens = row.get("tokens")
-        if group != "checkpoint" and tokens and self._tensorboard is not None:
-            for key, value in scalars.items():
-                self._tensorboard.add_scalar(f"by_tokens/{key}", value, tokens)
+        try:
+            with disk_full_guard(self._tracker_dir()):
+                self._accelerator.log(scalars, step=row["step"])
+                tokens = row.get("tokens")
+                if group != "checkpoint" and tokens and self._tensorboard is not None:
+                    for key, value in scalars.items():
+                        self._tensorboard.add_scalar(f"by_tokens/{key}", value, tokens)
+        except DiskFullError:
+            self._accelerator, self._tensorboard = None, None  # closing them would fail the same way
+            self._drop_files()
+            raise
+
+    def _tracker_dir(self) -> Path:
+        return Path(getattr(self._tensorboard, "log_dir", None) or self.log_dir)
 
     def _drop_files(self) -> None:
         for f in self._files.values():
@@ -176,6 +211,17 @@ class RunLogger:
                 print(f"warning: closing trackers: {exc}", file=sys.stderr)
             self._accelerator = None
         self._drop_files()
+
+
+def _quiet_tensorboard_thread(args, _previous=threading.excepthook) -> None:
+    """TensorBoard's writer thread re-raises its write error (a full disk) in its own thread, then again in
+    the next `add_scalar` on ours, where it becomes the one-line DiskFullError: print it once, there."""
+    if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+        return
+    _previous(args)
+
+
+threading.excepthook = _quiet_tensorboard_thread
 
 
 class NonFiniteLoss(UserError):

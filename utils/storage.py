@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 import google_crc32c
 
 from utils import files
-from utils.errors import UserError
+from utils.errors import DiskFullError, UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CREDENTIALS_DIR = REPO_ROOT / "credentials"
@@ -218,10 +218,36 @@ def _backoff(attempt: int, base_delay: float) -> float:
     return min(MAX_BACKOFF_S, base_delay * 2**attempt) * random.uniform(0.5, 1.0)
 
 
+# The google-cloud-storage client waits up to this long for each answer (its default), and retry_call retries
+# transient failures: a GCS (or proxy) that accepts connections and never answers costs minutes. After
+# SLOW_NOTICE_S without an answer, one line says what is being waited for and for at most how long.
+REQUEST_TIMEOUT_S = 60.0
+SLOW_NOTICE_S = 15.0
+
+
+def _slow_notice(what: str, retries: int) -> threading.Timer:
+    most = (retries + 1) * REQUEST_TIMEOUT_S + sum(min(MAX_BACKOFF_S, 0.5 * 2**a) for a in range(retries))
+    timer = threading.Timer(SLOW_NOTICE_S, lambda: print(
+        f"GCS: {what}: no answer after {SLOW_NOTICE_S:.0f} s; waiting up to {REQUEST_TIMEOUT_S:.0f} s per attempt, "
+        f"{retries + 1} attempts (at most about {most / 60:.0f} min) before giving up; check the network, "
+        f"STORAGE_EMULATOR_HOST, or GCS status", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def retry_call(fn: Callable, *, what: str, retries: int = 5, base_delay: float = 0.5):
     """`fn()`, retried up to `retries` more times with exponential backoff and jitter on transient errors.
     A non-transient error (e.g. 403, 404) is raised at once, unchanged; running out of retries raises
-    StorageError naming `what` and chained to the last error."""
+    StorageError naming `what` and chained to the last error. A call slower than SLOW_NOTICE_S says so."""
+    notice = _slow_notice(what, retries)
+    try:
+        return _retry_call(fn, what, retries, base_delay)
+    finally:
+        notice.cancel()
+
+
+def _retry_call(fn: Callable, what: str, retries: int, base_delay: float):
     attempt = 0
     while True:
         try:
@@ -354,6 +380,18 @@ def list_subdirectories(client, gs_url_: str) -> list[str]:
         raise _explain(exc, gs_url_) from exc
 
 
+def bucket_exists(client, bucket: str) -> bool:
+    """False when the bucket does not exist; a bucket these credentials may not read counts as existing."""
+    from google.api_core import exceptions as api
+
+    try:
+        return retry_call(lambda: client.bucket(bucket).exists(retry=None), what=f"checking gs://{bucket}")
+    except api.Forbidden:
+        return True
+    except Exception as exc:
+        raise _explain(exc, gs_url(bucket)) from exc
+
+
 def object_exists(client, gs_url_: str) -> bool:
     bucket, name = parse_gs_url(gs_url_)
     if not name:
@@ -409,9 +447,37 @@ def download_verified(client, bucket: str, obj: RemoteObject, dest, retries: int
             files.release_temp(temp)
 
     try:
-        return retry_call(attempt, what=f"downloading {url} to {dest}", retries=retries)
+        with files.disk_full_guard(dest, advice=DOWNLOAD_DISK_FULL_ADVICE):
+            return retry_call(attempt, what=f"downloading {url} to {dest}", retries=retries)
+    except DiskFullError:
+        raise
     except Exception as exc:
         raise _explain(exc, url) from exc
+
+
+DOWNLOAD_DISK_FULL_ADVICE = ("free space there, then run the same command again: completed files are kept and "
+                             "not downloaded again")
+
+
+def check_destination(dest_dir) -> None:
+    """One StorageError, before any download, when `dest_dir` cannot hold files: it is a file, or this
+    user may not create it or write in it (rather than one FAILED line per object)."""
+    dest_dir = Path(dest_dir)
+    try:
+        if dest_dir.exists() and not dest_dir.is_dir():
+            raise StorageError(f"--dest {dest_dir} is a file; give a folder")
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        probe = files.temp_path(dest_dir / "write-check")
+        try:
+            probe.write_bytes(b"")
+        finally:
+            probe.unlink(missing_ok=True)
+            files.release_temp(probe)
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"--dest {dest_dir}: cannot write there ({exc.strerror}){files.owner_of(dest_dir)}; "
+                           f"choose a folder you may write, or fix its permissions") from None
 
 
 @dataclass
@@ -452,6 +518,8 @@ def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max
         raise StorageError(f"no objects ending in {suffix!r} under {source_url}: check --source")
     if max_files is not None and max_files >= 0:
         objects = objects[:max_files]
+    if not dry_run:
+        check_destination(dest_dir)
     root_files = {_join(prefix, name) for name in with_root_files}
     objects += [o for o in listed if o.name in root_files]
     report = SyncReport(dry_run=dry_run)
@@ -496,10 +564,18 @@ def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max
         with lock:
             bar.update(n)
 
+    full: list[DiskFullError] = []  # the first full-disk error: said once, and the other downloads stop
+
     def fetch(item: tuple[RemoteObject, Path]):
         obj, target = item
+        if full:
+            return
         try:
             n = download_verified(client(), bucket, obj, target, on_bytes=on_bytes)
+        except DiskFullError as exc:
+            with lock:
+                full.append(exc)
+            return
         except Exception as exc:
             with lock:
                 report.failed.append(gs_url(bucket, obj.name))
@@ -514,6 +590,8 @@ def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max
             list(pool.map(fetch, todo))
     finally:
         bar.close()
+    if full:
+        raise full[0]
     report.failed.sort()
     report.seconds = time.monotonic() - started
     return report
@@ -573,6 +651,38 @@ def upload_verified(client, bucket: str, local_path, object_name: str, retries: 
         retry_call(attempt, what=f"uploading {local_path} to {url}", retries=retries)
     except Exception as exc:
         raise _explain(exc, url) from exc
+
+
+def check_writable(client, gs_url_: str, timeout: float = 10.0) -> str | None:
+    """At the start of a run that uploads: one StorageError when the bucket is missing or the prefix is
+    not writable (instead of finding out at the first upload, after the first checkpoint). Writes and
+    deletes one small object, `PREFIX/.write-check-HOST-PID`, trying once for at most `timeout` s. GCS
+    unreachable is not an error here (uploads retry later, training goes on): returns a warning then."""
+    from google.api_core import exceptions as api
+
+    bucket, prefix = parse_gs_url(gs_url_)
+    name = _join(prefix, f".write-check-{files.host_tag()}-{os.getpid()}")
+    blob = client.bucket(bucket).blob(name)
+    try:
+        blob.upload_from_string(b"", retry=None, timeout=timeout)
+    except api.NotFound:
+        raise StorageError(f"gs://{bucket} does not exist (or these credentials cannot see it): checkpoints could "
+                           f"not be uploaded to {gs_url_}; check gcs_bucket, or leave it empty to keep "
+                           f"checkpoints local") from None
+    except (api.Forbidden, api.Unauthorized) as exc:
+        raise StorageError(f"cannot write to {gs_url_} (HTTP {exc.code}): the credentials in use may not create "
+                           f"objects there; grant them Storage Object Admin on gs://{bucket}, or fix "
+                           f"gcs_bucket/gcs_prefix") from None
+    except Exception as exc:
+        if not is_transient(exc):
+            raise _explain(exc, gs_url_) from exc
+        return (f"warning: could not reach GCS within {timeout:.0f} s to check {gs_url_} ({_short(exc, 200)}); "
+                f"training goes on and each checkpoint's upload retries")
+    try:
+        blob.delete(retry=None, timeout=timeout)
+    except Exception:  # noqa: BLE001 - a write-only role may not delete; the probe is tiny and hidden
+        pass
+    return None
 
 
 def _upload_order(local_dir: Path, last: Iterable[str]) -> list[Path]:

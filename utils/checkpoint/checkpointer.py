@@ -76,11 +76,13 @@ class Checkpointer:
         self.save_steps, self.sharded = save_steps, sharded
         self.upload_timeout_s = upload_timeout_s
         self.client_factory = client_factory
-        self.extra_files = dict(extra_files or {})  # looked up at each save: they may appear during the run
+        self.extra_files = dict(extra_files or {})  # resolved at each save: e.g. tokenizer.json made after setup
         self.is_main = accelerator.is_main_process
         self.writer = AsyncCheckpointWriter() if self.is_main else None
         self.uploader = (BackgroundUploader(client_factory, synchronous=not background_upload, log=log.info)
                          if remote_root and self.is_main else None)
+        if self.uploader:
+            self.uploader.check(remote_root)  # a mistyped bucket is one line now, not at the first upload
         self.buffers = HostBuffers()
         self.shard_saver = None
         if sharded:
@@ -180,8 +182,8 @@ class Checkpointer:
         trainer_state = self.state.state_dict() | {k: v for k, v in self.run.items() if k != "max_steps"} | {
             "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}}
         payload = CheckpointPayload(snapshot["model"], snapshot["objects"] | {"rng": rngs}, trainer_state)
-        extra = {k: Path(v) for k, v in self.extra_files.items() if Path(v).is_file()}
-        self.writer.save(self.root, name, payload, on_done=self._after_write, extra_files=extra, sharded=sharded)
+        present = {k: v for k, v in self.extra_files.items() if Path(v).is_file()}
+        self.writer.save(self.root, name, payload, on_done=self._after_write, extra_files=present, sharded=sharded)
         blocked_s = time.perf_counter() - started
         self.log.write_row({"step": self.state.step, "checkpoint": name, "blocked_s": blocked_s, "copy_s": copy_s})
         self.log.info(f"Checkpoint {name}: loop blocked {blocked_s:.3f} s (device->host copy {copy_s:.3f} s); "

@@ -217,16 +217,16 @@ def write_checkpoint(root, name: str, payload: CheckpointPayload,
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"cannot create checkpoint directory {root}: {e}") from e
+    needed = sum(t.numel() * t.element_size() for t in (payload.model_state or {}).values()
+                 if isinstance(t, torch.Tensor))
     try:
-        with files.atomic_directory(final, tmp=sharded.tmp if sharded else None) as tmp:
+        with files.disk_full_guard(final, needed or None), \
+                files.atomic_directory(final, tmp=sharded.tmp if sharded else None) as tmp:
             _write_contents(tmp, name, payload, extra_files, sharded)
         return final
-    except CheckpointError:
+    except UserError:  # CheckpointError, DiskFullError
         raise
     except Exception as e:
-        if files.is_disk_full(e):
-            needed = sum(t.numel() * t.element_size() for t in (payload.model_state or {}).values())
-            raise files.disk_full_error(final, needed or None) from None
         raise CheckpointError(f"writing checkpoint {final} failed: {type(e).__name__}: {e}") from e
 
 
@@ -276,15 +276,20 @@ def _write_contents(tmp: Path, name: str, payload: CheckpointPayload, extra_file
 
 def _read_manifest(path: Path) -> dict:
     manifest_path = path / MANIFEST
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
-    if not manifest_path.is_file():
+    try:
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+        present = manifest_path.is_file()
+    except OSError as e:  # e.g. a directory this user may not enter (chmod 000, another user's)
+        raise CheckpointError(f"checkpoint {path}: cannot open it ({e.strerror}); check its permissions"
+                              f"{files.owner_of(path)}") from None
+    if not present:
         raise CheckpointError(
             f"checkpoint {path} has no {MANIFEST}: it is incomplete (an interrupted write, copy or upload); "
             "resume from another checkpoint or delete it")
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
+        listed = manifest["files"]
         version = manifest["format_version"]
     except OSError as e:
         raise CheckpointError(f"checkpoint {path}: cannot read {MANIFEST} ({e}); check its permissions") from e
@@ -293,7 +298,7 @@ def _read_manifest(path: Path) -> dict:
     if version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {version}; this code reads up to "
                               f"{FORMAT_VERSION}: update the code")
-    for rel in files:
+    for rel in listed:
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists '{rel}', outside the checkpoint")
     return manifest

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from utils import files, storage
 from utils.checkpoint.format import (MANIFEST, CheckpointError, NoCheckpointFound, find_latest_local,
-                                     parse_checkpoint_name, verify_checkpoint)
+                                     list_checkpoints, parse_checkpoint_name, verify_checkpoint)
 
 
 def _join_url(base: str, name: str) -> str:
@@ -57,6 +57,52 @@ def _download(client, url: str, local_root: Path, name: str, log) -> Path:
     return dest
 
 
+def _held(names: list[str]) -> str:
+    """"2 checkpoints: A ... B (newest)" for checkpoint names, oldest first."""
+    names = sorted(names, key=lambda n: (parse_checkpoint_name(n)[1], n))
+    shown = names if len(names) <= 3 else names[:1] + ["..."] + names[-2:]
+    return f"{len(names)} checkpoint{'s' if len(names) != 1 else ''}: {', '.join(shown)}"
+
+
+def _explain_local_folder(path: Path) -> None:
+    """A folder given to --resume that is not itself a checkpoint but a run's output dir or its
+    checkpoints/ folder: say so, what it holds, and what to pass instead."""
+    if parse_checkpoint_name(path.name):
+        return
+    for root, what in ((path, "a folder of checkpoints"), (path / "checkpoints", "a run's output directory")):
+        names = [p.name for p in list_checkpoints(root)]
+        if names:
+            newest = max(names, key=lambda n: parse_checkpoint_name(n)[1])
+            latest = (f", or with --output-dir {root.parent} --resume latest" if root.name == "checkpoints" else "")
+            raise CheckpointError(f"{path} is {what}, not a checkpoint; it holds {_held(names)}. Resume from one "
+                                  f"with --resume {root / newest}{latest}")
+    if (path / MANIFEST).exists() or (path / "model.safetensors").exists():
+        return  # a checkpoint under another name: verify_checkpoint says what is wrong with it
+    raise CheckpointError(f"{path} is neither a checkpoint nor a folder holding any (no checkpoint-epoch*-step*-files* "
+                          f"directories in it or in its checkpoints/); give a checkpoint directory, a checkpoint name, "
+                          f"latest, or a gs:// URL")
+
+
+def _explain_remote(client, url: str) -> None:
+    """For `--resume gs://...` without a manifest there: a missing bucket, a folder of checkpoints (a run's
+    remote root), nothing at all under the name, and an incomplete upload are four different answers."""
+    if storage.object_exists(client, _join_url(url, MANIFEST)):
+        return
+    bucket, _ = storage.parse_gs_url(url)
+    if not storage.bucket_exists(client, bucket):
+        raise CheckpointError(f"--resume {url}: bucket gs://{bucket} does not exist (or these credentials cannot "
+                              f"see it); check the bucket name")
+    names = [n for n in storage.list_subdirectories(client, url) if parse_checkpoint_name(n)]
+    if names:
+        newest = max(names, key=lambda n: parse_checkpoint_name(n)[1])
+        raise CheckpointError(f"--resume {url} is a folder of checkpoints, not a checkpoint; it holds "
+                              f"{_held(names)}. Resume with --resume {_join_url(url, newest)}, or --resume latest "
+                              f"with gcs_bucket/gcs_prefix pointing there")
+    if not storage.list_objects(client, bucket, storage.parse_gs_url(url)[1], suffix=None):
+        raise CheckpointError(f"--resume {url}: nothing in gs://{bucket} under that name; check the path (list "
+                              f"it with: gcloud storage ls {url.rsplit('/', 1)[0]}/)")
+
+
 def resolve_resume(arg: str, local_root, remote_url: str | None = None, client_factory=None, log=print) -> Path:
     """Turns a `--resume` value into a verified local checkpoint directory.
 
@@ -74,6 +120,7 @@ def resolve_resume(arg: str, local_root, remote_url: str | None = None, client_f
 
     if arg.startswith("gs://"):
         name = arg.rstrip("/").rsplit("/", 1)[-1]
+        _explain_remote(get_client(), arg.rstrip("/"))
         return _download(get_client(), arg.rstrip("/"), local_root, name, log)
 
     if arg == "latest":
@@ -97,6 +144,7 @@ def resolve_resume(arg: str, local_root, remote_url: str | None = None, client_f
 
     candidate = Path(arg)
     if candidate.is_dir():
+        _explain_local_folder(candidate)
         verify_checkpoint(candidate)
         return candidate
 

@@ -5,9 +5,11 @@ next checkpoint, and so the training loop) goes on at once. One upload runs at a
 waiting its turn when a newer one is submitted is *superseded* (GCS needs the newest, not every one), so
 the backlog never grows past one waiting upload.
 
-Retention asks `protected()` what it must keep: every checkpoint whose upload is waiting, running or has
-failed, unless a newer checkpoint has since reached GCS (then the older one is no longer the only copy of
-anything remote). Failures never raise into training; `drain()` / `close()` report each result once, and
+Retention asks `protected()` what it must keep: every checkpoint whose upload is waiting or running, and
+the newest one whose upload failed, unless a newer checkpoint has since reached GCS. Only the newest failed
+one: when uploads keep failing (a mistyped bucket, lost permissions) keeping every failed checkpoint would
+fill the disk of a long run, and the newest one is what a resume needs; this is said once, when an older
+failed checkpoint first loses its protection. Failures never raise into training; `drain()` / `close()` report each result once, and
 `UploadReport.summary()` says plainly what is where and the command that uploads what is missing.
 
 Run as a script to upload one checkpoint by hand (verified, manifest last):
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from utils.storage import StorageError, make_client, upload_directory
+from utils.storage import StorageError, check_writable, make_client, upload_directory
 
 UPLOAD_COMMAND = "python -m utils.checkpoint.upload"
 
@@ -51,7 +53,8 @@ class UploadReport:
         for url, why in self.failed:
             path = self.local.get(url)
             where = (f"it is only on local disk at {path}" if path is not None and path.exists()
-                     else "its local copy is gone too")
+                     else "its local copy is gone too (retention keeps only the newest checkpoint whose upload "
+                          "failed)")
             lines.append(f"upload of {url} failed ({why}); {where}"
                          + (f"; upload it with: {UPLOAD_COMMAND} {path} {url}" if path is not None and path.exists()
                             else ""))
@@ -83,6 +86,7 @@ class BackgroundUploader:
         self._running: _Job | None = None
         self._failed: dict[Path, _Job] = {}  # local dir -> its failed upload (until a newer one succeeds)
         self._newest_uploaded = 0  # seq of the newest checkpoint that reached GCS
+        self._said_bounded = False  # the warning that older failed uploads are no longer kept, said once
         self._results = UploadReport()  # finished, not yet reported
         self._seq = 0
         self._closed = False
@@ -90,6 +94,13 @@ class BackgroundUploader:
         if not synchronous:
             self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
             self._thread.start()
+
+    def check(self, gs_url: str) -> None:
+        """Raises StorageError now when `gs_url` cannot take uploads (a missing bucket, no permission),
+        rather than at the first checkpoint's upload; GCS unreachable is logged and training goes on."""
+        warning = check_writable(self._client_factory(), gs_url)
+        if warning:
+            self._log(warning)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -124,7 +135,14 @@ class BackgroundUploader:
             keep = {j.local_dir for j in self._waiting}
             if self._running is not None:
                 keep.add(self._running.local_dir)
-            keep |= {path for path, job in self._failed.items() if job.seq > self._newest_uploaded}
+            failed = sorted((job.seq, path) for path, job in self._failed.items() if job.seq > self._newest_uploaded)
+            if failed:
+                keep.add(failed[-1][1])
+            if len(failed) > 1 and not self._said_bounded:
+                self._said_bounded = True
+                self._log(f"warning: {len(failed)} checkpoint uploads failed in a row; keeping only the newest that "
+                          f"failed ({failed[-1][1].name}) beyond save_total_limit, so that the disk does not fill: "
+                          f"older ones that never reached GCS are deleted by retention as usual")
             return keep
 
     def drain(self, timeout: float | None = None) -> UploadReport:

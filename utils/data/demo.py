@@ -58,6 +58,8 @@ def build_demo_data(data_dir, vocab_size: int, seq_len: int, log: Callable[[str]
     if is_built(data_dir):
         _check_reusable(data_dir, vocab_size, seq_len)
         return data_dir
+    if data_dir.exists() and not data_dir.is_dir():
+        raise DemoDataError(f"data_dir {data_dir} is a file; point the run at a folder")
     if data_dir.exists() and any(data_dir.iterdir()):
         raise DemoDataError(
             f"{data_dir} is not empty but holds no complete demo build ({MANIFEST}, {TOKENIZER_FILE} and "

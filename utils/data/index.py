@@ -1,7 +1,7 @@
 """The validated shard index: every `*.npz` under a data directory, ordered, checked once, cached.
 
 `ShardIndex.build(data_dir, seq_len, vocab_size)` finds every `*.npz` under `data_dir` (recursively, sorted
-by relative posix path), checks each against the shard format (utils/data/shards.py) and records how many
+by relative posix path; hidden files and folders are ignored, and counted), checks each against the shard format (utils/data/shards.py) and records how many
 `seq_len` sequences it holds. The id scan is done once per file: results are cached in
 `data_dir/.shard_index.json`, keyed by relative path, size and mtime, and reused while the file is
 unchanged. Any bad file stops the build with a `ShardError` naming the file and the rule.
@@ -71,14 +71,21 @@ def _write_cache(path: Path, entries: dict, log: Callable) -> None:
 # The index
 
 
-def _find_shards(root: Path) -> list[str]:
-    found = []
+def _find_shards(root: Path) -> tuple[list[str], list[str]]:
+    """(the `.npz` files under root, those ignored because they or a folder above them is hidden).
+
+    Hidden names are never data: a killed prepare_data's `.NAME.partial-*` output, editors' and sync
+    tools' files, this module's own cache."""
+    found, hidden = [], []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames.sort()
+        rel_dir = Path(dirpath).relative_to(root)
+        in_hidden = any(part.startswith(".") for part in rel_dir.parts)
         for name in filenames:
-            if name.endswith(".npz"):
-                found.append((Path(dirpath) / name).relative_to(root).as_posix())
-    return sorted(found)
+            if name.endswith(".npz") or (files.is_temp_name(name) and ".npz" in name):
+                rel = (rel_dir / name).as_posix()
+                (hidden if in_hidden or name.startswith(".") else found).append(rel)
+    return sorted(found), sorted(hidden)
 
 
 class ShardIndex:
@@ -102,7 +109,10 @@ class ShardIndex:
         if seq_len < 1 or vocab_size < 1:
             raise ValueError(f"seq_len={seq_len} and vocab_size={vocab_size} must be positive")
         root = Path(data_dir)
-        all_files = _find_shards(root) if root.is_dir() else []
+        all_files, hidden = _find_shards(root) if root.is_dir() else ([], [])
+        if hidden:
+            log(f"data: ignoring {len(hidden)} .npz file(s) under hidden names in {root} (e.g. {hidden[0]}: "
+                f"names starting with '.', such as a killed prepare_data's .NAME.partial-* folder)")
         files = _select(root, all_files, max_files)
         layouts, errors = _layouts(root, files, all_files, seq_len, log)
         shards = []

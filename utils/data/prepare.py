@@ -108,9 +108,23 @@ def read_documents(path: Path, text_field: str) -> Iterator[str]:
         else:
             yield from _parquet_documents(path, text_field)
     except UnicodeDecodeError as exc:
-        raise PrepareError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise PrepareError(f"{path}: not UTF-8 text ({exc.reason} at {_bad_utf8_position(path)})") from None
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise PrepareError(f"{path}: cannot be read ({exc})") from None
+
+
+def _bad_utf8_position(path: Path) -> str:
+    """"line N, byte B" of the first byte that is not UTF-8 (B counts from the start of the file, of the
+    decompressed stream for .gz): the decoder's own offset is within its read buffer."""
+    offset = 0
+    with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return f"line {number}, byte {offset + exc.start}"
+            offset += len(line)
+    return "the end of the file"
 
 
 def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
@@ -182,6 +196,9 @@ _WORKER_TOKENIZER = None
 
 def _init_worker(tokenizer_file: str) -> None:
     global _WORKER_TOKENIZER
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process stops the pool (no traceback per worker)
     from tokenizers import Tokenizer
 
     _WORKER_TOKENIZER = Tokenizer.from_file(tokenizer_file)
@@ -304,7 +321,7 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
     files.remove_stale_temps(output.parent)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 65536 else np.uint32)
     counts = Counts()
-    with files.atomic_directory(output) as tmp:
+    with files.disk_full_guard(output, advice=DISK_FULL_ADVICE), files.atomic_directory(output) as tmp:
         writer = ShardWriter(tmp, shard_tokens, dtype)
         eos = np.array([tok.eos_id], dtype=np.int64)
         for encoded in _tokenized(files_in, text_field, tok, tok_obj, workers, counts):
@@ -361,12 +378,9 @@ def _finished(output: Path, digest: str) -> dict | None:
 
 def upload(output: Path, url: str) -> int:
     """Uploads a prepared dataset with the verified upload path, dataset.json last. Returns the file count."""
-    from utils.storage import make_client, parse_gs_url, upload_directory
+    from utils.storage import make_client, upload_directory
 
-    try:
-        parse_gs_url(url)
-    except ValueError as exc:
-        raise PrepareError(f"--upload {url}: {exc}") from None
+    check_upload_url(url)
     return len(upload_directory(make_client(), output, url.rstrip("/"), last=(DATASET_FILE,)))
 
 
@@ -399,3 +413,33 @@ def stderr_progress():
             last[0] = time.monotonic()
     update.close = lambda: None
     return update
+
+
+# -------------------------------------------------------------------------- before any work (hardening)
+
+DISK_FULL_ADVICE = "free space there and run the same command again: nothing was published"
+
+
+def check_upload_url(url: str | None) -> None:
+    """`--upload` must be a gs:// URL: checked before tokenizing, not after."""
+    from utils.storage import parse_gs_url
+
+    if url is None:
+        return
+    try:
+        parse_gs_url(url)
+    except ValueError as exc:
+        raise PrepareError(f"--upload {url}: {exc}") from None
+
+
+def lock_output(output) -> "OutputDirLock":
+    """Holds `--output` for this run (a hidden `.NAME.lock` beside it) so that a second prepare_data on the
+    same output is refused at start instead of both reporting success; `release()` it at the end."""
+    from utils.lock import OutputDirLock
+
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise PrepareError(f"--output {output} is a file; give a folder to create (or an empty one)")
+    lock = OutputDirLock(output, lock_path=output.parent / f".{output.name}.lock", option="--output")
+    lock.acquire(log=lambda msg: None)
+    return lock

@@ -1,7 +1,8 @@
 """HF GPT-NeoX weights in and out, in one place.
 
 In: `load_hf_pretrained(DIR)` reads an HF GPT-NeoX directory on disk (config.json + model.safetensors, or
-a sharded model.safetensors.index.json), e.g. a Pythia checkpoint, into a ModelSpec and a state dict with
+a sharded model.safetensors.index.json; older models' pytorch_model.bin, single or sharded, loaded with
+`torch.load(weights_only=True)`), e.g. a Pythia checkpoint, into a ModelSpec and a state dict with
 the engine's names. Out: `export_hf(state, spec, DIR)` writes through transformers' own GPTNeoXForCausalLM
 (`save_pretrained`), so `AutoModelForCausalLM.from_pretrained(DIR)` loads it; `scripts/export_hf.py`
 does it for any engine checkpoint.
@@ -45,25 +46,38 @@ def load_hf_pretrained(directory) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     except (OSError, ValueError) as exc:
         raise HFLoadError(f"init_from {config_path}: cannot read it ({exc})") from None
     spec = ModelSpec.from_hf_config(config, name=directory.name, source=str(config_path))
-    index = directory / "model.safetensors.index.json"
-    if (directory / "model.safetensors").is_file():
-        shards = [directory / "model.safetensors"]
-    elif index.is_file():
-        try:
-            shards = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (OSError, ValueError, KeyError) as exc:
-            raise HFLoadError(f"init_from {index}: unreadable shard index ({exc})") from None
-    else:
-        other = sorted(p.name for p in directory.glob("*.bin")) or ["nothing"]
-        raise HFLoadError(f"init_from {directory}: no model.safetensors (found {', '.join(other)}); convert the "
-                          f"weights to safetensors (transformers' save_pretrained does) and try again")
     state = {}
-    for shard in shards:
+    for shard in _weight_files(directory):
         try:
-            state |= load_file(str(shard))
-        except Exception as exc:  # safetensors raises its own error types for truncated or foreign files
-            raise HFLoadError(f"init_from {shard}: cannot read it ({exc})") from None
+            if shard.name.endswith(".safetensors"):
+                state |= load_file(str(shard))
+            else:  # older checkpoints (e.g. early Pythia revisions) ship only pickled torch files
+                state |= torch.load(shard, map_location="cpu", weights_only=True)
+        except Exception as exc:  # safetensors / torch raise their own error types for truncated or foreign files
+            raise HFLoadError(f"init_from {shard}: cannot read it ({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
     return spec, engine_names(state)
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The weight files of an HF directory: model.safetensors, its sharded index, or (older models)
+    pytorch_model.bin or its sharded index, in that order of preference."""
+    for single, index_name in (("model.safetensors", "model.safetensors.index.json"),
+                               ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (directory / single).is_file():
+            return [directory / single]
+        index = directory / index_name
+        if index.is_file():
+            try:
+                shards = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise HFLoadError(f"init_from {index}: unreadable shard index ({exc})") from None
+            missing = [p.name for p in shards if not p.is_file()]
+            if missing:
+                raise HFLoadError(f"init_from {index}: lists {missing[0]}, which is not there; download every shard")
+            return shards
+    other = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != "config.json") or ["nothing else"]
+    raise HFLoadError(f"init_from {directory}: no weights (model.safetensors, pytorch_model.bin or their sharded "
+                      f"index .json; found {', '.join(other[:5])}); point init_from at a complete HF model directory")
 
 
 def engine_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

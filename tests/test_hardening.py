@@ -1,0 +1,692 @@
+"""Hardening, second pass (issue 20): every fault a user can meet is one line (or one clear warning) and
+loses nothing. Mostly in-process checks against real files, a real full disk (/dev/full, a small tmpfs), a
+real unprivileged user (setpriv) and the GCS emulator; a few toy-sized subprocess runs. The last test
+runs every command-line entry point against bad inputs and asserts no traceback reaches stderr."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainkit import REPO_ROOT, make_shards
+from utils import files
+from utils.checkpoint.format import CheckpointPayload, checkpoint_name, write_checkpoint
+from utils.errors import DiskFullError, UserError
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def as_nobody_ok() -> bool:
+    return os.getuid() == 0 and shutil.which("setpriv") is not None
+
+
+@pytest.fixture
+def open_tmp():
+    """A temporary directory an unprivileged user can reach (pytest's own are root-only)."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="hardening-"))
+    os.chmod(path, 0o755)
+    yield path
+    subprocess.run(["chmod", "-R", "u+rwx", str(path)], capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def fake_checkpoint(root: Path, step: int, extra_files: dict | None = None) -> Path:
+    """A real (tiny) checkpoint written by the real writer: one tensor, a model record, an rng object."""
+    payload = CheckpointPayload({"w": torch.arange(4.0)}, {"rng": [{}]},
+                                {"step": step, "epoch": 0, "tokens": step * 8, "world_size": 1,
+                                 "model": {"name": "tiny"}})
+    return write_checkpoint(root, checkpoint_name(0, step, 1), payload, extra_files)
+
+
+def run_py(args: list, timeout: float = 120, user: list | None = None, cwd=REPO_ROOT, env=None, **kw):
+    env = dict(env or os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run((user or []) + [sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def one_line(proc, code: int = 2) -> str:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------- bug 1: disk full
+
+def test_disk_full_guard_names_the_file_and_passes_other_errors(tmp_path):
+    with pytest.raises(DiskFullError, match=r"no space left on .* writing /dev/full \(.*free"):
+        with files.disk_full_guard("/dev/full"), open("/dev/full", "w") as f:
+            f.write("x" * 10_000)
+    with pytest.raises(PermissionError):  # not a full disk: unchanged
+        with files.disk_full_guard(tmp_path / "x"):
+            raise PermissionError(13, "denied")
+
+
+def test_log_line_on_a_full_disk_is_one_line(tmp_path):
+    """logs/metrics.jsonl linked to /dev/full: the promised DiskFullError, not a TypeError."""
+    from utils.metrics import RunLogger
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").symlink_to("/dev/full")
+    logger = RunLogger(tmp_path / "logs", is_main=True)
+    with pytest.raises(DiskFullError, match=r"writing \S+metrics.jsonl .*--resume auto"):
+        logger.write_row({"step": 1, "loss": 1.0})
+    logger.info("still printable after the failure")  # the files are dropped, nothing fails again
+    logger.close()
+
+
+def test_tensorboard_on_a_full_disk_is_one_line(tmp_path, capfd):
+    """TensorBoard's writer thread hits the full disk: one DiskFullError from the next log call, and no
+    traceback from its thread."""
+    from accelerate import Accelerator
+    from accelerate.tracking import TensorBoardTracker
+
+    from utils.metrics import RunLogger
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        logger = RunLogger(tmp_path / "logs", is_main=True)
+        accelerator = Accelerator(log_with=[TensorBoardTracker("tb", str(mount))], cpu=True)
+        logger.start_trackers(accelerator, "tb", {"a": 1}, None)
+        with pytest.raises(DiskFullError, match=r"no space left on .*small"):
+            for step in range(1, 20_000):
+                logger.write_row({"step": step, "tokens": step, "loss": 1.0 + step, "lr": 0.1})
+                if step % 500 == 0:
+                    logger._tensorboard.flush()
+        logger.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_checkpoint_on_a_full_disk_is_one_line(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        payload = CheckpointPayload({"w": torch.zeros(200_000)}, {}, {"step": 1})
+        with pytest.raises(DiskFullError, match=r"about 0\.00 GB needed.*--resume auto"):
+            write_checkpoint(mount, checkpoint_name(0, 1, 1), payload)
+        assert not any(mount.iterdir()), "the partial checkpoint was left behind"
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+# -------------------------------------------------------------- bug 2: an unreadable newest checkpoint
+
+def test_an_unreadable_newest_checkpoint_directory_is_skipped(open_tmp):
+    if not as_nobody_ok():
+        pytest.skip("needs root and setpriv to run as an unprivileged user")
+    root = open_tmp / "ckpts"
+    older, newest = fake_checkpoint(root, 2), fake_checkpoint(root, 4)
+    os.chmod(root, 0o755)
+    os.chmod(newest, 0o000)
+    code = ("from utils.checkpoint.format import find_latest_local; "
+            f"print('LATEST', find_latest_local({str(root)!r}).name)")
+    proc = run_py(["-c", code], user=NOBODY)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"skipping checkpoint {newest.name}" in proc.stdout and "check its permissions" in proc.stdout
+    assert f"LATEST {older.name}" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------- config
+
+def test_an_empty_config_file_is_refused(tmp_path):
+    from configs.training_config import ConfigError, get_training_config
+
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"empty.yaml: the file is empty"):
+        get_training_config(str(path))
+
+
+def test_report_to_none_with_trackers_is_refused():
+    from configs.training_config import ConfigError, get_training_config
+
+    with pytest.raises(ConfigError, match=r"'none' cannot be combined"):
+        get_training_config("demo", {"report_to": "tensorboard,none"})
+    assert get_training_config("demo", {"report_to": "none"}).report_to == "none"
+
+
+def test_warmup_longer_than_the_run_warns(capsys):
+    from configs.training_config import get_training_config
+
+    get_training_config("demo", {"max_steps": 10, "warmup_steps": 50})
+    assert "warning: warmup_steps=50 exceeds max_steps=10" in capsys.readouterr().err
+    get_training_config("demo", {"max_steps": 100, "warmup_steps": 50})
+    assert "warmup_steps" not in capsys.readouterr().err
+
+
+def test_a_tracker_without_its_package_is_one_line_and_others_keep_working(monkeypatch):
+    import importlib.util
+
+    from utils.metrics import usable_trackers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    said = []
+    assert usable_trackers("tensorboard,wandb", warn=said.append) == ["tensorboard"]
+    assert len(said) == 1 and "pip install wandb" in said[0]
+
+
+# ---------------------------------------------------------------------------- bug 3 and prepare_data
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    from tests.test_prepare_data import bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("prep")
+    (root / "corpus").mkdir()
+    for i in range(3):
+        (root / "corpus" / f"d{i}.txt").write_text("the quick brown fox jumps over the lazy dog " * (50 + i))
+    return root / "corpus", bpe_tokenizer(root / "tokenizer.json", vocab=300)
+
+
+def prepare_cli(*args, timeout: float = 120):
+    return run_py([REPO_ROOT / "prepare_data.py", "--no-progress", "--workers", "1", *args], timeout=timeout)
+
+
+def test_a_second_prepare_on_one_output_is_refused_at_start(small_corpus, tmp_path):
+    from utils.data.prepare import lock_output
+
+    corpus, tok = small_corpus
+    out = tmp_path / "data"
+    held = lock_output(out)  # this test plays the first, still running, prepare_data
+    try:
+        line = one_line(prepare_cli("--input", corpus, "--tokenizer", tok, "--output", out))
+    finally:
+        held.release()
+    assert f"{out} is in use by another live run (host" in line and f"pid {os.getpid()}" in line
+    assert "--output" in line and not out.exists()
+    proc = prepare_cli("--input", corpus, "--tokenizer", tok, "--output", out)
+    assert proc.returncode == 0 and "prepared 3 documents" in proc.stdout, proc.stderr
+
+
+def test_prepare_output_that_is_a_file_and_a_non_gs_upload_are_one_line_before_work(small_corpus, tmp_path):
+    corpus, tok = small_corpus
+    (tmp_path / "file").write_text("x")
+    line = one_line(prepare_cli("--input", corpus, "--tokenizer", tok, "--output", tmp_path / "file"))
+    assert "--output" in line and "is a file" in line
+    line = one_line(prepare_cli("--input", corpus, "--tokenizer", tok, "--output", tmp_path / "o",
+                                "--upload", "s3://bucket/x"))
+    assert "--upload s3://bucket/x" in line and not (tmp_path / "o").exists()
+
+
+def test_non_utf8_input_names_the_line_and_the_byte(tmp_path):
+    from utils.data.prepare import PrepareError, read_documents
+
+    good = "".join(json.dumps({"text": "word " * 2000}) + "\n" for _ in range(20))  # past the decoder's buffer
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(good.encode() + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(PrepareError, match=rf"invalid continuation byte at line 21, byte {len(good.encode()) + 13}\)"):
+        list(read_documents(path, "text"))
+
+
+def test_prepare_on_a_full_disk_is_one_line(small_corpus, tmp_path):
+    from utils.data.prepare import prepare
+
+    corpus, tok = small_corpus
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        with pytest.raises(DiskFullError, match=r"no space left on .*small.*run the same command again"):
+            prepare([str(corpus)], str(tok), mount / "data", shard_tokens=1024)
+        assert [p.name for p in mount.iterdir()] == [], "a partial output was left"
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_sigterm_during_prepare_leaves_no_worker_tracebacks(tmp_path):
+    import signal
+    import time
+
+    from tests.test_prepare_data import bpe_tokenizer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(400):
+        (corpus / f"d{i:03d}.txt").write_text("the quick brown fox jumps over the lazy dog " * 400)
+    tok = bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, REPO_ROOT / "prepare_data.py", "--input", corpus, "--tokenizer", tok,
+                             "--output", tmp_path / "out", "--workers", "2", "--no-progress",
+                             "--shard-tokens", "1024"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(p.name.startswith(".out.partial") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    time.sleep(1.0)  # the pool is up and tokenizing
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    time.sleep(0.5)  # orphaned workers would print after the main process exits
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert "interrupted: nothing was published" in err
+    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out.partial") for p in tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------ the output-dir lock
+
+def test_processes_forked_under_the_lock_do_not_hold_it(tmp_path):
+    """A run with DataLoader workers is killed with -9: the orphaned workers must not keep the lock."""
+    import signal
+    import time
+
+    from utils.lock import OutputDirLock
+
+    code = ("import os, sys, time; from utils.lock import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(); "
+            "pid = os.fork()\nif pid == 0: print(os.getpid(), flush=True); time.sleep(60); os._exit(0)\n"
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    child = int(proc.stdout.readline())  # the child runs (its fork hooks have run) before the kill
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        said = []
+        lock = OutputDirLock(tmp_path)
+        lock.acquire(log=said.append)  # the child is still alive: before the fix this is refused
+        assert said and f"pid {proc.pid}" in said[0] and "no longer alive" in said[0]
+        lock.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        time.sleep(0.1)
+
+
+def test_an_output_dir_this_user_may_not_write_is_one_line(open_tmp):
+    if not as_nobody_ok():
+        pytest.skip("needs root and setpriv to run as an unprivileged user")
+    out = open_tmp / "out"
+    out.mkdir()  # owned by root, 0755
+    code = ("import sys; from utils.errors import UserError; from utils.lock import OutputDirLock\n"
+            f"try: OutputDirLock({str(out)!r}).acquire()\nexcept UserError as e: print('error:', e)")
+    proc = run_py(["-c", code], user=NOBODY)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"cannot create {out}/.run.lock (Permission denied) ({out} is owned by root)" in proc.stdout
+
+
+# ------------------------------------------------------------------ bug 4: extra files at save time
+
+@pytest.mark.slow
+def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_without_one(tmp_path):
+    """The demo builds its data (and tokenizer.json) after the Checkpointer exists: checkpoints must still
+    carry it. A checkpoint without one exports with a warning naming --tokenizer."""
+    from accelerate import Accelerator
+
+    from configs.model_config import get_model_spec
+    from utils.checkpoint.checkpointer import Checkpointer
+    from utils.metrics import MetricsWindow, RunLogger
+    from utils.model import build_model
+    from utils.state import TrainState
+
+    accelerator = Accelerator(cpu=True)
+    log = RunLogger(tmp_path / "logs", is_main=True)
+    tokenizer = tmp_path / "data" / "tokenizer.json"
+    ckpt = Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=3, log=log,
+                        extra_files={"tokenizer.json": tokenizer})
+    spec = get_model_spec("tiny")
+    model = build_model(spec, seed=0)
+    window = MetricsWindow(accelerator, 1, 1.0, None, "no")
+    run = {"model": spec.to_dict(), "world_size": 1, "max_steps": 10}
+    bare, _ = ckpt.save(checkpoint_name(0, 1, 1), model, {}, TrainState(step=1), run, window)
+    ckpt.wait()
+    tokenizer.parent.mkdir()
+    tokenizer.write_text('{"made": "after setup"}')
+    with_tok, _ = ckpt.save(checkpoint_name(0, 2, 1), model, {}, TrainState(step=2), run, window)
+    ckpt.wait()
+    log.close()
+    assert not (bare / "tokenizer.json").exists()
+    assert (with_tok / "tokenizer.json").read_text() == '{"made": "after setup"}'
+
+    proc = run_py([REPO_ROOT / "scripts" / "export_hf.py", bare, tmp_path / "exported"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: " in proc.stderr and "holds no tokenizer.json" in proc.stderr and "--tokenizer PATH" in proc.stderr
+    proc = run_py([REPO_ROOT / "scripts" / "export_hf.py", bare, tmp_path / "e2", "--tokenizer", tmp_path / "nope"])
+    assert "error: --tokenizer" in proc.stderr and "no such file" in proc.stderr and proc.returncode == 2
+
+
+# ------------------------------------------------------------------------- the general guard: no traceback
+
+def guard_cases(tmp: Path) -> list[tuple[str, list]]:
+    """(what, argv) pairs: every command-line entry point against bad input it can meet (config mistakes
+    share one path in train.py, checked in-process above; one of them runs here)."""
+    data = make_shards(tmp / "data", n_files=2, rows=8)
+    (tmp / "a_file").write_text("x")
+    (tmp / "not_a_checkpoint").mkdir()
+    (tmp / "corpus.txt").write_text("some text")
+    py = sys.executable
+    train = [py, "train.py", "--config", "demo", "--set", "model=tiny", "--output-dir", str(tmp / "out"),
+             "--data-dir", str(data)]
+    prepare = [py, "prepare_data.py", "--no-progress", "--workers", "1"]
+    download = [py, "download_training_data.py", "--no-progress"]
+    export = [py, "scripts/export_hf.py"]
+    cases = [
+        ("train: unknown preset", [py, "train.py", "--config", "nope"]),
+        ("train: data dir is a file", train[:-1] + [str(tmp / "a_file")]),
+        ("train: output dir is a file", train[:6] + [str(tmp / "a_file")] + train[7:]),
+        ("train: resume from a non-checkpoint dir", train + ["--resume", str(tmp / "not_a_checkpoint")]),
+        ("start_training.sh: unknown preset", ["bash", "start_training.sh", "--cpu", "--config", "nope"]),
+        ("start_training.sh: bad --gpus", ["bash", "start_training.sh", "--cpu", "--config", "demo", "--gpus", "x"]),
+        ("prepare: missing input", prepare + ["--input", str(tmp / "nope"), "--tokenizer", "t", "--output",
+                                                   str(tmp / "o")]),
+        ("prepare: missing tokenizer", prepare + ["--input", str(tmp / "corpus.txt"), "--tokenizer",
+                                                  str(tmp / "nope.json"), "--output", str(tmp / "p")]),
+        ("prepare: output is a file", prepare + ["--input", str(tmp / "corpus.txt"), "--tokenizer", "t",
+                                                 "--output", str(tmp / "a_file")]),
+        ("prepare: s3 upload", prepare + ["--input", str(tmp / "corpus.txt"), "--tokenizer", "t", "--output",
+                                          str(tmp / "p"), "--upload", "s3://my-bucket/x"]),
+        ("download: s3 source", download + ["--source", "s3://my-bucket/x", "--dest", str(tmp / "d")]),
+        ("download: --max-files 0", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d"), "--max-files", "0"]),
+        ("download: --workers 0", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d"), "--workers", "0"]),
+        ("download: GCS unreachable", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d")]),
+        ("export: not a checkpoint", export + [str(tmp / "not_a_checkpoint"), str(tmp / "e")]),
+        ("export: output is a file", export + [str(tmp / "not_a_checkpoint"), str(tmp / "a_file")]),
+    ]
+    if (REPO_ROOT / "generate.py").is_file():
+        cases += [("generate: missing model", [py, "generate.py", str(tmp / "nope")])]
+    return cases
+
+
+@pytest.mark.slow
+def test_no_entry_point_shows_a_traceback_for_bad_input(tmp_path):
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               STORAGE_EMULATOR_HOST="http://127.0.0.1:9", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+
+    def one(case):
+        what, argv = case
+        started = time.monotonic()
+        proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        print(f"{time.monotonic() - started:5.1f} s  {what}")
+        return what, proc
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(one, guard_cases(tmp_path)))
+    bad = [f"{what} (exit {p.returncode}):\n{p.stderr[-1500:]}" for what, p in results
+           if "Traceback" in p.stderr or p.returncode == 0 or not p.stderr.strip()]
+    assert not bad, "\n\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def test_hidden_files_and_folders_in_the_data_dir_are_ignored_and_counted(tmp_path):
+    from utils.data.index import ShardIndex
+
+    data = make_shards(tmp_path / "data", n_files=2, rows=8)
+    make_shards(tmp_path / "data" / ".data.partial-host-123-abcd", n_files=2, rows=8)  # a killed prepare_data
+    shutil.copy(next((tmp_path / "data").rglob("shard-000.npz")), data / ".editor-copy.npz")
+    said = []
+    index = ShardIndex.build(data, seq_len=64, vocab_size=512, log=said.append)
+    assert len(index) == 2 and all(not part.startswith(".") for s in index.shards for part in Path(s.path).parts)
+    assert any("ignoring 3 .npz file(s) under hidden names" in line for line in said), said
+
+
+def test_download_refuses_max_files_zero_and_negative(capsys):
+    import download_training_data as dl
+
+    for bad in ("0", "-3"):
+        assert dl.main(["--source", "gs://my-bucket/x", "--dest", "/nonexistent/x", "--max-files", bad, "--no-progress"]) == 2
+        assert f"error: --max-files must be at least 1, got {bad}" in capsys.readouterr().err
+
+
+@pytest.fixture
+def two_sources(gcs_emulator):
+    from tests.test_download import shard_bytes
+    from utils.storage import make_client
+
+    bucket = make_client().bucket(gcs_emulator.bucket)
+    for source in ("web", "code"):
+        for i in range(3):
+            bucket.blob(f"mix/{source}/shard-{i}.npz").upload_from_string(shard_bytes(i + (10 if source == "web" else 0)))
+    return f"gs://{gcs_emulator.bucket}/mix"
+
+
+def test_a_bad_dest_is_said_once(two_sources, open_tmp, capsys):
+    import download_training_data as dl
+
+    (open_tmp / "file").write_text("x")
+    assert dl.main(["--source", f"{two_sources}/web", "--dest", str(open_tmp / "file"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED" not in err and err.count("error:") == 1 and "is a file" in err
+
+
+def test_several_sources_in_one_call(two_sources, tmp_path, capsys):
+    import download_training_data as dl
+
+    assert dl.main(["--source", f"{two_sources}/web", "--source", f"py={two_sources}/code", "--dest",
+                    str(tmp_path / "d"), "--no-progress"]) == 0
+    assert sorted(p.relative_to(tmp_path / "d").as_posix() for p in (tmp_path / "d").rglob("*.npz")) == [
+        "py/shard-0.npz", "py/shard-1.npz", "py/shard-2.npz", "web/shard-0.npz", "web/shard-1.npz", "web/shard-2.npz"]
+    assert dl.main(["--source", f"{two_sources}/web", "--source", f"{two_sources}/x/web", "--dest", "d"]) == 2
+    assert "two sources would go into d/web; name them" in capsys.readouterr().err
+
+
+def test_download_on_a_full_disk_is_one_line(two_sources, tmp_path, capsys):
+    import download_training_data as dl
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        assert dl.main(["--source", f"{two_sources}/web", "--dest", str(mount / "d"), "--no-progress",
+                        "--workers", "1"]) == 1
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    err = capsys.readouterr().err
+    assert "FAILED" not in err and err.count("error:") == 1, err
+    assert "no space left on" in err and "completed files are kept" in err
+
+
+# ------------------------------------------------------------------------------------------- init_from
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_init_from_a_directory_with_only_pytorch_model_bin(tmp_path, sharded):
+    """Older Pythia revisions ship only pytorch_model.bin (single or sharded with its index): load them."""
+    from dataclasses import replace
+
+    from configs.model_config import get_model_spec
+    from utils.model import build_model
+    from utils.model.hf import load_hf_pretrained, to_transformers
+
+    spec = replace(get_model_spec("tiny"), pad_vocab_multiple=1)
+    d = tmp_path / "old"
+    hf = to_transformers(build_model(spec, seed=3, impl="hf").state_dict(), spec)
+    hf.config.save_pretrained(d)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if sharded:
+        keys = sorted(state)
+        parts = {"pytorch_model-00001-of-00002.bin": keys[: len(keys) // 2],
+                 "pytorch_model-00002-of-00002.bin": keys[len(keys) // 2:]}
+        for name, part in parts.items():
+            torch.save({k: state[k] for k in part}, d / name)
+        (d / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"weight_map": {k: name for name, part in parts.items() for k in part}}))
+    else:
+        torch.save(state, d / "pytorch_model.bin")
+    _, loaded = load_hf_pretrained(d)
+    assert "lm_head.weight" in loaded and "gpt_neox.embed_in.weight" in loaded
+    for key, value in loaded.items():
+        assert torch.equal(value, state[key]), key
+    if not sharded:  # a pickle that holds more than tensors is refused, not executed
+        from utils.model.hf import HFLoadError
+
+        torch.save({"x": Path("anything but a tensor")}, d / "pytorch_model.bin")
+        with pytest.raises(HFLoadError, match=r"pytorch_model.bin: cannot read it"):
+            load_hf_pretrained(d)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+def test_resume_from_an_output_dir_or_its_checkpoints_folder_says_what_it_is(tmp_path):
+    from utils.checkpoint.format import CheckpointError
+    from utils.checkpoint.resume import resolve_resume
+
+    out = tmp_path / "run"
+    names = [fake_checkpoint(out / "checkpoints", step).name for step in (2, 4, 6)]
+    for given, what in ((out, "a run's output directory"), (out / "checkpoints", "a folder of checkpoints")):
+        with pytest.raises(CheckpointError) as err:
+            resolve_resume(str(given), tmp_path / "elsewhere", log=lambda m: None)
+        msg = str(err.value)
+        assert f"{given} is {what}, not a checkpoint; it holds 3 checkpoints: {', '.join(names)}" in msg
+        assert f"--resume {out / 'checkpoints' / names[-1]}" in msg and f"--output-dir {out} --resume latest" in msg
+        assert "delete it" not in msg
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="neither a checkpoint nor a folder holding any"):
+        resolve_resume(str(tmp_path / "empty"), tmp_path / "elsewhere", log=lambda m: None)
+
+
+def test_resume_gs_folder_missing_name_and_missing_bucket_are_told_apart(gcs_emulator, tmp_path):
+    from utils.checkpoint.format import CheckpointError
+    from utils.checkpoint.resume import resolve_resume
+    from utils.storage import make_client, upload_directory
+
+    client = make_client()
+    run_url = f"gs://{gcs_emulator.bucket}/checkpoints/run1"
+    for step in (2, 4):
+        path = fake_checkpoint(tmp_path / "local", step)
+        upload_directory(client, path, f"{run_url}/{path.name}")
+    messages = {}
+    for key, url in (("folder", run_url), ("name", f"{run_url}/checkpoint-epoch0-step9-files1"),
+                     ("bucket", "gs://no-such-bucket-here/checkpoints/run1")):
+        with pytest.raises(CheckpointError) as err:
+            resolve_resume(url, tmp_path / "dl", log=lambda m: None)
+        messages[key] = str(err.value)
+    assert "is a folder of checkpoints, not a checkpoint; it holds 2 checkpoints" in messages["folder"]
+    assert f"--resume {run_url}/checkpoint-epoch0-step4-files1" in messages["folder"]
+    assert "nothing in gs://" in messages["name"] and "under that name" in messages["name"]
+    assert "bucket gs://no-such-bucket-here does not exist" in messages["bucket"]
+    assert resolve_resume(f"{run_url}/checkpoint-epoch0-step4-files1", tmp_path / "dl", log=lambda m: None).is_dir()
+
+
+# ------------------------------------------------------------------------------------------------- GCS
+
+def test_repeated_upload_failures_keep_only_the_newest_failed_checkpoint(gcs_emulator, tmp_path):
+    """A mistyped bucket: every upload fails. Retention may delete all but the newest failed checkpoint
+    (it used to keep every one, and a long run filled its disk), and says so once."""
+    from utils.checkpoint.format import apply_retention, list_checkpoints
+    from utils.checkpoint.upload import BackgroundUploader
+
+    lines = []
+    uploader = BackgroundUploader(synchronous=True, log=lines.append)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        path = fake_checkpoint(root, step)
+        uploader.submit(path, f"gs://no-such-bucket-here/ck/{path.name}")
+        apply_retention(root, keep=2, protect={path} | uploader.protected(), log=lines.append)
+    assert [p.name for p in list_checkpoints(root)] == [checkpoint_name(0, s, 1) for s in (3, 4)]
+    said = [line for line in lines if "uploads failed in a row" in line]
+    assert len(said) == 1 and "keeping only the newest" in said[0]
+    report = uploader.close()
+    assert len(report.failed) == 4
+    assert sum("upload it with:" in line for line in report.summary()) == 2  # the two still on disk
+    assert sum("retention keeps only the newest" in line for line in report.summary()) == 2
+
+
+def test_a_missing_bucket_is_one_line_at_start_and_unreachable_gcs_only_warns(gcs_emulator, tmp_path):
+    from benchmarks.bench_checkpoint import BlackHole
+    from utils.checkpoint.upload import BackgroundUploader
+    from utils.storage import StorageError
+
+    lines = []
+    uploader = BackgroundUploader(synchronous=True, log=lines.append)
+    uploader.check(f"gs://{gcs_emulator.bucket}/ck/run")  # fine: nothing said, no probe left behind
+    assert not lines and not list(gcs_emulator.client().list_blobs(gcs_emulator.bucket))
+    with pytest.raises(StorageError, match=r"gs://no-such-bucket-here does not exist .*check gcs_bucket"):
+        uploader.check("gs://no-such-bucket-here/ck/run")
+    hole = BlackHole()
+    try:
+        os.environ["STORAGE_EMULATOR_HOST"] = hole.url  # gcs_emulator's monkeypatch restores it
+        import time
+
+        started = time.monotonic()
+        from utils.storage import check_writable, make_client
+
+        warning = check_writable(make_client(), "gs://some-bucket/ck/run", timeout=1.0)
+        assert time.monotonic() - started < 10
+        assert warning and "could not reach GCS within 1 s" in warning and "training goes on" in warning
+    finally:
+        hole.close()
+
+
+def test_a_slow_gcs_call_says_what_it_waits_for(monkeypatch, capfd):
+    import time
+
+    from utils import storage
+
+    monkeypatch.setattr(storage, "SLOW_NOTICE_S", 0.2)
+    storage.retry_call(lambda: time.sleep(0.6), what="listing gs://b/x", retries=2)
+    err = capfd.readouterr().err
+    assert "GCS: listing gs://b/x: no answer after 0 s; waiting up to 60 s per attempt, 3 attempts" in err
+    storage.retry_call(lambda: None, what="listing gs://b/y", retries=2)
+    time.sleep(0.4)
+    assert "gs://b/y" not in capfd.readouterr().err  # a quick call says nothing
+
+
+def test_log_files_owned_by_another_user_are_one_line(open_tmp):
+    if not as_nobody_ok():
+        pytest.skip("needs root and setpriv to run as an unprivileged user")
+    logs = open_tmp / "out" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "training.log").write_text("root's run\n")  # 0644, owned by root
+    os.chmod(logs, 0o777)
+    code = ("from utils.errors import UserError; from utils.metrics import RunLogger\n"
+            f"try: RunLogger({str(logs)!r}, True)\nexcept UserError as e: print('error:', e)")
+    proc = run_py(["-c", code], user=NOBODY)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: cannot write {logs}/training.log (Permission denied) ({logs}/training.log is owned by root)" \
+        in proc.stdout
+
+
+def test_a_lock_held_by_a_dead_runs_child_says_so(tmp_path):
+    """Should a child of a dead run still hold the lock (one that kept the descriptor on purpose), the
+    refusal says the run is dead and who to look for, rather than naming the dead pid as the live run."""
+    import signal
+
+    from utils.lock import OutputDirBusy, OutputDirLock
+
+    code = ("import os, sys, time, fcntl; from utils.lock import OutputDirLock; l = OutputDirLock(sys.argv[1]); "
+            "l.acquire(); fd = os.dup(l._fd)\npid = os.fork()\n"
+            "if pid == 0: print(os.getpid(), flush=True); time.sleep(60); os._exit(0)\ntime.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    child = int(proc.stdout.readline())
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        with pytest.raises(OutputDirBusy, match=rf"the run that locked it \(.*pid {proc.pid}.*\) is dead, but a process "
+                                                rf"it started still holds"):
+            OutputDirLock(tmp_path).acquire(log=lambda m: None)
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_write_guard_names_the_path_and_owner(open_tmp):
+    theirs = open_tmp / "final_model"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(UserError, match=rf"cannot write {theirs}/model.safetensors \(Permission denied\) \({theirs} is "
+                                        rf"owned by nobody\); export elsewhere"):
+        with files.write_guard(theirs, advice="export elsewhere"):
+            raise PermissionError(13, "Permission denied", str(theirs / "model.safetensors"))
+    with pytest.raises(DiskFullError, match="export elsewhere"):
+        with files.write_guard(theirs, advice="export elsewhere"):
+            raise OSError(28, "No space left on device")
