@@ -337,17 +337,22 @@ def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_with
     accelerator = Accelerator(cpu=True)
     log = RunLogger(tmp_path / "logs", is_main=True)
     tokenizer = tmp_path / "data" / "tokenizer.json"
-    ckpt = Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=3, log=log,
-                        extra_files={"tokenizer.json": tokenizer})
     spec = get_model_spec("tiny")
     model = build_model(spec, seed=0)
     window = MetricsWindow(accelerator, 1, 1.0, None, "no")
     run = {"model": spec.to_dict(), "world_size": 1, "max_steps": 10}
-    bare, _ = ckpt.save(checkpoint_name(0, 1, 1), model, {}, TrainState(step=1), run, window)
+    state = TrainState()
+    ckpt = Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=3, log=log, model=model,
+                        optimizer=torch.optim.AdamW(model.parameters()), stateful={}, state=state, run=run,
+                        window=window, name=lambda: checkpoint_name(0, state.step, 1),
+                        extra_files={"tokenizer.json": tokenizer})
+    state.step = 1
+    bare, _ = ckpt.save(1, force=True)
     ckpt.wait()
     tokenizer.parent.mkdir()
     tokenizer.write_text('{"made": "after setup"}')
-    with_tok, _ = ckpt.save(checkpoint_name(0, 2, 1), model, {}, TrainState(step=2), run, window)
+    state.step = 2
+    with_tok, _ = ckpt.save(2, force=True)
     ckpt.wait()
     log.close()
     assert not (bare / "tokenizer.json").exists()
