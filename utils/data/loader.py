@@ -232,7 +232,7 @@ class ResumableLoader:
             if spec.cap is not None:
                 planned = min(planned, spec.cap)
             lines.append(f"  source {spec.name}: {spec.num_samples:,} sequences in {d.index.root}, weight "
-                         f"{spec.weight:g} (now {w:.4f}){cap}; the planned steps take {planned / spec.num_samples:.2f} "
+                         f"{spec.weight:g} ({w:.1%} of the stream){cap}; the planned steps take {planned / spec.num_samples:.2f} "
                          f"epoch(s) through it")
         return lines
 

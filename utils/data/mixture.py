@@ -20,6 +20,7 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -44,6 +45,25 @@ class SourceSpec:
     def cap(self) -> int | None:
         """Sequences this source may contribute in the whole run (None: unlimited)."""
         return None if self.epochs is None else self.epochs * self.num_samples
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One source as the training config gives it: a shard folder with its weight, epochs cap and the
+    number of its files (the last by path) held out for validation."""
+    name: str
+    path: Path
+    weight: float
+    epochs: int | None
+    val_files: int
+
+
+def sources_from_config(cfg) -> list[SourceConfig]:
+    """`data_mix`'s sources in their order, or `data_dir` alone as the one source `data`."""
+    if not cfg.data_mix:
+        return [SourceConfig(DEFAULT_SOURCE, Path(cfg.data_dir).expanduser().resolve(), 1.0, None, cfg.val_files)]
+    return [SourceConfig(name, Path(e["path"]).expanduser().resolve(), float(e["weight"]), e.get("epochs"),
+                         e.get("val_files", cfg.val_files)) for name, e in cfg.data_mix.items()]
 
 
 def source_key(seed: int, name: str) -> list[int]:
