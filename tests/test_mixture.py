@@ -92,6 +92,7 @@ def test_realised_share_and_token_counts(sources):
         assert row == {"tokens/web": flat.count("web") * SEQ, "tokens/code": flat.count("code") * SEQ}
     seen = [x for b in batches for x in b if x[0] == "web"]
     assert len(seen) == len(set(seen)) == 300  # one permutation of web's 400: no repeat within the epoch
+    assert loader.files_consumed() == 1  # web: 300 of 2 files of 200; code: 100 of 2 files of 150
 
 
 @pytest.mark.parametrize("world,micro,accumulation", [(2, 4, 1), (4, 1, 2), (1, 2, 4)])
@@ -237,3 +238,52 @@ def test_config_forms(tmp_path):
     path.write_text("data_mix:\n  web: {path: data/web, weigth: 1}\n")
     with pytest.raises(ConfigError, match="needs path and weight"):
         read_config_file(path)
+
+
+@pytest.mark.slow
+def test_train_py_mixture_resume_rows_and_changed_weights(tmp_path, subprocess_env):
+    """Through train.py: 20 steps straight == 10 + resume 10 (bitwise); tokens/<name> and val_loss/<name>
+    rows and TensorBoard tags; the first lines list the sources; a resume with weights 0.75/0.25 -> 0.25/0.75
+    is said in the log and realised."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.trainkit import load_weights, make_shards, metrics, run, train_cmd, train_rows
+    from utils.optim import lr_at
+
+    web = make_shards(tmp_path / "web", ids=(0, 256))
+    code = make_shards(tmp_path / "code", ids=(256, 512), seed=1)
+    sets = ("per_device_train_batch_size=2", "gradient_accumulation_steps=2", "max_steps=20", "save_steps=10",
+            "eval_interval=10", "lr_schedule=wsd", "decay_steps=6", "report_to=tensorboard")
+    mix = f"data_mix=web={web}:0.75,code={code}:0.25"
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    first = run(train_cmd(straight, web, mix, *sets), subprocess_env)
+    assert f"source web: 192 sequences in {web}, weight 0.75" in first.stdout
+    assert f"source code: 192 sequences in {code}, weight 0.25" in first.stdout
+    run(train_cmd(split, web, mix, *sets, "stop_at_step=10"), subprocess_env)
+    changed = tmp_path / "changed"
+    shutil.copytree(split, changed)
+    run(train_cmd(split, web, mix, *sets, extra=("--resume", "latest")), subprocess_env)
+
+    a, b = train_rows(straight), train_rows(split)
+    assert sorted(b) == list(range(1, 21))
+    for step in range(1, 21):
+        assert a[step]["loss"] == b[step]["loss"], step
+        assert a[step]["tokens/web"] == b[step]["tokens/web"] == 3 * step * 64  # 3 of every 4 sequences
+        assert a[step]["tokens/code"] == step * 64 and a[step]["tokens"] == 4 * step * 64
+        assert abs(a[step]["lr"] - lr_at(step, peak_lr=3e-3, warmup_steps=2, max_steps=20, min_lr_ratio=0.1,
+                                         schedule="wsd", decay_steps=6)) <= 1e-12
+    wa, wb = (load_weights(d / "final_model" / "model.safetensors") for d in (straight, split))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    evals = [r for r in metrics(straight) if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    for r in evals:
+        assert abs(r["val_loss"] - (0.75 * r["val_loss/web"] + 0.25 * r["val_loss/code"])) < 1e-9
+    events = next((straight / "logs" / "tensorboard").glob("events.out.tfevents.*"))
+    tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert {"train/tokens/web", "train/tokens/code", "eval/val_loss/web", "eval/val_loss/code"} <= set(tags)
+
+    resumed = run(train_cmd(changed, web, f"data_mix=web={web}:0.25,code={code}:0.75", *sets,
+                            extra=("--resume", "latest")), subprocess_env)
+    assert "the mixture changed since the checkpoint (web 0.75 -> 0.25, code 0.25 -> 0.75)" in resumed.stdout
+    c = train_rows(changed)
+    assert c[20]["tokens/web"] - c[10]["tokens/web"] == 10 * 64  # a quarter of the 40 sequences after step 10
