@@ -243,11 +243,12 @@ def test_config_forms(tmp_path):
 @pytest.mark.slow
 def test_train_py_mixture_resume_rows_and_changed_weights(tmp_path, subprocess_env):
     """Through train.py: 20 steps straight == 10 + resume 10 (bitwise); tokens/<name> and val_loss/<name>
-    rows and TensorBoard tags; the first lines list the sources; a resume with weights 0.75/0.25 -> 0.25/0.75
-    is said in the log and realised."""
+    rows and TensorBoard tags; the first lines list the sources; a resume on 2 processes with weights
+    0.75/0.25 -> 0.25/0.75 is said in the log and realised (the per-rank shares of the same global stream
+    are checked in-process above)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.trainkit import load_weights, make_shards, metrics, run, train_cmd, train_rows
+    from tests.trainkit import REPO_ROOT, load_weights, make_shards, metrics, run, train_cmd, train_rows
     from utils.optim import lr_at
 
     web = make_shards(tmp_path / "web", ids=(0, 256))
@@ -282,8 +283,13 @@ def test_train_py_mixture_resume_rows_and_changed_weights(tmp_path, subprocess_e
     tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
     assert {"train/tokens/web", "train/tokens/code", "eval/val_loss/web", "eval/val_loss/code"} <= set(tags)
 
-    resumed = run(train_cmd(changed, web, f"data_mix=web={web}:0.25,code={code}:0.75", *sets,
-                            extra=("--resume", "latest")), subprocess_env)
+    # the changed mixture, resumed on 2 processes (micro-batch 2, no accumulation: the same global batch)
+    launch = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", "2", "--"]
+    resumed = run(launch + train_cmd(changed, web, f"data_mix=web={web}:0.25,code={code}:0.75", *sets,
+                                     "gradient_accumulation_steps=1", extra=("--resume", "latest"))[4:],
+                  subprocess_env, timeout=600)
+    assert "2 process(es) on cpu" in resumed.stdout
     assert "the mixture changed since the checkpoint (web 0.75 -> 0.25, code 0.25 -> 0.75)" in resumed.stdout
     c = train_rows(changed)
     assert c[20]["tokens/web"] - c[10]["tokens/web"] == 10 * 64  # a quarter of the 40 sequences after step 10
+    assert c[20]["tokens/code"] - c[10]["tokens/code"] == 30 * 64  # counted over both ranks' shares
