@@ -110,17 +110,26 @@ def test_same_stream_for_any_world_size_and_micro_batch(sources, world, micro, a
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_continues_exactly(sources, workers):
-    weights = {"web": 0.5, "code": 0.3, "books": 0.2}
-    straight = mixture(sources, weights, num_workers=workers, prefetch_factor=4, epochs={"books": 3})
-    steps([straight], 7)
-    state = straight.state_dict()
-    expected = steps([straight], 20)
-    straight.close()
-    resumed = mixture(sources, weights, seed=999, num_workers=workers, epochs={"books": 3})
-    resumed.load_state_dict(state)
-    assert steps([resumed], 20) == expected and resumed.seed == 3
-    assert resumed.state_dict() == straight.state_dict()
-    resumed.close()
+    """Cursors saved before and after books reaches its 1-epoch cap both continue the straight stream."""
+    weights, cap = {"web": 0.5, "code": 0.3, "books": 0.2}, {"books": 1}
+    opened = [mixture(sources, weights, num_workers=workers, prefetch_factor=4, epochs=cap)]
+    try:  # a failed assert must not leave worker processes behind (pytest would wait for them at exit)
+        straight = opened[0]
+        steps([straight], 7)
+        before_drop = straight.state_dict()
+        expected = steps([straight], 20)
+        after_drop = straight.state_dict()
+        assert after_drop["sources"]["books"]["consumed"] == 12 and after_drop["phase_weights"]["books"] == 0.0
+        expected_tail = steps([straight], 5)
+        for state, want in ((before_drop, expected), (after_drop, expected_tail)):
+            resumed = mixture(sources, weights, seed=999, num_workers=workers, epochs=cap)
+            opened.append(resumed)
+            resumed.load_state_dict(state)
+            assert steps([resumed], len(want)) == want and resumed.seed == 3
+        assert resumed.state_dict() == straight.state_dict()
+    finally:
+        for loader in opened:
+            loader.close()
 
 
 def test_weights_changed_on_resume(sources):
