@@ -1,11 +1,12 @@
 """Weighted data mixtures: several shard folders (sources) read as one deterministic sequence stream.
 
 The run's stream is global and decided per sequence, so it is the same for any world size, micro-batch
-and accumulation: stream position q goes to the active source with the largest deficit
-`w_i * (k + 1) - c_i` (k sequences and c_i of source i taken since the phase began; ties to the earlier
-source). Every source's count then stays within about one sequence of its share at every position, so
-each global batch realises the weights to within a sequence or two. Each source walks its own
-permutation, epoch after epoch: its own position p is `perm(key, p // N)[p % N]`.
+and accumulation: source i's m-th sequence since the phase began has the virtual time (m + 0.5) / w_i,
+and the stream takes the sources' sequences in virtual-time order (a divisor sequence, as Sainte-Lague
+seats parliaments; ties to the earlier source). Every source's count then stays within about a sequence
+of its share at every position, so each global batch realises the weights to within a sequence or two;
+computing it is a sort per micro-batch. Each source walks its own permutation, epoch after epoch: its own
+position p is `perm(key, p // N)[p % N]`.
 
 A phase begins at the start, on a resume whose effective weights differ from the checkpoint's, and when a
 source reaches its `epochs` cap (it drops out, the others are renormalised). The state is per source:
@@ -136,6 +137,18 @@ class MixturePlan:
         self.phase_start = list(self.consumed)
         self.weights = self.effective_weights()
 
+    def _next_sources(self, live: list[int], n: int) -> np.ndarray:
+        """The sources of the phase's next `n` sequences: source i's m-th sequence of the phase has the
+        virtual time (m + 0.5) / w_i, and the stream takes them in time order (ties: the earlier source).
+        Each source's next n times are candidates, so any chunking of the stream gives the same order."""
+        times, owners = [], []
+        for i in live:
+            taken = self.consumed[i] - self.phase_start[i]
+            times.append((taken + np.arange(n) + 0.5) / self.weights[i])
+            owners.append(np.full(n, i, dtype=np.int64))
+        times, owners = np.concatenate(times), np.concatenate(owners)
+        return owners[np.lexsort((owners, times))[:n]]
+
     def take(self, n: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
         """The next `n` sequences of the stream: (source numbers, their positions in each source's own
         stream, names of sources that reached their epochs cap within them)."""
@@ -145,30 +158,22 @@ class MixturePlan:
         k = 0
         while k < n:
             live = [i for i in range(len(self.sources)) if self.weights[i] > 0]
-            if len(live) == 1:  # one source: a contiguous run up to its cap
-                i = live[0]
+            picks = self._next_sources(live, n - k)
+            for i in live:  # stop right after the sequence that fills a source's cap
                 cap = self.sources[i].cap
-                take = n - k if cap is None else min(n - k, cap - self.consumed[i])
-                src[k:k + take] = i
-                pos[k:k + take] = np.arange(self.consumed[i], self.consumed[i] + take)
-                self.consumed[i] += take
-                k += take
-            else:
-                taken = sum(self.consumed[i] - self.phase_start[i] for i in live)
-                while k < n:
-                    best, best_deficit = live[0], -float("inf")
-                    for i in live:
-                        deficit = self.weights[i] * (taken + 1) - (self.consumed[i] - self.phase_start[i])
-                        if deficit > best_deficit:
-                            best, best_deficit = i, deficit
-                    src[k], pos[k] = best, self.consumed[best]
-                    self.consumed[best] += 1
-                    taken += 1
-                    k += 1
-                    if not self.active(best):
-                        break
-            for i in range(len(self.sources)):
-                if self.weights[i] > 0 and not self.active(i):
+                hits = np.flatnonzero(picks == i)
+                if cap is not None and len(hits) >= cap - self.consumed[i]:
+                    picks = picks[:hits[cap - self.consumed[i] - 1] + 1]
+            chunk = slice(k, k + len(picks))
+            src[chunk] = picks
+            for i in live:
+                mine = picks == i
+                count = int(mine.sum())
+                pos[chunk][mine] = np.arange(self.consumed[i], self.consumed[i] + count)
+                self.consumed[i] += count
+            k += len(picks)
+            for i in live:
+                if not self.active(i):
                     dropped.append(self.sources[i].name)
                     self.new_phase()  # raises when nothing is left to read
         return src, pos, dropped
