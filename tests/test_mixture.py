@@ -212,6 +212,9 @@ def test_epochs_cap_drops_a_source_once(sources):
     after = [b for b in batches if not any(s == "books" for s, _ in b)][-20:]
     assert abs(share(after) - 2 / 3) <= 0.02  # the others renormalised
     everything_capped = mixture(sources, {"books": 1.0}, epochs={"books": 1})
+    everything_capped.describe(steps_left=3, global_batch=4)  # 12 sequences: enough
+    with pytest.raises(MixtureError, match="the epochs caps leave 12 sequences but the 4 planned steps need 16"):
+        everything_capped.describe(steps_left=4, global_batch=4)
     with pytest.raises(MixtureError, match="every source with a positive weight has reached its epochs cap"):
         steps([everything_capped], 4)
 

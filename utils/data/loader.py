@@ -222,7 +222,15 @@ class ResumableLoader:
         return {f"tokens/{s.name}": c * d.seq_len for s, d, c in zip(self.specs, self.datasets, self._plan.consumed)}
 
     def describe(self, steps_left: int, global_batch: int) -> list[str]:
-        """One line per source: sequences, weight, and the epochs through it the planned steps reach."""
+        """One line per source: sequences, weight, and the epochs through it the planned steps reach. Raises
+        MixtureError before training when the epochs caps cannot feed the planned steps."""
+        live = [i for i, w in enumerate(self._plan.weights) if w > 0]
+        if all(self.specs[i].cap is not None for i in live):
+            left = sum(self.specs[i].cap - self._plan.consumed[i] for i in live)
+            if left < steps_left * global_batch:
+                raise MixtureError(
+                    f"data_mix: the epochs caps leave {left:,} sequences but the {steps_left:,} planned steps "
+                    f"need {steps_left * global_batch:,}; raise a source's epochs, add a source or lower max_steps")
         if self.single:
             return []
         lines, weights = [], self._plan.weights
