@@ -113,7 +113,7 @@ def train(cfg, profile, args) -> int:
     resume_path = (find_checkpoint(args.resume, accelerator, output_dir / "checkpoints", remote_root, log)
                    if args.resume else None)
     spec, seq_len, init_weights = resolve_model_spec(cfg, log)
-    loader, val_batches, train_index = build_data(cfg, spec, seq_len, accelerator, log)
+    loader, val_batches = build_data(cfg, spec, seq_len, accelerator, log)
     model, optimizer, scheduler = build_training(cfg, spec, init_weights if resume_path is None else None,
                                                  accelerator, log)
     core = accelerator.unwrap_model(model)
@@ -124,15 +124,14 @@ def train(cfg, profile, args) -> int:
     global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
     run_record = {"world_size": world, "strategy": cfg.strategy, "global_batch_sequences": global_batch,
                   "seq_len": seq_len, "config": cfg.to_dict(), "model": spec.to_dict(),
-                  "data": train_index.fingerprint(), "max_steps": cfg.max_steps}
+                  "data": loader.fingerprint(), "max_steps": cfg.max_steps}
     tokens_per_step = global_batch * seq_len
     window = MetricsWindow(accelerator, tokens_per_step, core.flops_per_token(seq_len), peak_flops(device),
                            cfg.mixed_precision, process_started=PROCESS_STARTED)
     ckpt = Checkpointer(accelerator, output_dir / "checkpoints", remote_root, keep=cfg.save_total_limit, log=log,
                         model=model, optimizer=optimizer, stateful=stateful, state=state, run=run_record,
                         window=window, save_steps=cfg.save_steps, sharded=cfg.strategy == "fsdp",
-                        name=lambda: checkpoint_name(loader.epoch, state.step,
-                                                     train_index.files_consumed(loader.position)),
+                        name=lambda: checkpoint_name(loader.epoch, state.step, loader.files_consumed()),
                         background_upload=cfg.background_upload, upload_timeout_s=cfg.upload_timeout_s,
                         extra_files={"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"})
     if resume_path is not None:
@@ -179,7 +178,7 @@ def train(cfg, profile, args) -> int:
             bar.update(1)
 
             if state.step % cfg.logging_steps == 0 or state.step == cfg.max_steps:
-                row = window.row(state.step, state.tokens, lr_at(state.step), grad_norm)
+                row = window.row(state.step, state.tokens, lr_at(state.step), grad_norm) | loader.source_tokens()
                 state.best_loss = min(state.best_loss, row["loss"])
                 log_step(row, state, window, cfg, bar, log)
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
@@ -316,33 +315,44 @@ def resolve_model_spec(cfg, log):
 
 
 def build_data(cfg, spec, seq_len, accelerator, log):
-    """The shard index (validated once, cached), this rank's resumable loader and its eval batches."""
+    """Each source's shard index (validated once, cached), this rank's resumable loader over the mixture
+    (`data_dir` alone is the one source `data`) and its eval batches per source."""
     from utils.data.dataset import TokenSequenceDataset
+    from utils.data.dataset_info import DatasetInfo
     from utils.data.demo import build_demo_data
     from utils.data.demo import is_built as is_demo_build
     from utils.data.index import ShardIndex
-    from utils.data.loader import ResumableLoader, build_eval_batches
+    from utils.data.loader import EvalBatches, MixtureSource, ResumableLoader, build_eval_batches
+    from utils.data.mixture import check_tokenizers, sources_from_config
     from utils.errors import main_process_first
 
     rank, world = accelerator.process_index, accelerator.num_processes
-    data_dir = Path(cfg.data_dir).expanduser().resolve()
-    def index():
+    sources = sources_from_config(cfg)
+    check_tokenizers({s.name: DatasetInfo.load(s.path) for s in sources})
+
+    def indexes():
         # Build demo data into an empty folder; re-check an existing demo build (it refuses another vocab or
         # seq_len); a folder of the user's own shards is used as it is.
-        if cfg.demo_data and (is_demo_build(data_dir) or not any(data_dir.rglob("*.npz"))):
-            build_demo_data(data_dir, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
-        return ShardIndex.build(data_dir, seq_len=seq_len, vocab_size=spec.vocab_size, max_files=cfg.max_files,
-                                log=log.info)
+        built = {}
+        for s in sources:
+            if cfg.demo_data and (is_demo_build(s.path) or not any(s.path.rglob("*.npz"))):
+                build_demo_data(s.path, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
+            built[s.name] = ShardIndex.build(s.path, seq_len=seq_len, vocab_size=spec.vocab_size,
+                                             max_files=cfg.max_files, log=log.info)
+        return built
 
-    index = main_process_first(accelerator, index)  # rank 0 builds the demo data and the shard cache first
-    train_index, val_index = index.split(cfg.val_files)
-    train_set, val_set = TokenSequenceDataset(train_index), TokenSequenceDataset(val_index)
-    loader = ResumableLoader(train_set, cfg.per_device_train_batch_size, rank=rank, world_size=world, seed=cfg.seed,
+    indexes = main_process_first(accelerator, indexes)  # rank 0 builds the demo data and the shard caches first
+    train_sets, val_batches = [], {}
+    for s in sources:
+        train_index, val_index = indexes[s.name].split(s.val_files)
+        train_sets.append(MixtureSource(s.name, TokenSequenceDataset(train_index), s.weight, s.epochs))
+        val_set = TokenSequenceDataset(val_index)
+        val_batches[s.name] = (build_eval_batches(val_set, cfg.per_device_train_batch_size, rank, world,
+                                                  cfg.eval_batches) if len(val_set) else [])
+    loader = ResumableLoader(train_sets, cfg.per_device_train_batch_size, rank=rank, world_size=world, seed=cfg.seed,
                              num_workers=cfg.dataloader_num_workers, prefetch_factor=cfg.prefetch_factor,
-                             pin_memory=accelerator.device.type == "cuda")
-    val_batches = (build_eval_batches(val_set, cfg.per_device_train_batch_size, rank, world, cfg.eval_batches)
-                   if len(val_set) else [])
-    return loader, val_batches, train_index
+                             pin_memory=accelerator.device.type == "cuda", log=log.info)
+    return loader, EvalBatches(val_batches, {s.name: s.weight for s in sources})
 
 
 def build_training(cfg, spec, init_weights, accelerator, log):
@@ -440,6 +450,8 @@ def describe_run(cfg, profile, spec, core, global_batch, seq_len, loader, val_ba
     log.info(f"  batch {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps} x {world} "
              f"= {global_batch} sequences of {seq_len} tokens per step; {loader.num_samples:,} train sequences, "
              f"{len(val_batches)} eval batches per rank; steps {state.step} -> {cfg.max_steps}")
+    for line in loader.describe(cfg.max_steps - state.step, global_batch):
+        log.info(line)
     if profile is not None:
         log.info(f"  memory profile {profile.name}: micro-batch {cfg.per_device_train_batch_size}, activation "
                  f"checkpointing {'on' if cfg.gradient_checkpointing else 'off'}, AdamW moments in "
@@ -484,13 +496,15 @@ def evaluate(model, batches, accelerator) -> float | None:
 
 
 def run_eval(model, batches, accelerator, state, log) -> float:
-    """Evaluates, logs the row and the line; returns the seconds it took (kept out of tokens/s)."""
+    """Evaluates each source's batches (an EvalBatches), logs the row and the line; returns the seconds it
+    took (kept out of tokens/s)."""
     started = time.perf_counter()
-    val = evaluate(model, batches, accelerator)
+    losses = {name: evaluate(model, source_batches, accelerator) for name, source_batches in batches.by_source.items()}
     seconds = time.perf_counter() - started
-    if val is not None:
-        log.info(f"Step {state.step}: val_loss={val:.4f}")
-        log.write_row({"step": state.step, "tokens": state.tokens, "val_loss": val, "eval_s": seconds})
+    if losses:
+        fields = batches.row(losses)  # val_loss (weight-averaged over sources) and val_loss/<name>
+        log.info(f"Step {state.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in fields.items()))
+        log.write_row({"step": state.step, "tokens": state.tokens, **fields, "eval_s": seconds})
     return seconds
 
 

@@ -5,6 +5,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -17,6 +18,10 @@ REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 STRATEGIES = ("ddp", "fsdp")
+LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
+DECAY_SHAPES = ("linear", "cosine", "sqrt")
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+SOURCE_KEYS = ("path", "weight", "epochs", "val_files")
 
 
 def check_seq_len(seq_len: int, spec) -> None:
@@ -46,14 +51,21 @@ class TrainingConfig:
     demo_data: bool = _field(False, "build the demo corpus into data_dir when it has no shards")
     dataloader_num_workers: int = _field(4, "DataLoader worker processes per rank (0: read in the main process)")
     prefetch_factor: int = _field(4, "batches each worker prepares ahead")
+    data_mix: dict = field(default_factory=dict, metadata={
+        "help": "weighted sources {name: {path, weight, epochs?, val_files?}}, or on the command line "
+                "name=PATH:WEIGHT[:EPOCHS],...; data_dir becomes the first source's folder; empty: data_dir alone"})
     # optimisation
     max_steps: int = _field(10000, "optimizer steps: the LR schedule's horizon and where training ends")
     stop_at_step: int = _field(0, ">0: save and exit 0 after this step, schedule unchanged (time-limited jobs)")
     per_device_train_batch_size: int = _field(4, "sequences per micro-batch per process")
     gradient_accumulation_steps: int = _field(4, "micro-batches per optimizer step")
     learning_rate: float = _field(3e-4, "peak learning rate")
-    min_lr_ratio: float = _field(0.1, "cosine decays to learning_rate * min_lr_ratio at max_steps")
+    min_lr_ratio: float = _field(0.1, "the schedule decays to learning_rate * min_lr_ratio at max_steps")
     warmup_steps: int = _field(500, "linear warmup steps")
+    lr_schedule: str = _field("cosine", "after warmup: cosine | wsd (stable, then decay at the end) | linear | constant")
+    decay_steps: int = _field(0, "wsd: decay over the last N steps (0: decay_fraction of max_steps)")
+    decay_fraction: float = _field(0.2, "wsd: the share of max_steps the decay takes when decay_steps is 0")
+    decay_shape: str = _field("linear", "wsd: the decay's shape, linear | cosine | sqrt")
     weight_decay: float = _field(0.1, "AdamW weight decay (matrices only)")
     adam_beta1: float = _field(0.9, "AdamW beta1")
     adam_beta2: float = _field(0.95, "AdamW beta2")
@@ -138,6 +150,14 @@ class TrainingConfig:
             raise ConfigError(f"max_files={self.max_files} must be -1 (all files) or a positive count")
         if self.learning_rate <= 0 or not (0 <= self.min_lr_ratio <= 1):
             raise ConfigError("learning_rate must be > 0 and min_lr_ratio within [0, 1]")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"lr_schedule='{self.lr_schedule}' is not valid; use one of {', '.join(LR_SCHEDULES)}")
+        if self.decay_shape not in DECAY_SHAPES:
+            raise ConfigError(f"decay_shape='{self.decay_shape}' is not valid; use one of {', '.join(DECAY_SHAPES)}")
+        if self.decay_steps < 0 or not (0 <= self.decay_fraction <= 1):
+            raise ConfigError(f"decay_steps={self.decay_steps} must not be negative and decay_fraction="
+                              f"{self.decay_fraction} must be within [0, 1]")
+        self._validate_data_mix()
         if self.gcs_bucket.startswith("gs://") or "/" in self.gcs_bucket:
             raise ConfigError(
                 f"gcs_bucket='{self.gcs_bucket}' must be a bare bucket name; put folders in gcs_prefix"
@@ -146,6 +166,25 @@ class TrainingConfig:
             print(f"warning: warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}: the learning rate "
                   f"never reaches learning_rate={self.learning_rate:g}; lower warmup_steps", file=sys.stderr)
         return self
+
+    def _validate_data_mix(self) -> None:
+        """Each source's values; with a mixture, data_dir is its first source's folder (whose dataset.json
+        and tokenizer.json stand for all: the sources' tokenizers must agree)."""
+        for name, entry in self.data_mix.items():
+            where = f"data_mix source '{name}'"
+            if not SOURCE_NAME.fullmatch(name):
+                raise ConfigError(f"{where}: a name is letters, digits, '_', '.' or '-' (it names metrics such as "
+                                  f"tokens/{name})")
+            if not entry["path"].strip():
+                raise ConfigError(f"{where}: path is empty; give the source's shard folder")
+            if not (entry["weight"] >= 0 and entry["weight"] != float("inf")):
+                raise ConfigError(f"{where}: weight={entry['weight']} must be a finite number >= 0")
+            if entry.get("epochs", 1) < 1 or entry.get("val_files", 0) < 0:
+                raise ConfigError(f"{where}: epochs must be at least 1 and val_files not negative")
+        if self.data_mix:
+            if not any(e["weight"] > 0 for e in self.data_mix.values()):
+                raise ConfigError("data_mix: every weight is 0; give at least one source a positive weight")
+            self.data_dir = next(iter(self.data_mix.values()))["path"]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -189,6 +228,8 @@ def _unknown_field(key: str, where: str) -> ConfigError:
 def _coerce(name: str, raw, where: str):
     """A value from `--set` (a string) or a config file (YAML/JSON types) -> the field's type."""
     kind = _SETTABLE[name].type
+    if name == "data_mix":
+        return parse_data_mix(raw, where)
     try:
         if kind == "bool":
             if isinstance(raw, bool):
@@ -214,6 +255,50 @@ def _coerce(name: str, raw, where: str):
         return str(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: expected a value of type {kind} for {name}, got {raw!r}") from None
+
+
+def parse_data_mix(raw, where: str) -> dict:
+    """`data_mix` from a config file ({name: {path, weight, epochs?, val_files?}}) or `--set`
+    ("name=PATH:WEIGHT[:EPOCHS],...") -> {name: {"path": str, "weight": float, ...}} (weights as given;
+    the loader normalises them). The values are checked in TrainingConfig.validate()."""
+    usage = "expected name=PATH:WEIGHT[:EPOCHS],... or a mapping {name: {path: DIR, weight: W}}"
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return {}
+    if isinstance(raw, str):
+        out = {}
+        for item in raw.split(","):
+            name, sep, rest = item.strip().partition("=")
+            parts = rest.rsplit(":", 2) if rest.count(":") >= 2 else rest.rsplit(":", 1)
+            if not sep or len(parts) < 2:
+                raise ConfigError(f"{where}: data_mix item '{item.strip()}': {usage}")
+            entry = {"path": parts[0], "weight": parts[1]}
+            if len(parts) == 3:
+                entry["epochs"] = parts[2]
+            out[name.strip()] = entry
+        raw = out
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: data_mix: {usage}, got {type(raw).__name__}")
+    mix = {}
+    for name, entry in raw.items():
+        if not isinstance(entry, dict) or "path" not in entry or "weight" not in entry:
+            raise ConfigError(f"{where}: data_mix source '{name}' needs path and weight ({usage})")
+        unknown = [k for k in entry if k not in SOURCE_KEYS]
+        if unknown:
+            raise ConfigError(f"{where}: data_mix source '{name}': unknown key '{unknown[0]}'; use "
+                              f"{', '.join(SOURCE_KEYS)}")
+        try:
+            clean = {"path": str(entry["path"]), "weight": float(entry["weight"])}
+            for key in ("epochs", "val_files"):
+                if entry.get(key) is not None:
+                    value = entry[key]
+                    if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+                        raise ValueError
+                    clean[key] = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: data_mix source '{name}': weight must be a number and epochs / val_files "
+                              f"whole numbers, got {entry!r}") from None
+        mix[str(name)] = clean
+    return mix
 
 
 def parse_overrides(pairs: list[str]) -> dict:

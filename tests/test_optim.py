@@ -1,9 +1,12 @@
 """The LR schedule and the optimizer's parameter groups."""
 import math
 
+import pytest
 import torch
 
-from configs import get_training_config
+from configs import get_training_config, training_config
+from configs.model_config import ConfigError
+from utils import optim
 from utils.model import build_model
 from configs import get_model_spec
 from utils.optim import build_optimizer, build_scheduler, lr_at, schedule_from_config
@@ -38,3 +41,76 @@ def test_weight_decay_only_on_matrices():
     assert decay["weight_decay"] == cfg.weight_decay and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def wsd_formula(step, peak, warmup, max_steps, decay, ratio, shape):
+    """WSD written out independently: warmup line, flat peak, then the decay shape down to peak * ratio."""
+    if step <= warmup:
+        return peak * step / warmup
+    start = max_steps - decay
+    if step <= start:
+        return peak
+    t = min(1.0, (step - start) / decay)
+    f = {"linear": 1 - t, "cosine": (1 + math.cos(math.pi * t)) / 2, "sqrt": 1 - math.sqrt(t)}[shape]
+    return peak * ratio + (peak - peak * ratio) * f
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "sqrt"])
+def test_wsd_follows_its_formula(shape):
+    kw = dict(peak_lr=3e-4, warmup_steps=10, max_steps=100, min_lr_ratio=0.1, schedule="wsd", decay_steps=20,
+              decay_shape=shape)
+    for step in list(range(1, 121)):
+        expected = wsd_formula(step, 3e-4, 10, 100, 20, 0.1, shape)
+        assert abs(lr_at(step, **kw) - expected) <= 1e-12, (step, lr_at(step, **kw), expected)
+    assert lr_at(10, **kw) == 3e-4 and lr_at(50, **kw) == 3e-4 and lr_at(80, **kw) == 3e-4  # warmup end, stable
+    assert lr_at(81, **kw) < 3e-4 and math.isclose(lr_at(100, **kw), 3e-5)  # decay starts right after 80
+    values = [lr_at(s, **kw) for s in range(80, 101)]
+    assert all(a > b for a, b in zip(values, values[1:]))
+
+
+def test_linear_and_constant_schedules():
+    kw = dict(peak_lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert lr_at(10, schedule="linear", **kw) == 1.0 and math.isclose(lr_at(60, schedule="linear", **kw), 0.55)
+    assert math.isclose(lr_at(110, schedule="linear", **kw), 0.1) and math.isclose(lr_at(200, schedule="linear", **kw), 0.1)
+    assert lr_at(5, schedule="constant", **kw) == 0.5 and lr_at(110, schedule="constant", **kw) == 1.0
+
+
+def test_wsd_decay_fraction_and_config_checks():
+    cfg = get_training_config("demo", {"model": "tiny", "lr_schedule": "wsd", "warmup_steps": 5, "max_steps": 200,
+                                       "decay_fraction": 0.25})
+    schedule = schedule_from_config(cfg)
+    assert schedule(150) == cfg.learning_rate and schedule(151) < cfg.learning_rate  # decay: the last 50 steps
+    assert math.isclose(schedule(200), cfg.learning_rate * cfg.min_lr_ratio)
+    with pytest.raises(ConfigError, match="lr_schedule='wsdd' is not valid"):
+        get_training_config("demo", {"lr_schedule": "wsdd"})
+    with pytest.raises(ConfigError, match="decay_shape='exp' is not valid"):
+        get_training_config("demo", {"decay_shape": "exp"})
+    assert set(training_config.DECAY_SHAPES) == set(optim.DECAY_SHAPES)
+
+
+def test_wsd_resume_with_more_steps_extends_the_stable_phase():
+    """A run planned for 100 steps (decay over the last 30) resumed at step 60 with max_steps=300: the LR
+    stays at the peak until step 270, then decays to the minimum at 300."""
+    base = {"model": "tiny", "lr_schedule": "wsd", "warmup_steps": 5, "decay_steps": 30}
+    short = get_training_config("demo", dict(base, max_steps=100))
+    long = get_training_config("demo", dict(base, max_steps=300))
+    opt = build_optimizer(torch.nn.Linear(4, 4), short, fused=False)
+    sched = build_scheduler(opt, short)
+    for _ in range(60):
+        opt.step()
+        sched.step()
+    saved = sched.state_dict()
+
+    opt2 = build_optimizer(torch.nn.Linear(4, 4), long, fused=False)
+    opt2.load_state_dict(opt.state_dict())
+    sched2 = build_scheduler(opt2, long)
+    sched2.load_state_dict(saved)
+    peak, seen = long.learning_rate, {}
+    for step in range(61, 301):
+        seen[step] = opt2.param_groups[0]["lr"]
+        opt2.step()
+        sched2.step()
+    assert all(seen[s] == peak for s in range(61, 271))
+    for step in range(271, 301):
+        assert abs(seen[step] - wsd_formula(step, peak, 5, 300, 30, long.min_lr_ratio, "linear")) <= 1e-12
+    assert seen[271] < peak and math.isclose(seen[300], peak * long.min_lr_ratio)

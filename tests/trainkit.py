@@ -17,16 +17,18 @@ TINY = ["model=tiny", "compile_model=false", "mixed_precision=no", "dataloader_n
 
 
 def make_shards(data_dir: Path, n_files: int = 4, rows: int = 64, seq_len: int = 64, vocab: int = 512,
-                seed: int = 0) -> Path:
-    """Nested 2-D shards of learnable token sequences (arithmetic runs mod vocab, random starts)."""
+                seed: int = 0, ids: tuple[int, int] | None = None) -> Path:
+    """Nested 2-D shards of learnable token sequences (arithmetic runs mod vocab, random starts); with
+    `ids=(low, high)` every id lies in [low, high) (sources with disjoint token ranges)."""
+    low, high = ids or (0, vocab)
     rng = np.random.default_rng(seed)
     for i in range(n_files):
         sub = data_dir / f"part-{i % 2}" / f"sub-{i // 2}"
         sub.mkdir(parents=True, exist_ok=True)
-        start = rng.integers(0, vocab, size=(rows, 1))
+        start = rng.integers(0, high - low, size=(rows, 1))
         stride = rng.integers(1, 4, size=(rows, 1))
-        ids = (start + stride * np.arange(seq_len)[None, :]) % vocab
-        np.savez(sub / f"shard-{i:03d}.npz", input_ids=ids.astype(np.uint16))
+        tokens = low + (start + stride * np.arange(seq_len)[None, :]) % (high - low)
+        np.savez(sub / f"shard-{i:03d}.npz", input_ids=tokens.astype(np.uint16))
     return data_dir
 
 

@@ -134,6 +134,8 @@ class RunLogger:
         if not accelerator.log_with:
             return
         init_kwargs = {"tensorboard": {"purge_step": None if resume_step is None else resume_step + 1}}
+        # hyperparameters are scalars or strings to TensorBoard: a mapping (data_mix) goes as its JSON
+        config = {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in config.items()}
         try:
             accelerator.init_trackers(run_name, config=config, init_kwargs=init_kwargs)
         except Exception as exc:  # a tracker that cannot start (no login, no server) must not stop training

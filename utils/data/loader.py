@@ -1,38 +1,71 @@
 """The order and the stream: a deterministic, rank-sharded, resumable batch loader, and eval batches.
 
-`ResumableLoader` yields `[micro_batch_size, seq_len]` int64 batches forever. Its whole state is one
-integer, `position`: the number of global samples consumed (see `ShardedBatchSampler` for the order).
-`build_eval_batches` gives each rank its share of the first validation batches, in file order.
+`ResumableLoader` yields `[micro_batch_size, seq_len]` int64 batches forever, from one dataset or a
+weighted mixture of several (utils/data/mixture.py decides which source each sequence of the global
+stream comes from). Global micro-batch b is stream positions [b * G, (b + 1) * G), G = micro * world, and
+rank r takes [r * micro, (r + 1) * micro) of it. The state is the number of sequences consumed from each
+source (plus the mixture's phase), so restoring it is O(1) and valid across a change of process count.
+`build_eval_batches` gives each rank its share of the first validation batches, in file order;
+`EvalBatches` holds them per source.
 """
 from __future__ import annotations
 
 import signal
 import warnings
-from collections import OrderedDict
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils.data.dataset import TokenSequenceDataset
+from utils.data.mixture import (DEFAULT_SOURCE, EpochOrder, MixtureError, MixturePlan, SourceSpec, describe_change,
+                                epoch_permutation, source_key)
+
+__all__ = ["EvalBatches", "MixtureSource", "ResumableLoader", "ShardedBatchSampler", "build_eval_batches",
+           "epoch_permutation"]
+
+
+@dataclass(frozen=True)
+class MixtureSource:
+    """One source of a mixture: its training sequences, weight (>= 0) and optional epochs cap."""
+    name: str
+    dataset: TokenSequenceDataset
+    weight: float = 1.0
+    epochs: int | None = None
+
+
+def read_picks(datasets: list[TokenSequenceDataset], sources: np.ndarray, indices: np.ndarray,
+               dtype: np.dtype) -> np.ndarray:
+    """Sequence indices[k] of source sources[k], as one [len, seq_len] array of `dtype`."""
+    first = int(sources[0])
+    if (sources == first).all():
+        return datasets[first].get_batch(indices, dtype=dtype)
+    out = np.empty((len(indices), datasets[first].seq_len), dtype=dtype)
+    for s in np.unique(sources).tolist():
+        mask = sources == s
+        out[mask] = datasets[s].get_batch(indices[mask], dtype=dtype)
+    return out
 
 
 class _BatchView(Dataset):
-    """What the DataLoader indexes: a list of sequence numbers -> one [B, seq_len] numpy array of `dtype`.
+    """What the DataLoader indexes: (sources, sequence numbers, meta) -> ([B, seq_len] numpy array of
+    `dtype`, meta); `meta` rides along so that the loader learns its cursor from the batch it returns.
 
     Workers return numpy arrays in the compact wire dtype: pickled through the result pipe they cost a
     fraction of what torch's per-tensor shared-memory hand-off costs, and the int64 widening happens once,
     in the main process."""
 
-    def __init__(self, dataset: TokenSequenceDataset, dtype: np.dtype):
-        self.dataset, self.dtype = dataset, dtype
+    def __init__(self, datasets: list[TokenSequenceDataset], dtype: np.dtype):
+        self.datasets, self.dtype = datasets, dtype
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return sum(len(d) for d in self.datasets)
 
-    def __getitem__(self, indices: list[int]) -> np.ndarray:
-        return self.dataset.get_batch(indices, dtype=self.dtype)
+    def __getitem__(self, item):
+        sources, indices, meta = item
+        return read_picks(self.datasets, sources, indices, self.dtype), meta
 
 
 def _as_is(batch):
@@ -52,61 +85,64 @@ def _ignore_stop_signals(_worker_id: int) -> None:
 # Order and sharding
 
 
-def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The sample order of one epoch: a permutation of range(n) from numpy's PCG64 seeded by (seed, epoch)."""
-    perm = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
-    np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch]))).shuffle(perm)
-    return perm
-
-
 class ShardedBatchSampler(Sampler[list[int]]):
-    """Infinite stream of this rank's micro-batches of sequence numbers.
+    """One dataset's stream (the `data` source alone), rank r's micro-batches of sequence numbers.
 
     The global sample stream is perm(seed, 0) ++ perm(seed, 1) ++ ...; stream position p is sample
     perm(seed, p // N)[p % N]. A global batch is G = micro_batch_size * world_size consecutive positions
     and rank r takes positions [r * micro, (r + 1) * micro) of each. Starting at `start_position` costs one
-    permutation, whatever the position."""
+    permutation, whatever the position. (`ResumableLoader` reads the same order through MixturePlan.)"""
 
     def __init__(self, num_samples: int, micro_batch_size: int, rank: int, world_size: int, seed: int,
                  start_position: int = 0):
-        if num_samples < 1:
-            raise ValueError("cannot sample from an empty dataset (0 sequences)")
-        if not (0 <= rank < world_size) or micro_batch_size < 1:
-            raise ValueError(f"need 0 <= rank < world_size and micro_batch_size >= 1 "
-                             f"(got rank={rank}, world_size={world_size}, micro_batch_size={micro_batch_size})")
-        if seed < 0:
-            raise ValueError(f"seed={seed} must be non-negative")
-        self.num_samples, self.micro, self.rank, self.world, self.seed = (
-            num_samples, micro_batch_size, rank, world_size, seed)
-        self.global_batch = micro_batch_size * world_size
+        _check_sampling(num_samples, micro_batch_size, rank, world_size, seed)
+        self.micro, self.rank, self.global_batch = micro_batch_size, rank, micro_batch_size * world_size
         self.start_position = start_position
-        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            perm = epoch_permutation(self.seed, epoch, self.num_samples)
-            self._perms[epoch] = perm
-            while len(self._perms) > 2:
-                self._perms.popitem(last=False)
-        return perm
+        self._order = EpochOrder(num_samples, source_key(seed, DEFAULT_SOURCE))
 
     def indices_at(self, first_position: int) -> list[int]:
         """Sample numbers at stream positions [first_position, first_position + micro)."""
-        n, out = self.num_samples, []
-        p, end = first_position, first_position + self.micro
-        while p < end:
-            epoch, offset = divmod(p, n)
-            take = min(end - p, n - offset)
-            out.extend(self._perm(epoch)[offset:offset + take].tolist())
-            p += take
-        return out
+        return self._order.at(np.arange(first_position, first_position + self.micro)).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         p = self.start_position + self.rank * self.micro
         while True:
             yield self.indices_at(p)
             p += self.global_batch
+
+
+def _check_sampling(num_samples: int, micro_batch_size: int, rank: int, world_size: int, seed: int) -> None:
+    if num_samples < 1:
+        raise ValueError("cannot sample from an empty dataset (0 sequences)")
+    if not (0 <= rank < world_size) or micro_batch_size < 1:
+        raise ValueError(f"need 0 <= rank < world_size and micro_batch_size >= 1 "
+                         f"(got rank={rank}, world_size={world_size}, micro_batch_size={micro_batch_size})")
+    if seed < 0:
+        raise ValueError(f"seed={seed} must be non-negative")
+
+
+class MixtureBatchSampler(Sampler):
+    """Rank r's micro-batches of the mixture's global stream, from the plan state `start`: yields
+    (source numbers, sequence numbers, (plan state after this global micro-batch, sources dropped in it))."""
+
+    def __init__(self, specs: list[SourceSpec], micro_batch_size: int, rank: int, world_size: int, seed: int,
+                 start: tuple):
+        self.specs, self.micro, self.rank, self.world = specs, micro_batch_size, rank, world_size
+        self.orders = [EpochOrder(s.num_samples, source_key(seed, s.name)) for s in specs]
+        self.start = start
+
+    def __iter__(self):
+        plan = MixturePlan(self.specs)
+        plan.restore(self.start)
+        mine = slice(self.rank * self.micro, (self.rank + 1) * self.micro)
+        while True:
+            sources, positions, dropped = plan.take(self.micro * self.world)
+            sources, positions = sources[mine], positions[mine]
+            indices = np.empty(len(positions), dtype=np.int64)
+            for s in np.unique(sources).tolist():
+                mask = sources == s
+                indices[mask] = self.orders[s].at(positions[mask])
+            yield sources, indices, (plan.snapshot(), dropped)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -116,45 +152,109 @@ class ShardedBatchSampler(Sampler[list[int]]):
 class ResumableLoader:
     """This rank's infinite stream of [micro_batch_size, seq_len] LongTensors, checkpointable.
 
-    `position` counts global samples in batches *returned* by __next__ (DataLoader prefetch is not
-    counted), so state_dict() after k batches resumes at batch k + 1. Position is in global samples, so a
-    run may resume with another world size or micro-batch size. load_state_dict() is O(1) in the position:
-    it only recreates the DataLoader iterator (one epoch permutation, no batches read)."""
+    `data` is one dataset (the source `data` alone: the stream and cursor of a `data_dir` run) or a list
+    of MixtureSource. The cursor counts sequences in batches *returned* by __next__ (DataLoader prefetch is
+    not counted), so state_dict() after k batches resumes at batch k + 1. It counts global sequences, so a
+    run may resume with another world size or micro-batch size. load_state_dict() is O(1): it only
+    recreates the DataLoader iterator (one permutation per source, no batches read)."""
 
-    def __init__(self, dataset: TokenSequenceDataset, micro_batch_size: int, rank: int, world_size: int,
-                 seed: int, num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False):
-        if len(dataset) < 1:
+    def __init__(self, data, micro_batch_size: int, rank: int, world_size: int, seed: int, num_workers: int = 0,
+                 prefetch_factor: int = 2, pin_memory: bool = False, log: Callable[[str], None] | None = None):
+        sources = [MixtureSource(DEFAULT_SOURCE, data)] if isinstance(data, TokenSequenceDataset) else list(data)
+        if not sources or any(len(s.dataset) < 1 for s in sources):
             raise ValueError("ResumableLoader needs a dataset with at least one sequence")
-        self.dataset = dataset
+        if len({s.name for s in sources}) != len(sources):
+            raise MixtureError(f"data_mix: source names must be unique, got {[s.name for s in sources]}")
+        self.sources = sources
+        self.datasets = [s.dataset for s in sources]
+        self.dataset = self.datasets[0]
+        self.specs = [SourceSpec(s.name, len(s.dataset), float(s.weight), s.epochs) for s in sources]
         self.micro_batch_size, self.rank, self.world_size, self.seed = micro_batch_size, rank, world_size, seed
+        self.log = log or (lambda _msg: None)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("ResumableLoader(pin_memory=True) without CUDA: batches will not be pinned")
             pin_memory = False
         self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
-        self.num_samples = len(dataset)
+        self.num_samples = sum(s.num_samples for s in self.specs)
         self.global_batch = micro_batch_size * world_size
-        ShardedBatchSampler(self.num_samples, micro_batch_size, rank, world_size, seed)  # validates arguments
-        self._position = 0
+        _check_sampling(self.num_samples, micro_batch_size, rank, world_size, seed)
+        self._plan = MixturePlan(self.specs)  # the cursor: the plan's state after the batches returned
         self._iterator = None
 
     @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    @property
+    def single(self) -> bool:
+        """The `data` source alone: a data_dir run, whose cursor keeps the engine's original format."""
+        return self.names == [DEFAULT_SOURCE]
+
+    @property
+    def consumed(self) -> dict[str, int]:
+        """Global sequences consumed from each source."""
+        return dict(zip(self.names, self._plan.consumed))
+
+    @property
     def position(self) -> int:
-        return self._position
+        return sum(self._plan.consumed)
 
     @property
     def epoch(self) -> int:
-        return self._position // self.num_samples
+        """Passes over the whole mixture (its total sequence count): the checkpoint name's `epoch`."""
+        return self.position // self.num_samples
+
+    def files_consumed(self) -> int:
+        """The checkpoint name's `files{F}`: whole files' worth of sequences consumed, summed over sources."""
+        return sum(d.index.files_consumed(c) for d, c in zip(self.datasets, self._plan.consumed))
+
+    def fingerprint(self) -> dict | None:
+        """What the checkpoint's record keeps of the data: the `data` source's files (as a data_dir run
+        always has), else None; the cursor checks every source itself on resume."""
+        if DEFAULT_SOURCE not in self.names:
+            return None
+        return self.datasets[self.names.index(DEFAULT_SOURCE)].index.fingerprint()
+
+    def source_tokens(self) -> dict[str, int]:
+        """`tokens/<name>` for a training row: tokens each source has contributed (none for `data` alone)."""
+        if self.single:
+            return {}
+        return {f"tokens/{s.name}": c * d.seq_len for s, d, c in zip(self.specs, self.datasets, self._plan.consumed)}
+
+    def describe(self, steps_left: int, global_batch: int) -> list[str]:
+        """One line per source: sequences, weight, and the epochs through it the planned steps reach. Raises
+        MixtureError before training when the epochs caps cannot feed the planned steps."""
+        live = [i for i, w in enumerate(self._plan.weights) if w > 0]
+        if all(self.specs[i].cap is not None for i in live):
+            left = sum(self.specs[i].cap - self._plan.consumed[i] for i in live)
+            if left < steps_left * global_batch:
+                raise MixtureError(
+                    f"data_mix: the epochs caps leave {left:,} sequences but the {steps_left:,} planned steps "
+                    f"need {steps_left * global_batch:,}; raise a source's epochs, add a source or lower max_steps")
+        if self.single:
+            return []
+        lines, weights = [], self._plan.weights
+        for spec, d, c, w in zip(self.specs, self.datasets, self._plan.consumed, weights):
+            planned = c + w * steps_left * global_batch
+            cap = f", capped at {spec.epochs} epoch(s)" if spec.epochs is not None else ""
+            if spec.cap is not None:
+                planned = min(planned, spec.cap)
+            lines.append(f"  source {spec.name}: {spec.num_samples:,} sequences in {d.index.root}, weight "
+                         f"{spec.weight:g} ({w:.1%} of the stream){cap}; the planned steps take {planned / spec.num_samples:.2f} "
+                         f"epoch(s) through it")
+        return lines
 
     def _make_iterator(self):
-        sampler = ShardedBatchSampler(self.num_samples, self.micro_batch_size, self.rank, self.world_size,
-                                      self.seed, start_position=self._position)
+        sampler = MixtureBatchSampler(self.specs, self.micro_batch_size, self.rank, self.world_size, self.seed,
+                                      self._plan.snapshot())
+        wire = self.dataset.wire_dtype
         if self.num_workers == 0:
             # Read here, without a DataLoader (its per-batch bookkeeping costs more than the read), in the
             # wire dtype: no per-row conversion buffer; __next__ widens the whole batch once.
-            return (self.dataset.get_batch(indices, dtype=self.dataset.wire_dtype) for indices in sampler)
+            return ((read_picks(self.datasets, sources, indices, wire), meta) for sources, indices, meta in sampler)
         # batch_size=None: the sampler already yields whole micro-batches, each produced once in this
         # process and handed to one worker, which returns a ready [B, seq_len] array (no collate).
-        loader = DataLoader(_BatchView(self.dataset, self.dataset.wire_dtype), sampler=sampler, batch_size=None,
+        loader = DataLoader(_BatchView(self.datasets, wire), sampler=sampler, batch_size=None,
                             collate_fn=_as_is, num_workers=self.num_workers, worker_init_fn=_ignore_stop_signals,
                             prefetch_factor=self.prefetch_factor, persistent_workers=False)
         return iter(loader)
@@ -165,34 +265,88 @@ class ResumableLoader:
     def __next__(self) -> torch.Tensor:
         if self._iterator is None:
             self._iterator = self._make_iterator()
-        batch = torch.from_numpy(next(self._iterator).astype(np.int64, copy=False))
+        array, (plan_state, dropped) = next(self._iterator)
+        batch = torch.from_numpy(array.astype(np.int64, copy=False))
         if self.pin_memory:
             batch = batch.pin_memory()
-        self._position += self.global_batch
+        self._plan.restore(plan_state)
+        for name in dropped:
+            spec = self.specs[self.names.index(name)]
+            now = ", ".join(f"{n} {w:.4g}" for n, w in zip(self.names, self._plan.weights) if w > 0)
+            self.log(f"data_mix: source {name} reached its cap of {spec.epochs} epoch(s) after "
+                     f"{self.position:,} sequences and drops out; the others are renormalised: {now}")
         return batch
 
+    # ------------------------------------------------------------------------------------------------ state
+
     def state_dict(self) -> dict:
-        epoch, consumed = divmod(self._position, self.num_samples)
-        return {"position": self._position, "epoch": epoch, "consumed_in_epoch": consumed,
-                "seed": self.seed, "num_samples": self.num_samples, "global_batch": self.global_batch}
+        if self.single:
+            epoch, consumed = divmod(self.position, self.num_samples)
+            return {"position": self.position, "epoch": epoch, "consumed_in_epoch": consumed,
+                    "seed": self.seed, "num_samples": self.num_samples, "global_batch": self.global_batch}
+        plan = self._plan
+        return {"format": "mixture", "seed": self.seed, "position": self.position, "seq_len": self.dataset.seq_len,
+                "global_batch": self.global_batch,
+                "sources": {s.name: {"consumed": c, "num_samples": s.num_samples,
+                                     "sha256": d.index.fingerprint()["sha256"]}
+                            for s, d, c in zip(self.specs, self.datasets, plan.consumed)},
+                "phase_start": dict(zip(self.names, plan.phase_start)),
+                "phase_weights": dict(zip(self.names, plan.weights))}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue at `state["position"]`. The saved seed is adopted (the order must stay the one the
-        run started with); a different dataset size is refused."""
+        """Continue from a saved cursor (this format, or the single-source {"position", "num_samples",
+        "seed", ...} of a data_dir run). The saved seed is adopted (each source keeps its order). Every saved
+        source must still be in the mixture with the same sequences; new sources start at 0; different
+        effective weights start a new phase (logged)."""
         try:
-            position, num_samples, seed = int(state["position"]), int(state["num_samples"]), int(state["seed"])
-        except (KeyError, TypeError, ValueError) as e:
+            seed = int(state["seed"])
+            if "sources" in state:
+                saved = {str(n): (int(v["consumed"]), int(v["num_samples"]), v.get("sha256"))
+                         for n, v in state["sources"].items()}
+                phase = ({n: int(c) for n, c in state["phase_start"].items()},
+                         {n: float(w) for n, w in state["phase_weights"].items()})
+            else:
+                saved = {DEFAULT_SOURCE: (int(state["position"]), int(state["num_samples"]), None)}
+                phase = None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"data cursor state is malformed ({e!r}); expected the dict from "
                              "ResumableLoader.state_dict()") from None
-        if num_samples != self.num_samples:
-            raise ValueError(
-                f"the data changed since the checkpoint: its cursor was saved over {num_samples:,} sequences "
-                f"but this dataset has {self.num_samples:,}. Restore the same shards and "
-                "seq_len/max_files/val_files to resume, or start a fresh run")
-        if position < 0 or seed < 0:
-            raise ValueError(f"data cursor state has position={position}, seed={seed}; both must be >= 0")
+        if seed < 0 or any(c < 0 for c, _, _ in saved.values()):
+            raise ValueError(f"data cursor state has negative counts or seed={seed}; all must be >= 0")
+        removed = [n for n in saved if n not in self.names]
+        if removed:
+            raise MixtureError(f"data_mix: the checkpoint's data included source(s) {', '.join(removed)}, which this "
+                               f"run's mixture lacks; keep every source (weight 0 stops sampling one) or start a "
+                               f"fresh run")
+        if state.get("seq_len") not in (None, self.dataset.seq_len):
+            raise MixtureError(f"the checkpoint's data cursor was saved with seq_len={state['seq_len']} but this run "
+                               f"has seq_len={self.dataset.seq_len}; resume with --set seq_len={state['seq_len']}")
+        for spec, d in zip(self.specs, self.datasets):
+            if spec.name not in saved:
+                continue
+            _, num_samples, sha = saved[spec.name]
+            what = "its cursor" if self.single else f"source {spec.name}'s cursor"
+            if num_samples != spec.num_samples or (sha is not None and sha != d.index.fingerprint()["sha256"]):
+                raise MixtureError(
+                    f"the data changed since the checkpoint: {what} was saved over {num_samples:,} sequences but "
+                    f"{d.index.root} now has {spec.num_samples:,} (or other files). Restore the same shards and "
+                    f"seq_len/max_files/val_files to resume, or start a fresh run")
         self.close()
-        self._position, self.seed = position, seed
+        self.seed = seed
+        plan = MixturePlan(self.specs)
+        plan.consumed = [saved[n][0] if n in saved else 0 for n in self.names]
+        weights = dict(zip(self.names, plan.effective_weights()))
+        if phase is not None and set(phase[0]) == set(self.names) and phase[1] == weights:
+            plan.phase_start = [phase[0][n] for n in self.names]
+            plan.weights = [weights[n] for n in self.names]
+        else:
+            plan.new_phase()
+            if len(self.names) > 1 or len(saved) > 1:
+                old = phase[1] if phase is not None else {n: 1.0 / len(saved) for n in saved}
+                self.log(f"data_mix: the mixture changed since the checkpoint ({describe_change(old, weights)}); "
+                         f"each kept source continues from its saved position, the new weights apply from the "
+                         f"next step")
+        self._plan = plan
 
     def close(self) -> None:
         """Stop DataLoader workers (also done when the loader is garbage-collected)."""
@@ -220,3 +374,25 @@ def build_eval_batches(dataset: TokenSequenceDataset, micro_batch_size: int, ran
         indices = [(first + k) % n for k in range(micro_batch_size)]
         batches.append(torch.from_numpy(dataset.get_batch(indices)))
     return batches
+
+
+class EvalBatches(list):
+    """This rank's eval batches of every source with held-out files, one after another (what preflight
+    reads), and per source in `by_source` (name -> its batches). `weights` are the mixture's weights,
+    normalised over these sources, for the mean `val_loss`."""
+
+    def __init__(self, by_source: dict[str, list[torch.Tensor]], weights: dict[str, float]):
+        self.by_source = {name: batches for name, batches in by_source.items() if batches}
+        super().__init__(b for batches in self.by_source.values() for b in batches)
+        total = sum(weights[name] for name in self.by_source)
+        self.weights = {name: (weights[name] / total if total > 0 else 1.0 / len(self.by_source))
+                        for name in self.by_source}
+        self.per_source = list(by_source) != [DEFAULT_SOURCE]
+
+    def row(self, losses: dict[str, float]) -> dict[str, float]:
+        """The eval row's fields: `val_loss` (the weight-averaged mean) and `val_loss/<name>` per source
+        (none for the `data` source alone)."""
+        mean = sum(self.weights[name] * loss for name, loss in losses.items())
+        if len(losses) == 1:
+            mean = next(iter(losses.values()))  # exactly the one source's loss
+        return {"val_loss": mean, **({f"val_loss/{n}": v for n, v in losses.items()} if self.per_source else {})}

@@ -1,0 +1,210 @@
+"""Weighted data mixtures: several shard folders (sources) read as one deterministic sequence stream.
+
+The run's stream is global and decided per sequence, so it is the same for any world size, micro-batch
+and accumulation: source i's m-th sequence since the phase began has the virtual time (m + 0.5) / w_i,
+and the stream takes the sources' sequences in virtual-time order (a divisor sequence, as Sainte-Lague
+seats parliaments; ties to the earlier source). Every source's count then stays within about a sequence
+of its share at every position, so each global batch realises the weights to within a sequence or two;
+computing it is a sort per micro-batch. Each source walks its own permutation, epoch after epoch: its own
+position p is `perm(key, p // N)[p % N]`.
+
+A phase begins at the start, on a resume whose effective weights differ from the checkpoint's, and when a
+source reaches its `epochs` cap (it drops out, the others are renormalised). The state is per source:
+sequences consumed, and consumed when the phase began, plus the phase's weights: O(1) to restore.
+
+The source named `data` (what `data_dir` alone is) keeps the single-source order of the engine before
+mixtures (`SeedSequence([seed, epoch])`), so a `data_dir` run's stream and cursor are unchanged; other
+sources' orders are keyed by their name, so adding or reordering sources never changes another's order.
+"""
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from utils.errors import UserError
+
+DEFAULT_SOURCE = "data"
+
+
+class MixtureError(UserError, ValueError):
+    """A mixture that cannot be used or resumed as asked; the message names the source and what to do."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What the sampler needs of one source: its name, size, weight (>= 0) and optional epochs cap."""
+    name: str
+    num_samples: int
+    weight: float
+    epochs: int | None = None
+
+    @property
+    def cap(self) -> int | None:
+        """Sequences this source may contribute in the whole run (None: unlimited)."""
+        return None if self.epochs is None else self.epochs * self.num_samples
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One source as the training config gives it: a shard folder with its weight, epochs cap and the
+    number of its files (the last by path) held out for validation."""
+    name: str
+    path: Path
+    weight: float
+    epochs: int | None
+    val_files: int
+
+
+def sources_from_config(cfg) -> list[SourceConfig]:
+    """`data_mix`'s sources in their order, or `data_dir` alone as the one source `data`."""
+    if not cfg.data_mix:
+        return [SourceConfig(DEFAULT_SOURCE, Path(cfg.data_dir).expanduser().resolve(), 1.0, None, cfg.val_files)]
+    return [SourceConfig(name, Path(e["path"]).expanduser().resolve(), float(e["weight"]), e.get("epochs"),
+                         e.get("val_files", cfg.val_files)) for name, e in cfg.data_mix.items()]
+
+
+def source_key(seed: int, name: str) -> list[int]:
+    """The entropy of a source's permutations (the epoch is appended)."""
+    return [seed] if name == DEFAULT_SOURCE else [seed, zlib.crc32(name.encode())]
+
+
+def epoch_permutation(seed, epoch: int, n: int) -> np.ndarray:
+    """The sample order of one epoch: a permutation of range(n) from numpy's PCG64 seeded by
+    (seed, epoch); `seed` is an int or a source key (a list of ints)."""
+    key = list(seed) if isinstance(seed, (list, tuple)) else [seed]
+    perm = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+    np.random.Generator(np.random.PCG64(np.random.SeedSequence(key + [epoch]))).shuffle(perm)
+    return perm
+
+
+class EpochOrder:
+    """One source's own stream: position p -> sequence perm(key, p // n)[p % n], two epochs cached."""
+
+    def __init__(self, num_samples: int, key: list[int]):
+        self.n, self.key = num_samples, key
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def perm(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = self._perms[epoch] = epoch_permutation(self.key, epoch, self.n)
+            while len(self._perms) > 2:
+                self._perms.popitem(last=False)
+        return perm
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """Sequence numbers at these stream positions (any order; usually one or two epochs)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.empty(len(positions), dtype=np.int64)
+        epochs, offsets = np.divmod(positions, self.n)
+        for epoch in np.unique(epochs).tolist():
+            mask = epochs == epoch
+            out[mask] = self.perm(epoch)[offsets[mask]]
+        return out
+
+
+class MixturePlan:
+    """The global stream's allocation: which source each next sequence comes from, and at which of its
+    own positions. `take(n)` advances it; `snapshot()` / `restore()` are its whole state."""
+
+    def __init__(self, sources: list[SourceSpec]):
+        if not sources:
+            raise MixtureError("data_mix has no source")
+        self.sources = list(sources)
+        self.consumed = [0] * len(sources)
+        self.phase_start = [0] * len(sources)
+        self.weights = self.effective_weights()
+
+    def active(self, i: int) -> bool:
+        s = self.sources[i]
+        return s.weight > 0 and (s.cap is None or self.consumed[i] < s.cap)
+
+    def effective_weights(self) -> list[float]:
+        """The configured weights over the sources still active, normalised (0 for the others)."""
+        raw = [s.weight if self.active(i) else 0.0 for i, s in enumerate(self.sources)]
+        total = sum(raw)
+        if total <= 0:
+            capped = ", ".join(f"{s.name} ({s.epochs} epochs)" for s in self.sources if s.cap is not None)
+            raise MixtureError(f"data_mix: every source with a positive weight has reached its epochs cap "
+                               f"({capped}); raise `epochs` or add a source")
+        return [w / total for w in raw]
+
+    def new_phase(self) -> None:
+        self.phase_start = list(self.consumed)
+        self.weights = self.effective_weights()
+
+    def _next_sources(self, live: list[int], n: int) -> np.ndarray:
+        """The sources of the phase's next `n` sequences: source i's m-th sequence of the phase has the
+        virtual time (m + 0.5) / w_i, and the stream takes them in time order (ties: the earlier source).
+        Each source's next n times are candidates, so any chunking of the stream gives the same order."""
+        times, owners = [], []
+        for i in live:
+            taken = self.consumed[i] - self.phase_start[i]
+            times.append((taken + np.arange(n) + 0.5) / self.weights[i])
+            owners.append(np.full(n, i, dtype=np.int64))
+        times, owners = np.concatenate(times), np.concatenate(owners)
+        return owners[np.lexsort((owners, times))[:n]]
+
+    def take(self, n: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """The next `n` sequences of the stream: (source numbers, their positions in each source's own
+        stream, names of sources that reached their epochs cap within them)."""
+        src = np.empty(n, dtype=np.int64)
+        pos = np.empty(n, dtype=np.int64)
+        dropped: list[str] = []
+        k = 0
+        while k < n:
+            live = [i for i in range(len(self.sources)) if self.weights[i] > 0]
+            picks = self._next_sources(live, n - k)
+            for i in live:  # stop right after the sequence that fills a source's cap
+                cap = self.sources[i].cap
+                hits = np.flatnonzero(picks == i)
+                if cap is not None and len(hits) >= cap - self.consumed[i]:
+                    picks = picks[:hits[cap - self.consumed[i] - 1] + 1]
+            chunk = slice(k, k + len(picks))
+            src[chunk] = picks
+            for i in live:
+                mine = picks == i
+                count = int(mine.sum())
+                pos[chunk][mine] = np.arange(self.consumed[i], self.consumed[i] + count)
+                self.consumed[i] += count
+            k += len(picks)
+            for i in live:
+                if not self.active(i):
+                    dropped.append(self.sources[i].name)
+                    self.new_phase()  # raises when nothing is left to read
+        return src, pos, dropped
+
+    def snapshot(self) -> tuple:
+        return tuple(self.consumed), tuple(self.phase_start), tuple(self.weights)
+
+    def restore(self, snapshot: tuple) -> None:
+        consumed, phase_start, weights = snapshot
+        self.consumed, self.phase_start, self.weights = list(consumed), list(phase_start), list(weights)
+
+
+def describe_change(old_weights: dict, new_weights: dict) -> str:
+    """'web 0.75 -> 0.25, code 0.25 -> 0.75, added books 0.2': the effective weights that changed."""
+    parts = []
+    for name, w in new_weights.items():
+        if name not in old_weights:
+            parts.append(f"added {name} {w:.4g}")
+        elif abs(old_weights[name] - w) > 0:
+            parts.append(f"{name} {old_weights[name]:.4g} -> {w:.4g}")
+    return ", ".join(parts)
+
+
+def check_tokenizers(infos: dict) -> None:
+    """`infos`: source name -> its DatasetInfo or None. Every dataset.json present must agree on the
+    vocabulary and the EOS id, else one line naming both files."""
+    present = [(name, info) for name, info in infos.items() if info is not None]
+    for name, info in present[1:]:
+        first_name, first = present[0]
+        if (info.vocab_size, info.eos_id) != (first.vocab_size, first.eos_id):
+            raise MixtureError(
+                f"data_mix: sources {first_name} and {name} have different tokenizers ({first.path}: vocab "
+                f"{first.vocab_size}, eos {first.eos_id}; {info.path}: vocab {info.vocab_size}, eos "
+                f"{info.eos_id}); prepare every source with the same tokenizer")
