@@ -253,20 +253,11 @@ def make_trackers(cfg, log_dir: Path) -> list:
 
 def lock_output_dir(output_dir: Path, accelerator):
     """Rank 0 takes the output dir's lock; every rank learns the outcome, so all stop together if busy."""
-    from accelerate.utils import broadcast_object_list
+    from utils.errors import main_process_only
+    from utils.lock import OutputDirLock
 
-    from utils.lock import OutputDirBusy, OutputDirLock
-
-    lock, problem = OutputDirLock(output_dir), None
-    if accelerator.is_main_process:
-        try:
-            lock.acquire(log=print)
-        except OutputDirBusy as exc:
-            problem = str(exc)
-    if accelerator.num_processes > 1:
-        problem = broadcast_object_list([problem])[0]
-    if problem:
-        raise OutputDirBusy(problem) if accelerator.is_main_process else SystemExit(2)
+    lock = OutputDirLock(output_dir)
+    main_process_only(accelerator, lambda: lock.acquire(log=print))
     return lock
 
 

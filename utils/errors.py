@@ -30,3 +30,23 @@ def main_process_first(accelerator, fn):
     if error is not None:
         raise error
     return result
+
+
+def main_process_only(accelerator, fn):
+    """`fn()` on rank 0 alone; a UserError it raises stops every rank together: rank 0 raises it (and
+    says it), the others exit 2 quietly, instead of waiting at a collective rank 0 will never reach."""
+    result = problem = None
+    if accelerator.is_main_process:
+        try:
+            result = fn()
+        except UserError as exc:
+            problem = exc
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        failed = broadcast_object_list([problem is not None])[0]
+        if failed and not accelerator.is_main_process:
+            raise SystemExit(2)
+    if problem is not None:
+        raise problem
+    return result

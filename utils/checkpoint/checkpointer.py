@@ -34,7 +34,7 @@ from utils.checkpoint.format import (CheckpointError, CheckpointPayload, HostBuf
 from utils.checkpoint.resume import resolve_resume
 from utils.checkpoint.upload import BackgroundUploader
 from utils.checkpoint.writer import AsyncCheckpointWriter
-from utils.errors import DiskFullError, UserError, main_process_first
+from utils.errors import DiskFullError, UserError, main_process_first, main_process_only
 from utils.state import RngState, TrainState
 from utils.storage import make_client
 
@@ -81,8 +81,8 @@ class Checkpointer:
         self.writer = AsyncCheckpointWriter() if self.is_main else None
         self.uploader = (BackgroundUploader(client_factory, synchronous=not background_upload, log=log.info)
                          if remote_root and self.is_main else None)
-        if self.uploader:
-            self.uploader.check(remote_root)  # a mistyped bucket is one line now, not at the first upload
+        if remote_root:  # a mistyped bucket is one line now, on every rank, not at the first upload
+            main_process_only(accelerator, lambda: self.uploader.check(remote_root))
         self.buffers = HostBuffers()
         self.shard_saver = None
         if sharded:
