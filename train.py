@@ -491,7 +491,7 @@ def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
     if not accelerator.is_main_process:
         return None, in_sync
     export_dir = export_hf(unwrapped.state_dict(), spec, output_dir / "final_model",
-                           tokenizer=Path(cfg.data_dir).expanduser() / "tokenizer.json")
+                           tokenizer=Path(cfg.data_dir).expanduser())  # its dataset.json names EOS
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
     log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")

@@ -4,8 +4,11 @@
     python scripts/export_hf.py checkpoints/checkpoint-epoch0-step5000-files12 exported/step5000
 
 Reads the checkpoint's weights (verified against its manifest) and its model record, writes them through
-transformers' own GPTNeoXForCausalLM (`save_pretrained`), and copies the checkpoint's tokenizer.json. The
-end of every completed run does the same into final_model/.
+transformers' own GPTNeoXForCausalLM (`save_pretrained`), with the tokenizer's files (tokenizer.json,
+tokenizer_config.json) and its BOS/EOS/padding ids in config.json and generation_config.json. The tokenizer
+is the checkpoint's tokenizer.json unless `--tokenizer` names another (a prepared data directory, whose
+dataset.json names the EOS token, an HF tokenizer directory, or a tokenizer.json). The end of every
+completed run does the same into final_model/.
 """
 from __future__ import annotations
 
@@ -23,9 +26,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint directory (checkpoints/checkpoint-epoch*-step*-files*)")
     p.add_argument("out_dir", help="the HF model directory to write (must not exist, or be empty)")
+    p.add_argument("--tokenizer", help="a prepared data directory (dataset.json), an HF tokenizer directory or a "
+                                       "tokenizer.json (default: the checkpoint's tokenizer.json)")
     args = p.parse_args(argv)
     from utils.checkpoint.format import read_checkpoint
-    from utils.model.hf import export_hf
+    from utils.model.hf import ExportTokenizer, export_hf
 
     out = Path(args.out_dir)
     try:
@@ -38,7 +43,14 @@ def main(argv=None) -> int:
             spec = ModelSpec(**record)
         except TypeError as exc:
             raise UserError(f"{args.checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
-        export_hf(payload.model_state, spec, out, tokenizer=Path(args.checkpoint) / "tokenizer.json")
+        tokenizer = Path(args.tokenizer or args.checkpoint)
+        if ExportTokenizer.find(tokenizer) is None:
+            if args.tokenizer:
+                raise UserError(f"--tokenizer {tokenizer}: no tokenizer there (a prepared data directory, an HF "
+                                f"tokenizer directory or a tokenizer.json)")
+            print(f"note: {args.checkpoint} holds no tokenizer.json; exporting the model alone (pass --tokenizer)",
+                  file=sys.stderr)
+        export_hf(payload.model_state, spec, out, tokenizer=tokenizer)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
