@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from configs.settle import settle_config  # noqa: E402
-from configs.training_config import describe_fields, to_yaml  # noqa: E402
+from configs.training_config import PRESETS, describe_fields, to_yaml  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 
@@ -34,8 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="training-config fields (--set KEY=VALUE, or KEY: VALUE in a --config file), with defaults:\n"
                + describe_fields())
     p.add_argument("--config", required=True, metavar="NAME|FILE",
-                   help="a preset (demo | test | production) or a .yaml/.json file of fields (`base: PRESET` "
-                        "starts it from a preset)")
+                   help=f"a preset ({' | '.join(PRESETS)}: configs/presets/) or a .yaml/.json file of fields "
+                        "(`base: PRESET` starts it from a preset)")
     p.add_argument("--max-steps", type=int, help="optimizer steps to train to (overrides the preset)")
     p.add_argument("--output-dir", default=str(REPO_ROOT), help="where checkpoints/ and logs/ go (default: repo root)")
     p.add_argument("--data-dir", help="local shard directory (overrides the preset's data_dir)")
@@ -306,6 +306,7 @@ def resolve_model_spec(cfg, log):
 def build_data(cfg, spec, seq_len, accelerator, log):
     """The shard index (validated once, cached), this rank's resumable loader and its eval batches."""
     from utils.data.dataset import TokenSequenceDataset
+    from utils.data.dataset_info import DatasetInfo
     from utils.data.demo import build_demo_data
     from utils.data.demo import is_built as is_demo_build
     from utils.data.index import ShardIndex
@@ -319,11 +320,18 @@ def build_data(cfg, spec, seq_len, accelerator, log):
         # seq_len); a folder of the user's own shards is used as it is.
         if cfg.demo_data and (is_demo_build(data_dir) or not any(data_dir.rglob("*.npz"))):
             build_demo_data(data_dir, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
-        return ShardIndex.build(data_dir, seq_len=seq_len, vocab_size=spec.vocab_size, max_files=cfg.max_files,
-                                log=log.info)
+        return ShardIndex.build(data_dir, seq_len=seq_len, vocab_size=spec.vocab_size,
+                                max_files=-1 if val_paths else cfg.max_files, log=log.info)
 
+    info = DatasetInfo.load(data_dir)
+    val_paths = info.val_paths if info is not None else []  # prepare_data.py's split by documents
     index = main_process_first(accelerator, index)  # rank 0 builds the demo data and the shard cache first
-    train_index, val_index = index.split(cfg.val_files)
+    if val_paths:
+        train_index, val_index = index.split_paths(val_paths, cfg.max_files)
+        log.info(f"data: validation on the {len(val_paths)} shard(s) of {info.path.name}'s split "
+                 f"({info.raw['validation']['documents']:,} documents); val_files does not apply")
+    else:
+        train_index, val_index = index.split(cfg.val_files)
     train_set, val_set = TokenSequenceDataset(train_index), TokenSequenceDataset(val_index)
     loader = ResumableLoader(train_set, cfg.per_device_train_batch_size, rank=rank, world_size=world, seed=cfg.seed,
                              num_workers=cfg.dataloader_num_workers, prefetch_factor=cfg.prefetch_factor,

@@ -1,4 +1,5 @@
-"""Training presets (`demo`, `test`, `production`) as typed dataclasses, overridable field by field."""
+"""The training config: typed fields, overridable one by one; the presets are the YAML files in
+configs/presets/ (one file per preset, read here: the only copy), and config files of the same form."""
 from __future__ import annotations
 
 import dataclasses
@@ -132,31 +133,6 @@ class TrainingConfig:
         return dataclasses.asdict(self)
 
 
-PRESETS: dict[str, TrainingConfig] = {
-    # CPU, minutes, no network: builds its own corpus from the Python standard library.
-    "demo": TrainingConfig(
-        preset="demo", model="demo", data_dir="data/demo", demo_data=True, val_files=2,
-        max_steps=400, per_device_train_batch_size=16, gradient_accumulation_steps=1,
-        learning_rate=2e-3, warmup_steps=30, weight_decay=0.1, mixed_precision="no",
-        compile_model=False, dataloader_num_workers=1, prefetch_factor=2,
-        logging_steps=20, eval_interval=100, eval_batches=10, save_steps=100, save_total_limit=2,
-    ),
-    # The seed's quick validation of the 1.2B model on a GPU.
-    "test": TrainingConfig(
-        preset="test", model="gpt-neox-1.2b", max_files=5, max_steps=1000,
-        per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=3e-4,
-        warmup_steps=100, save_steps=200, logging_steps=25, eval_interval=200, eval_batches=10,
-        compile_model=True, mixed_precision="bf16", dataloader_num_workers=2, prefetch_factor=2,
-    ),
-    # The seed's production run.
-    "production": TrainingConfig(
-        preset="production", model="gpt-neox-1.2b", max_files=-1, max_steps=10000,
-        per_device_train_batch_size=4, gradient_accumulation_steps=4, learning_rate=3e-4,
-        warmup_steps=500, save_steps=500, save_total_limit=3, logging_steps=100, eval_interval=500,
-        compile_model=True, mixed_precision="bf16", dataloader_num_workers=4, prefetch_factor=4,
-    ),
-}
-
 _SETTABLE = {f.name: f for f in fields(TrainingConfig) if f.name != "preset"}
 CONFIG_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -197,6 +173,26 @@ def _coerce(name: str, raw, where: str):
         raise ConfigError(f"{where}: expected a value of type {kind} for {name}, got {raw!r}") from None
 
 
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+
+def _load_presets() -> dict[str, "TrainingConfig"]:
+    """configs/presets/NAME.yaml -> the preset NAME: the fields it sets over the defaults."""
+    import yaml
+
+    presets = {}
+    for path in sorted(PRESET_DIR.glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text()) or {}
+        for key in raw:
+            if key not in _SETTABLE:
+                raise _unknown_field(str(key), str(path))
+        presets[path.stem] = TrainingConfig(preset=path.stem, **{k: _coerce(k, v, str(path)) for k, v in raw.items()})
+    return presets
+
+
+PRESETS: dict[str, TrainingConfig] = _load_presets()
+
+
 def parse_overrides(pairs: list[str]) -> dict:
     """`["key=value", ...]` -> typed dict; an unknown key or bad value is a ConfigError."""
     out = {}
@@ -216,9 +212,11 @@ def is_config_file(name: str) -> bool:
 
 
 def read_config_file(path) -> tuple[str | None, dict]:
-    """A YAML or JSON file of training-config fields -> (base preset or None, typed overrides).
+    """A YAML or JSON file of training-config fields -> (base preset or None, its name or None, typed overrides).
 
-    `base: NAME` starts from a preset (default: the field defaults); every other key is a field."""
+    `base: NAME` starts from a preset (default: the field defaults); `preset: NAME` names the config (its
+    run name unless `run_name` is set; what `--print-config` writes, so its output loads back as the same
+    config); every other key is a field."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -239,6 +237,7 @@ def read_config_file(path) -> tuple[str | None, dict]:
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field: value, found a {type(raw).__name__}")
     base = raw.pop("base", None)
+    name = raw.pop("preset", None)
     if base is not None and base not in PRESETS:
         raise ConfigError(f"--config {path}: base '{base}' is not a preset; valid presets: {', '.join(PRESETS)}")
     overrides = {}
@@ -246,15 +245,15 @@ def read_config_file(path) -> tuple[str | None, dict]:
         if key not in _SETTABLE:
             raise _unknown_field(str(key), f"--config {path}")
         overrides[key] = _coerce(key, value, f"--config {path}")
-    return base, overrides
+    return base, None if name is None else str(name), overrides
 
 
 def get_training_config(preset: str, overrides: dict | None = None) -> TrainingConfig:
     """A preset name or a config file, then `overrides`, validated."""
     if is_config_file(preset):
-        base, from_file = read_config_file(preset)
+        base, name, from_file = read_config_file(preset)
         start = replace(PRESETS[base]) if base else TrainingConfig()
-        return replace(start, preset=str(preset), **(from_file | (overrides or {}))).validate()
+        return replace(start, preset=name or str(preset), **(from_file | (overrides or {}))).validate()
     if preset not in PRESETS:
         close = difflib.get_close_matches(preset, PRESETS, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
@@ -275,6 +274,7 @@ def describe_fields() -> str:
 
 
 def to_yaml(cfg: TrainingConfig) -> str:
+    """Every field, `preset` first: as a `--config` file it resolves to the same config (and the same text)."""
     import yaml
 
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
