@@ -18,7 +18,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs.model_config import ModelSpec  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 
@@ -29,20 +28,13 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", help="a prepared data directory (dataset.json), an HF tokenizer directory or a "
                                        "tokenizer.json (default: the checkpoint's tokenizer.json)")
     args = p.parse_args(argv)
-    from utils.checkpoint.format import read_checkpoint
-    from utils.model.hf import ExportTokenizer, export_hf
+    from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
 
     out = Path(args.out_dir)
     try:
         if out.exists() and any(out.iterdir()):
             raise UserError(f"{out} already exists and is not empty; choose a new output directory")
-        payload = read_checkpoint(args.checkpoint, objects=False)
-        record = dict(payload.trainer_state.get("model") or {})
-        record.pop("padded_vocab_size", None)
-        try:
-            spec = ModelSpec(**record)
-        except TypeError as exc:
-            raise UserError(f"{args.checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
+        spec, weights, trainer_state = load_checkpoint_model(args.checkpoint)
         tokenizer = Path(args.tokenizer or args.checkpoint)
         if ExportTokenizer.find(tokenizer) is None:
             if args.tokenizer:
@@ -50,11 +42,11 @@ def main(argv=None) -> int:
                                 f"tokenizer directory or a tokenizer.json)")
             print(f"note: {args.checkpoint} holds no tokenizer.json; exporting the model alone (pass --tokenizer)",
                   file=sys.stderr)
-        export_hf(payload.model_state, spec, out, tokenizer=tokenizer)
+        export_hf(weights, spec, out, tokenizer=tokenizer)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"exported {args.checkpoint} (step {payload.trainer_state.get('step')}) to {out}")
+    print(f"exported {args.checkpoint} (step {trainer_state.get('step')}) to {out}")
     return 0
 
 

@@ -108,6 +108,21 @@ def to_transformers(state: dict[str, torch.Tensor], spec: ModelSpec, special_ids
     return model
 
 
+def load_checkpoint_model(checkpoint) -> tuple[ModelSpec, dict[str, torch.Tensor], dict]:
+    """(architecture, weights, trainer_state) of an engine checkpoint, verified against its manifest: what
+    scripts/export_hf.py and generate.py read."""
+    from utils.checkpoint.format import read_checkpoint
+
+    payload = read_checkpoint(checkpoint, objects=False)
+    record = dict(payload.trainer_state.get("model") or {})
+    record.pop("padded_vocab_size", None)
+    try:
+        spec = ModelSpec(**record)
+    except TypeError as exc:
+        raise ConfigError(f"{checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
+    return spec, payload.model_state, payload.trainer_state
+
+
 @dataclass(frozen=True)
 class ExportTokenizer:
     """The tokenizer a model was trained with and its special tokens, as the export writes them."""
