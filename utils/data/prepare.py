@@ -52,8 +52,8 @@ DEFAULT_VAL_FRACTION = 0.005
 DEFAULT_SPLIT_SEED = 1234
 MIN_VAL_DOCUMENTS = 100
 MIN_VAL_STRIDE = 4  # validation takes at most a quarter of the documents
-# Fewer training shards than this and shard-level parallelism (ranks, loader workers, downloads) starves:
-# prepare warns, naming --shard-tokens.
+# Fewer training shards than this and what works by file (parallel downloads, max_files, val_files) has
+# little to work with: prepare warns, naming --shard-tokens.
 MIN_TRAIN_SHARDS = 8
 VAL_FOLDER = "val"
 SHARDS_PER_FOLDER = 256
@@ -408,9 +408,9 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
     train_tokens = counts.tokens - counts.val_tokens
     if len(writer.shards) < MIN_TRAIN_SHARDS and train_tokens >= MIN_TRAIN_SHARDS * 1024:
         result.notes.append(
-            f"warning: the training split is {len(writer.shards)} shard file(s); ranks, loader workers and downloads "
-            f"share work by file, so for several of them use --shard-tokens "
-            f"{max(1024, train_tokens // MIN_TRAIN_SHARDS):,} or less ({MIN_TRAIN_SHARDS}+ shards)")
+            f"warning: the training split is {len(writer.shards)} shard file(s); parallel downloads, max_files and "
+            f"val_files work by file, so for {MIN_TRAIN_SHARDS}+ files prepare it again with --shard-tokens "
+            f"{max(1024, train_tokens // MIN_TRAIN_SHARDS):,} (training works either way)")
     return result
 
 

@@ -1,0 +1,118 @@
+"""A new user's first day, end to end: README.md's "Your own data" commands as written (plus a tiny model and
+a few steps) on a 10 MB corpus with a GPT-2-shaped 50,257-id tokenizer, on the CPU; then transformers'
+AutoTokenizer + AutoModelForCausalLM on final_model/ (a batch of left-padded prompts, the tokenizer's EOS),
+and generate.py giving the same greedy text from a checkpoint, the run's directory and final_model/."""
+from __future__ import annotations
+
+import json
+import random
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_subprocess_env
+from tests.trainkit import REPO_ROOT, gpt2_style_tokenizer, run
+
+# what the README's commands get on top, to train in seconds: the tiny model, 4 steps, an eval and a checkpoint
+QUICK = ["--max-steps", "4", "--", "--output-dir", ".", "--set", "model=tiny", "--set", "seq_len=64",
+         "--set", "per_device_train_batch_size=4", "--set", "eval_interval=2", "--set", "save_steps=2",
+         "--set", "dataloader_num_workers=0"]
+KINDS = {"animals": "the quick brown fox jumps over the lazy dog while a cat sleeps".split(),
+         "engines": "a model learns to predict the next token from shards of a corpus".split()}
+
+
+def readme_commands() -> list[str]:
+    """The shell commands of README.md's "Your own data" section (its first code block)."""
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index("## Your own data"):]
+    block = section[section.index("```bash") + len("```bash"):section.index("```", section.index("```bash") + 7)]
+    return [line.strip() for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def as_run(command: str) -> list[str]:
+    """A README command with the repository's paths (the test runs in a scratch folder)."""
+    words = shlex.split(command)
+    swap = {".venv/bin/python": sys.executable, "./start_training.sh": str(REPO_ROOT / "start_training.sh"),
+            "prepare_data.py": str(REPO_ROOT / "prepare_data.py")}
+    return [swap.get(w, w) for w in words]
+
+
+def write_corpus(root: Path, megabytes: float = 10) -> None:
+    """JSONL documents of two kinds, all of one kind first (as a sorted corpus often is)."""
+    rng = random.Random(0)
+    (root / "corpus").mkdir(parents=True)
+    for kind, words in KINDS.items():
+        with open(root / "corpus" / f"{kind}.jsonl", "w") as f:
+            size = 0
+            while size < megabytes * 1e6 / len(KINDS):
+                line = json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(50, 400)))}) + "\n"
+                f.write(line)
+                size += len(line)
+
+
+@pytest.fixture(scope="module")
+def first_day(tmp_path_factory):
+    """The README's commands run in a scratch folder holding corpus/ and my-tokenizer/; returns it."""
+    root = tmp_path_factory.mktemp("first-day")
+    started = time.perf_counter()
+    write_corpus(root)
+    gpt2_style_tokenizer(root / "my-tokenizer" / "tokenizer.json")
+    env = make_subprocess_env()
+    commands = readme_commands()
+    prepare = next(c for c in commands if "prepare_data.py" in c)
+    train = next(c for c in commands if "start_training.sh --config cpu" in c)
+    proc = run(as_run(prepare), env, cwd=root)
+    assert "validation:" in proc.stdout
+    proc = run(as_run(train) + QUICK, env, cwd=root)
+    assert "validation on the 1 shard(s) of dataset.json's split" in proc.stdout
+    print(f"README own-data commands: {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return root, commands
+
+
+@pytest.mark.slow
+def test_readme_own_data_ends_with_a_model_transformers_generates_with(first_day):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, _ = first_day
+    final = root / "final_model"
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"} <= \
+        {p.name for p in final.iterdir()}
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final)
+    dataset = json.loads((root / "data" / "mine" / "dataset.json").read_text())
+    assert tokenizer.eos_token_id == dataset["tokenizer"]["eos_id"] == 50256 == len(tokenizer) - 1
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id and tokenizer.padding_side == "left"
+    prompts = ["the quick", "a model learns to predict the", "dog"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert batch["attention_mask"][2, 0] == 0 and batch["attention_mask"][2, -1] == 1  # padded on the left
+    out = model.generate(**batch, max_new_tokens=5, do_sample=False)
+    assert out.shape[0] == 3 and out.shape[1] <= batch["input_ids"].shape[1] + 5
+    assert int(out.max()) < len(tokenizer)
+    alone = model.generate(**tokenizer(prompts[1:2], return_tensors="pt"), max_new_tokens=5, do_sample=False)
+    assert torch.equal(out[1, :alone.shape[1]], alone[0])  # the longest prompt is unpadded: the same tokens
+
+
+@pytest.mark.slow
+def test_generate_prints_the_same_greedy_text_from_a_checkpoint_the_run_and_final_model(first_day, capsys):
+    import generate
+
+    root, commands = first_day
+    readme = as_run(next(c for c in commands if "generate.py" in c))
+    args = readme[readme.index("final_model"):] + ["--temperature", "0", "--max-new-tokens", "6"]
+    args[0] = str(root / "final_model")
+    checkpoint = sorted((root / "checkpoints").iterdir())[-1]
+    texts = {}
+    for path in (root / "final_model", root, checkpoint):
+        assert generate.main([str(path)] + args[1:]) == 0
+        texts[path.name] = capsys.readouterr().out
+    assert len(set(texts.values())) == 1, texts
+    assert texts["final_model"].count("\n") >= 2  # one continuation per prompt
+    assert generate.main([str(root / "nothing-here"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"^error: .*nothing-here", err, re.M) and "Traceback" not in err
