@@ -67,6 +67,7 @@ def first_day(tmp_path_factory):
     train = next(c for c in commands if "start_training.sh --config cpu" in c)
     proc = run(as_run(prepare), env, cwd=root)
     assert "validation:" in proc.stdout
+    assert re.search(r"^warning: the training split is 1 shard file.*--shard-tokens [\d,]+", proc.stderr, re.M)
     proc = run(as_run(train) + QUICK, env, cwd=root)
     assert "validation on the 1 shard(s) of dataset.json's split" in proc.stdout
     print(f"README own-data commands: {time.perf_counter() - started:.1f} s", file=sys.stderr)
