@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from configs.settle import settle_config  # noqa: E402
-from configs.training_config import PRESETS, describe_fields, to_yaml  # noqa: E402
+from configs.training_config import MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields, to_yaml  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 
@@ -39,9 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, help="optimizer steps to train to (overrides the preset)")
     p.add_argument("--output-dir", default=str(REPO_ROOT), help="where checkpoints/ and logs/ go (default: repo root)")
     p.add_argument("--data-dir", help="local shard directory (overrides the preset's data_dir)")
-    p.add_argument("--resume", help="auto (the newest checkpoint if there is one, else a fresh start) | latest | "
-                                    "a checkpoint name | a local path | a gs:// URL")
-    p.add_argument("--mixed-precision", choices=("bf16", "fp16", "fp8", "no"))
+    p.add_argument("--resume", help=" | ".join(RESUME_FORMS) + " (auto: the newest checkpoint if there is one, "
+                                    "else a fresh start)")
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISION_MODES)
     p.add_argument("--no-background-upload", action="store_true", help="upload checkpoints synchronously")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any training-config field (repeatable); the list is below")

@@ -15,6 +15,8 @@ MODEL_IMPLS = ("native", "hf")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
+# what `--resume` takes (train.py and the launcher's help both show this list)
+RESUME_FORMS = ("auto", "latest", "a checkpoint name", "a local path", "a gs:// URL")
 
 
 def check_seq_len(seq_len: int, spec) -> None:
