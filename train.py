@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from configs.settle import settle_config  # noqa: E402
 from configs.training_config import MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields, to_yaml  # noqa: E402
 from utils.errors import UserError  # noqa: E402
+from utils.signals import StoppedInSetup  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,6 +79,11 @@ def main(argv=None) -> int:
             print(to_yaml(cfg), end="")
             return 0
         return train(cfg, profile, args)
+    except StoppedInSetup as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"Stopped: {exc}", flush=True)
+        write_run_status(exit_code=0, stopped_by=exc.reason, step=None, checkpoint=None, final_model=None)
+        return 0
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         write_run_status(exit_code=2, error=str(exc))
@@ -96,12 +102,14 @@ def train(cfg, profile, args) -> int:
     from utils.checkpoint.format import checkpoint_name
     from utils.metrics import MetricsWindow, RunLogger, peak_flops
     from utils.optim import schedule_from_config
-    from utils.signals import StopSignal
+    from utils.signals import StopSignal, catch_early
     from utils.state import RngState, TrainState
 
+    catch_early()  # a stop signal during setup ends the run between its phases, not after them
     output_dir = Path(args.output_dir).resolve()
     accelerator = make_accelerator(cfg, output_dir / "logs")
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    stop = StopSignal(distributed=world > 1)
     RngState.seed(cfg.seed + rank)
     lock = lock_output_dir(output_dir, accelerator)
     log = RunLogger(output_dir / "logs", is_main=accelerator.is_main_process)
@@ -112,6 +120,7 @@ def train(cfg, profile, args) -> int:
     resume_path = ckpt.find(args.resume) if args.resume else None
     spec, seq_len, init_weights = resolve_model_spec(cfg, log)
     loader, val_batches, train_index = build_data(cfg, spec, seq_len, accelerator, log)
+    stop.end_setup_if_asked("data index")
     model, optimizer, scheduler = build_training(cfg, spec, init_weights if resume_path is None else None,
                                                  accelerator, log)
     state = TrainState()
@@ -124,6 +133,7 @@ def train(cfg, profile, args) -> int:
                   "max_steps": cfg.max_steps}
     if resume_path is not None:
         ckpt.restore(resume_path, model, stateful, state, run_record)
+    stop.end_setup_if_asked("model build")
     params = list(model.parameters())  # walked once, not by every clip
     core = accelerator.unwrap_model(model)
     if cfg.compile_model:
@@ -135,13 +145,13 @@ def train(cfg, profile, args) -> int:
     describe_run(cfg, profile, spec, core.parameter_counts()[0], global_batch, seq_len, loader, val_batches, state,
                  remote_root, accelerator, log)
     lr_at = schedule_from_config(cfg)
-    stop = StopSignal(distributed=world > 1)
     grad_norm = torch.zeros((), device=device)
     trace = BatchTrace(output_dir, accelerator) if os.environ.get("NEOX_TRACE_BATCHES") == "1" else None
     bar = progress_bar(cfg, state, accelerator)
     exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
     try:
-        preflight(model, val_batches, cfg, accelerator, log)
+        preflight(model, val_batches, cfg, accelerator, log, stop)
+        stop.end_setup_if_asked("preflight")
         if state.step == 0:
             run_eval(model, val_batches, accelerator, state, log)
         window.restart(state.step + 1)
@@ -446,9 +456,10 @@ def log_step(row, state, window, cfg, bar, log) -> None:
     bar.refresh()
 
 
-def preflight(model, batches, cfg, accelerator, log) -> None:
+def preflight(model, batches, cfg, accelerator, log, stop) -> None:
     """`preflight_steps` forward/backward passes in the run's precision before step 1: a loss or gradient
-    that is not finite stops the run with the precision to try instead."""
+    that is not finite stops the run with the precision to try instead. A stop signal ends it between
+    passes (in one process; ranks may hold different numbers of eval batches, so several check after it)."""
     import torch
 
     from utils.model import preflight_problem
@@ -456,7 +467,8 @@ def preflight(model, batches, cfg, accelerator, log) -> None:
     if not (cfg.preflight_steps and batches):
         return
     checks = [b.to(accelerator.device) for b in batches[:cfg.preflight_steps]]
-    problem = preflight_problem(model, checks)
+    between = (lambda: stop.end_setup_if_asked("preflight")) if accelerator.num_processes == 1 else None
+    problem = preflight_problem(model, checks, between)
     failed = accelerator.reduce(torch.tensor(float(problem is not None), device=accelerator.device), reduction="sum")
     if failed.item():
         others = [m for m in ("bf16", "no") if m != cfg.mixed_precision]

@@ -259,7 +259,10 @@ class Supervisor:
             return int(status["exit_code"])  # train.py's own status, not the launcher's (accelerate: always 1)
         if not status or code != 0:
             return code
-        if status.get("stopped_by"):
+        if status.get("stopped_by") and status.get("step") is None:
+            print(f"{PROG}: stopped by {status['stopped_by']} during setup, before any training step; nothing to "
+                  f"save", flush=True)
+        elif status.get("stopped_by"):
             where = status.get("checkpoint") or "(none written)"
             print(f"{PROG}: stopped by {status['stopped_by']} after step {status.get('step')}; checkpoint {where} "
                   f"(continue with --resume auto)", flush=True)
