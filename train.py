@@ -118,6 +118,14 @@ def train(cfg, profile, args) -> int:
                         background_upload=cfg.background_upload, upload_timeout_s=cfg.upload_timeout_s,
                         extra_files={"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"})
     resume_path = ckpt.find(args.resume) if args.resume else None
+    finished = resume_path and finished_run(resume_path, cfg, output_dir, accelerator, log)
+    if finished:  # nothing to train: no preflight, no export unless final_model/ is missing
+        exit_code = ckpt.close()
+        log.close()
+        lock.release()
+        write_run_status(exit_code=exit_code, stopped_by=None, step=cfg.max_steps, checkpoint=str(resume_path),
+                         final_model=str(finished))
+        return exit_code
     spec, seq_len, init_weights = resolve_model_spec(cfg, log)
     loader, val_batches, train_index = build_data(cfg, spec, seq_len, accelerator, log)
     stop.end_setup_if_asked("data index")
@@ -311,6 +319,32 @@ def resolve_model_spec(cfg, log):
         spec = replace(spec, vocab_size=info.vocab_size)
     check_seq_len(cfg.seq_len, spec)
     return spec, cfg.seq_len_for(spec), weights
+
+
+def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log) -> Path | None:
+    """A checkpoint at `max_steps` is a finished run: says so and returns final_model/, exporting it from the
+    checkpoint (rank 0) only when it is missing; None when there are steps left to train."""
+    from utils.checkpoint.format import parse_checkpoint_name
+
+    step = parse_checkpoint_name(resume_path.name)[1]
+    if step != cfg.max_steps:
+        return None
+    final = output_dir / "final_model"
+    if accelerator.is_main_process:
+        if (final / "config.json").is_file():
+            log.info(f"The run already finished: checkpoint {resume_path.name} is at max_steps={step}, and the model "
+                     f"is in {final}; nothing to do (raise --max-steps to train further)")
+        else:
+            from utils.model.hf import export_hf, load_checkpoint_model
+
+            spec, weights, _ = load_checkpoint_model(resume_path)
+            data_dir = Path(cfg.data_dir).expanduser()
+            has_tokenizer = (data_dir / "dataset.json").is_file() or (data_dir / "tokenizer.json").is_file()
+            export_hf(weights, spec, final, tokenizer=data_dir if has_tokenizer else resume_path)
+            log.info(f"The run already finished at step {step} ({resume_path.name}); final_model/ was missing: "
+                     f"exported it to {final}")
+    accelerator.wait_for_everyone()
+    return final
 
 
 def build_data(cfg, spec, seq_len, accelerator, log):

@@ -117,3 +117,25 @@ def test_generate_prints_the_same_greedy_text_from_a_checkpoint_the_run_and_fina
     assert generate.main([str(root / "nothing-here"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert re.search(r"^error: .*nothing-here", err, re.M) and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_resume_auto_on_the_finished_run_does_nothing_unless_final_model_is_missing(first_day, tmp_path):
+    import shutil
+
+    root, _ = first_day
+    run_dir = tmp_path / "run"
+    shutil.copytree(root, run_dir, ignore=shutil.ignore_patterns("corpus"), symlinks=True)
+    env = make_subprocess_env()
+    args = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "cpu", "--set", "data_dir=data/mine",
+            "--max-steps", "4", "--resume", "auto"] + QUICK[3:]
+    rows = (run_dir / "logs" / "metrics.jsonl").read_text()
+    weights = (run_dir / "final_model" / "model.safetensors").read_bytes()
+    proc = run(args, env, cwd=run_dir)
+    assert "The run already finished: checkpoint checkpoint-epoch0-step4-files0 is at max_steps=4" in proc.stdout
+    assert "Preflight" not in proc.stdout and (run_dir / "logs" / "metrics.jsonl").read_text() == rows
+    shutil.rmtree(run_dir / "final_model")
+    proc = run(args, env, cwd=run_dir)
+    assert "final_model/ was missing: exported it" in proc.stdout
+    assert (run_dir / "final_model" / "model.safetensors").read_bytes() == weights
+    assert json.loads((run_dir / "final_model" / "config.json").read_text())["eos_token_id"] == 50256
