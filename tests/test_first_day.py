@@ -139,3 +139,21 @@ def test_resume_auto_on_the_finished_run_does_nothing_unless_final_model_is_miss
     assert "final_model/ was missing: exported it" in proc.stdout
     assert (run_dir / "final_model" / "model.safetensors").read_bytes() == weights
     assert json.loads((run_dir / "final_model" / "config.json").read_text())["eos_token_id"] == 50256
+
+
+@pytest.mark.slow
+def test_transformers_loads_the_model_without_torchao_noise(first_day, tmp_path):
+    """In the venv (setup.sh's .pth hook), outside the repository: importing transformers and loading
+    final_model/ prints nothing but transformers' own progress bar, on a machine without torchao's kernels."""
+    import os
+    import subprocess
+
+    root, _ = first_day
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import transformers, torch; transformers.AutoModelForCausalLM; "
+            f"transformers.AutoModelForCausalLM.from_pretrained({str(root / 'final_model')!r})")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in re.split(r"[\r\n]", proc.stdout + proc.stderr) if line.strip()]
+    assert all(line.startswith("Loading weights") for line in lines), lines
