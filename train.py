@@ -100,7 +100,7 @@ def train(cfg, profile, args) -> int:
 
     from utils.checkpoint.checkpointer import Checkpointer
     from utils.checkpoint.format import checkpoint_name
-    from utils.metrics import MetricsWindow, RunLogger, peak_flops
+    from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
     from utils.optim import schedule_from_config
     from utils.signals import StopSignal, catch_early
     from utils.state import RngState, TrainState
@@ -207,6 +207,8 @@ def train(cfg, profile, args) -> int:
         if stopped_by is None:
             export_dir, in_sync = finish(model, spec, cfg, state, output_dir, accelerator, log)
             exit_code = 0 if in_sync else 1
+        log.info(closing_summary(output_dir / "logs" / "metrics.jsonl", time.perf_counter() - PROCESS_STARTED,
+                                 last_checkpoint, export_dir))
     finally:
         bar.close()
         loader.close()

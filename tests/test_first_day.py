@@ -70,6 +70,8 @@ def first_day(tmp_path_factory):
     assert re.search(r"^warning: the training split is 1 shard file.*--shard-tokens [\d,]+", proc.stderr, re.M)
     proc = run(as_run(train) + QUICK, env, cwd=root)
     assert "validation on the 1 shard(s) of dataset.json's split" in proc.stdout
+    assert re.search(r"^Summary: 4 steps, 1,024 tokens.*\n  val_loss [\d.]+ at step 0 -> [\d.]+ at step 4 \(-",
+                     proc.stdout, re.M), proc.stdout
     print(f"README own-data commands: {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return root, commands
 

@@ -267,3 +267,42 @@ def format_step_line(row: dict, best: float) -> str:
     if row.get("data_wait_frac") is not None:
         line += f" | data wait {100 * row['data_wait_frac']:.1f}%"
     return line
+
+
+def read_metrics(path) -> list[dict]:
+    """logs/metrics.jsonl's rows; a torn last line (a killed run) is skipped."""
+    rows = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def closing_summary(metrics_path, session_s: float, checkpoint: Path | None, final_model: Path | None) -> str:
+    """The lines that end a run, from its whole metrics.jsonl (every resumed session): steps, tokens, mean
+    tokens/s and MFU, the first and last validation loss, and where the checkpoint and the model are."""
+    rows = read_metrics(metrics_path)
+    train = {r["step"]: r for r in rows if "loss" in r}  # the last row for a step wins, as after a resume
+    evals = {r["step"]: r["val_loss"] for r in rows if r.get("val_loss") is not None}
+    if not train:
+        return "Summary: no training step was logged"
+    last = train[max(train)]
+    speeds = [r["tokens_per_sec"] for r in train.values() if r.get("tokens_per_sec")]
+    mfus = [r["mfu"] for r in train.values() if r.get("mfu") is not None]
+    lines = [f"Summary: {last['step']:,} steps, {last['tokens']:,} tokens; this session {session_s:,.0f} s; mean "
+             f"{sum(speeds) / max(1, len(speeds)):,.0f} tok/s" + (f", MFU {100 * sum(mfus) / len(mfus):.1f}%" if mfus else "")]
+    if evals:
+        first_step, last_step = min(evals), max(evals)
+        first, final = evals[first_step], evals[last_step]
+        change = f" ({100 * (final - first) / first:+.1f}%)" if first and last_step != first_step else ""
+        lines.append(f"  val_loss {first:.4f} at step {first_step} -> {final:.4f} at step {last_step}{change}")
+    lines.append(f"  checkpoint: {checkpoint or 'none'}")
+    if final_model is not None:
+        lines.append(f"  model: {final_model} (python generate.py {final_model} --prompt \"...\")")
+    return "\n".join(lines)
