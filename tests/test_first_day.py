@@ -159,3 +159,25 @@ def test_transformers_loads_the_model_without_torchao_noise(first_day, tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in re.split(r"[\r\n]", proc.stdout + proc.stderr) if line.strip()]
     assert all(line.startswith("Loading weights") for line in lines), lines
+
+
+def test_plot_run_draws_every_run_s_curves_against_tokens(tmp_path, capsys):
+    """scripts/plot_run.py on two runs: a PNG with every training, eval, lr and tokens/s point drawn; a
+    folder without metrics is one error line."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import plot_run
+
+    for name, scale in (("a", 1.0), ("b", 0.9)):
+        logs = tmp_path / name / "logs"
+        logs.mkdir(parents=True)
+        rows = [{"step": 0, "tokens": 0, "val_loss": 8.0 * scale}]
+        rows += [{"step": s, "tokens": 100 * s, "loss": scale * 8 / s, "lr": 1e-3, "tokens_per_sec": 50.0}
+                 for s in (1, 2, 3)]
+        rows += [{"step": 3, "tokens": 300, "val_loss": 5.0 * scale}]
+        (logs / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "runs.png"
+    assert plot_run.main([str(tmp_path / "a"), str(tmp_path / "b" / "logs" / "metrics.jsonl"), "-o", str(out)]) == 0
+    assert "(22 points from 2 run(s))" in capsys.readouterr().out  # per run: 3 x (loss, lr, tok/s) + 2 val
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_run.main([str(tmp_path / "nothing"), "-o", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.startswith("error: ") and not (tmp_path / "x.png").exists()

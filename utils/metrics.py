@@ -284,12 +284,18 @@ def read_metrics(path) -> list[dict]:
     return rows
 
 
+def rows_with(rows: list[dict], key: str) -> list[dict]:
+    """The rows carrying `key` (not null), one per step (the last written wins, as after a resume that
+    rewrote steps a crashed session had logged), in step order."""
+    return sorted({r["step"]: r for r in rows if r.get(key) is not None}.values(), key=lambda r: r["step"])
+
+
 def closing_summary(metrics_path, session_s: float, checkpoint: Path | None, final_model: Path | None) -> str:
     """The lines that end a run, from its whole metrics.jsonl (every resumed session): steps, tokens, mean
     tokens/s and MFU, the first and last validation loss, and where the checkpoint and the model are."""
     rows = read_metrics(metrics_path)
-    train = {r["step"]: r for r in rows if "loss" in r}  # the last row for a step wins, as after a resume
-    evals = {r["step"]: r["val_loss"] for r in rows if r.get("val_loss") is not None}
+    train = {r["step"]: r for r in rows_with(rows, "loss")}
+    evals = {r["step"]: r["val_loss"] for r in rows_with(rows, "val_loss")}
     if not train:
         return "Summary: no training step was logged"
     last = train[max(train)]
