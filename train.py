@@ -102,6 +102,7 @@ def train(cfg, profile, args) -> int:
     from utils.checkpoint.format import checkpoint_name
     from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
     from utils.optim import schedule_from_config
+    from utils.sampling import Sampler
     from utils.signals import StopSignal, catch_early
     from utils.state import RngState, TrainState
 
@@ -153,6 +154,8 @@ def train(cfg, profile, args) -> int:
     describe_run(cfg, profile, spec, core.parameter_counts()[0], global_batch, seq_len, loader, val_batches, state,
                  remote_root, accelerator, log)
     lr_at = schedule_from_config(cfg)
+    sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, cfg.data_dir, seq_len, cfg.seed,
+                      accelerator, log)
     grad_norm = torch.zeros((), device=device)
     trace = BatchTrace(output_dir, accelerator) if os.environ.get("NEOX_TRACE_BATCHES") == "1" else None
     bar = progress_bar(cfg, state, accelerator)
@@ -191,6 +194,8 @@ def train(cfg, profile, args) -> int:
                 log_step(row, state, window, cfg, bar, log)
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
                 window.exclude(run_eval(model, val_batches, accelerator, state, log))
+            if sampler.due(state.step):
+                window.exclude(sampler.sample(core, state.step, state.tokens))
             stopping = stop.agreed()
             planned_stop = state.step == cfg.stop_at_step
             if state.step % cfg.save_steps == 0 or state.step == cfg.max_steps or stopping or planned_stop:
@@ -251,11 +256,11 @@ def make_accelerator(cfg, log_dir: Path):
 
 def make_trackers(cfg, log_dir: Path) -> list:
     """accelerate's trackers for `report_to`; TensorBoard writes into logs/tensorboard/ as it always has."""
-    from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
+    from accelerate.tracking import MLflowTracker, WandBTracker
 
-    from utils.metrics import tracker_names
+    from utils.metrics import tensorboard_tracker, tracker_names
 
-    made = {"tensorboard": lambda: TensorBoardTracker("tensorboard", str(log_dir)),
+    made = {"tensorboard": lambda: tensorboard_tracker(log_dir),
             "wandb": lambda: WandBTracker(cfg.effective_run_name),
             "mlflow": lambda: MLflowTracker(cfg.effective_run_name, logging_dir=str(log_dir / "mlruns"))}
     return [made[name]() for name in tracker_names(cfg.report_to)]

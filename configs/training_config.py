@@ -71,6 +71,12 @@ class TrainingConfig:
     logging_steps: int = _field(100, "optimizer steps per log line and metrics row")
     eval_interval: int = _field(500, "optimizer steps between validation runs")
     eval_batches: int = _field(20, "validation batches per evaluation")
+    # samples during training (utils/sampling.py)
+    sample_every: int = _field(0, "every N optimizer steps, continue sample_prompts into logs/samples.jsonl, the log "
+                                  "and TensorBoard's text tab; 0: off")
+    sample_prompts: list[str] = field(default_factory=list, metadata={
+        "help": "prompts for sample_every (a YAML list; --set sample_prompts='[\"a\", \"b\"]' or one prompt)"})
+    sample_max_new_tokens: int = _field(32, "tokens each sample continues for")
     report_to: str = _field("tensorboard", "trackers: tensorboard, wandb, mlflow, a comma-separated list, or none")
     save_steps: int = _field(500, "optimizer steps between checkpoints")
     save_total_limit: int = _field(3, "local checkpoints kept (the newest); one not yet in GCS is never deleted")
@@ -116,9 +122,12 @@ class TrainingConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
         for name in ("warmup_steps", "dataloader_num_workers", "val_files", "seq_len", "stop_at_step",
-                     "preflight_steps", "upload_timeout_s"):
+                     "preflight_steps", "upload_timeout_s", "sample_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must not be negative")
+        if self.sample_every and not (self.sample_prompts and self.sample_max_new_tokens >= 1):
+            raise ConfigError(f"sample_every={self.sample_every} needs sample_prompts (a list of prompts) and "
+                              f"sample_max_new_tokens >= 1")
         if self.prefetch_factor < 1:
             raise ConfigError(f"prefetch_factor={self.prefetch_factor} must be at least 1")
         if self.max_files == 0 or self.max_files < -1:
@@ -166,6 +175,12 @@ def _coerce(name: str, raw, where: str):
             if isinstance(raw, bool):
                 raise ValueError
             return float(raw)
+        if kind == "list[str]":
+            if isinstance(raw, str):  # from --set: a JSON list, or one prompt
+                raw = json.loads(raw) if raw.strip().startswith("[") else [raw]
+            if not isinstance(raw, (list, tuple)) or not all(isinstance(v, str) for v in raw):
+                raise ValueError
+            return list(raw)
         if isinstance(raw, (list, tuple)) and name == "report_to":
             return ",".join(str(v) for v in raw)
         if isinstance(raw, (dict, list, tuple)):

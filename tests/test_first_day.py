@@ -20,7 +20,7 @@ from tests.trainkit import REPO_ROOT, gpt2_style_tokenizer, run
 # what the README's commands get on top, to train in seconds: the tiny model, 4 steps, an eval and a checkpoint
 QUICK = ["--max-steps", "4", "--", "--output-dir", ".", "--set", "model=tiny", "--set", "seq_len=64",
          "--set", "per_device_train_batch_size=4", "--set", "eval_interval=2", "--set", "save_steps=2",
-         "--set", "dataloader_num_workers=0"]
+         "--set", "dataloader_num_workers=0", "--set", "sample_every=2", "--set", "sample_max_new_tokens=4"]
 KINDS = {"animals": "the quick brown fox jumps over the lazy dog while a cat sleeps".split(),
          "engines": "a model learns to predict the next token from shards of a corpus".split()}
 
@@ -72,6 +72,7 @@ def first_day(tmp_path_factory):
     assert "validation on the 1 shard(s) of dataset.json's split" in proc.stdout
     assert re.search(r"^Summary: 4 steps, 1,024 tokens.*\n  val_loss [\d.]+ at step 0 -> [\d.]+ at step 4 \(-",
                      proc.stdout, re.M), proc.stdout
+    assert "Sample at step 2: 'The' -> " in proc.stdout
     print(f"README own-data commands: {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return root, commands
 
@@ -99,6 +100,25 @@ def test_readme_own_data_ends_with_a_model_transformers_generates_with(first_day
     assert int(out.max()) < len(tokenizer)
     alone = model.generate(**tokenizer(prompts[1:2], return_tensors="pt"), max_new_tokens=5, do_sample=False)
     assert torch.equal(out[1, :alone.shape[1]], alone[0])  # the longest prompt is unpadded: the same tokens
+
+
+@pytest.mark.slow
+def test_samples_and_tensorboard_of_the_run(first_day):
+    """Samples every 2 steps in logs/samples.jsonl and TensorBoard's text tab; one TensorBoard run (the
+    hyperparameters in it, no stray timestamp-named runs); step 0 on the tokens axis too."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, _ = first_day
+    samples = [json.loads(line) for line in (root / "logs" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"]) for r in samples] == [(2, "The"), (2, "In the beginning"), (4, "The"),
+                                                           (4, "In the beginning")]
+    assert all(isinstance(r["continuation"], str) and r["tokens"] == 256 * r["step"] for r in samples)
+    board = root / "logs" / "tensorboard"
+    assert [p.name for p in board.iterdir() if p.is_dir()] == [] and (board / "hparams.yml").is_file()
+    events = EventAccumulator(str(board), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Tensors("samples/text_summary")] == [2, 4]
+    assert [e.step for e in events.Scalars("by_tokens/eval/val_loss")] == [0, 512, 1024]
 
 
 @pytest.mark.slow

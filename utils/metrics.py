@@ -133,7 +133,10 @@ class RunLogger:
 
     def info(self, msg: str) -> None:
         if self.is_main:
-            print(msg, flush=True)
+            from tqdm import tqdm
+
+            with tqdm.external_write_mode():  # a progress bar on the terminal is cleared, then redrawn below
+                print(msg, flush=True)
             self._append("training.log", f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
 
     def warning(self, msg: str) -> None:
@@ -156,9 +159,23 @@ class RunLogger:
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         self._accelerator.log(scalars, step=row["step"])
         tokens = row.get("tokens")
-        if group != "checkpoint" and tokens and self._tensorboard is not None:
+        if group != "checkpoint" and tokens is not None and self._tensorboard is not None:  # step 0 too
             for key, value in scalars.items():
                 self._tensorboard.add_scalar(f"by_tokens/{key}", value, tokens)
+
+    def write_samples(self, step: int, tokens: int, samples: list[tuple[str, str]]) -> None:
+        """Samples of the model's text (utils/sampling.py): logs/samples.jsonl, the log, TensorBoard's text tab."""
+        if not self.is_main:
+            return
+        if "samples.jsonl" not in self._files:
+            self._files["samples.jsonl"] = open(self.log_dir / "samples.jsonl", "a", buffering=1)
+        for prompt, text in samples:
+            self._append("samples.jsonl", json.dumps({"step": step, "tokens": tokens, "prompt": prompt,
+                                                      "continuation": text, "time": round(time.time(), 3)}) + "\n")
+            self.info(f"Sample at step {step}: {prompt!r} -> {text!r}")
+        if self._tensorboard is not None:
+            table = "\n\n".join(f"**{prompt}**{text}" for prompt, text in samples)
+            self._tensorboard.add_text("samples", table, step)
 
     def _drop_files(self) -> None:
         for f in self._files.values():
@@ -176,6 +193,27 @@ class RunLogger:
                 print(f"warning: closing trackers: {exc}", file=sys.stderr)
             self._accelerator = None
         self._drop_files()
+
+
+def tensorboard_tracker(log_dir: Path):
+    """accelerate's TensorBoard tracker writing into log_dir/tensorboard/, with the hyperparameters in that
+    same run: accelerate's own stores them through `add_hparams`, which opens a second run named by the
+    time, and `hparams.yml` in a third (TensorBoard then lists two stray runs)."""
+    from accelerate.tracking import TensorBoardTracker, on_main_process
+
+    class OneRunTensorBoard(TensorBoardTracker):
+        @on_main_process
+        def store_init_configuration(self, values: dict):
+            import yaml
+            from torch.utils.tensorboard.summary import hparams
+
+            flat = {k: v if isinstance(v, (bool, int, float, str)) or v is None else str(v) for k, v in values.items()}
+            for event in hparams({k: "" if v is None else v for k, v in flat.items()}, metric_dict={}):
+                self.writer.file_writer.add_summary(event)
+            self.writer.flush()
+            Path(self.logging_dir, "hparams.yml").write_text(yaml.safe_dump(values, sort_keys=False))
+
+    return OneRunTensorBoard("tensorboard", str(log_dir))
 
 
 class NonFiniteLoss(UserError):
