@@ -333,7 +333,8 @@ def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log) -> 
     checkpoint (rank 0) only when it is missing; None when there are steps left to train."""
     from utils.checkpoint.format import parse_checkpoint_name
 
-    step = parse_checkpoint_name(resume_path.name)[1]
+    parsed = parse_checkpoint_name(Path(resume_path).name)
+    step = parsed[1] if parsed else None
     if step != cfg.max_steps:
         return None
     final = output_dir / "final_model"

@@ -33,7 +33,7 @@ class Sampler:
                 from tokenizers import Tokenizer
 
                 self.tokenizer = Tokenizer.from_file(str(found.file))
-                self.eos_id = self.tokenizer.token_to_id(found.eos)
+                self.eos_id = self.tokenizer.token_to_id(found.eos) if found.eos else None
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -57,7 +57,7 @@ class Sampler:
     @torch.no_grad()
     def _continue(self, model, prompt: str, generator: torch.Generator) -> str:
         device = self.accelerator.device
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids or [self.eos_id]
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids or [self.eos_id or 0]
         ids = torch.tensor([ids], device=device)
         new: list[int] = []
         for _ in range(self.max_new_tokens):

@@ -128,9 +128,9 @@ class ExportTokenizer:
     """The tokenizer a model was trained with and its special tokens, as the export writes them."""
 
     file: Path  # a tokenizers tokenizer.json
-    eos: str
-    bos: str
-    pad: str
+    eos: str | None  # None: the tokenizer has no end-of-document token anyone named
+    bos: str | None
+    pad: str | None
 
     @classmethod
     def find(cls, source) -> "ExportTokenizer | None":
@@ -140,7 +140,7 @@ class ExportTokenizer:
         tokenizer_config.json's, else EOS (GPT-2/GPT-NeoX use one token for both); padding: the tokenizer's
         own pad token, else EOS."""
         from utils.data.dataset_info import DatasetInfo
-        from utils.data.prepare import load_tokenizer
+        from utils.data.prepare import PrepareError, load_tokenizer
 
         source = Path(source).expanduser()
         eos = None
@@ -153,10 +153,19 @@ class ExportTokenizer:
                 source = source / "tokenizer.json"
         if not source.is_file():
             return None
-        tokenizer, tok = load_tokenizer(str(source), eos)
+        try:
+            tokenizer, tok = load_tokenizer(str(source), eos)
+            eos = tok.eos_token
+        except PrepareError:  # no end-of-document token it can name: the files still go out, without one
+            from tokenizers import Tokenizer
+
+            try:
+                tokenizer, eos = Tokenizer.from_file(str(source)), None
+            except Exception:  # tokenizers raises its own exception type for malformed files
+                return None
         configured = _tokenizer_config(source.parent)
         pick = lambda key: next((t for t in (configured.get(key),) if t and tokenizer.token_to_id(t) is not None), None)
-        return cls(tok.path, tok.eos_token, pick("bos_token") or tok.eos_token, pick("pad_token") or tok.eos_token)
+        return cls(source, eos, pick("bos_token") or eos, pick("pad_token") or eos)
 
     def hf_tokenizer(self, model_max_length: int):
         """transformers' PreTrainedTokenizerFast over the file, with the special tokens set; it pads on the
