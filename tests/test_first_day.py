@@ -201,3 +201,28 @@ def test_plot_run_draws_every_run_s_curves_against_tokens(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_run.main([str(tmp_path / "nothing"), "-o", str(tmp_path / "x.png")]) == 2
     assert capsys.readouterr().err.startswith("error: ") and not (tmp_path / "x.png").exists()
+
+
+def test_export_of_a_tokenizer_without_an_end_of_document_token(tmp_path):
+    """A tokenizer nobody named an EOS for still goes out whole (no ids invented); a GPT-2-shaped one gets
+    its <|endoftext|> as BOS, EOS and padding."""
+    from dataclasses import replace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    from configs import get_model_spec
+    from utils.model import build_model
+    from utils.model.hf import ExportTokenizer, export_hf
+
+    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", "a", "b", "c"])}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "words.json"))
+    spec = replace(get_model_spec("tiny"), vocab_size=4)
+    export_hf(build_model(spec, seed=0).state_dict(), spec, tmp_path / "out", tokenizer=tmp_path / "words.json")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["eos_token_id"] is None and config["pad_token_id"] is None
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")("a b c")["input_ids"] == [1, 2, 3]
+    found = ExportTokenizer.find(gpt2_style_tokenizer(tmp_path / "gpt2" / "tokenizer.json"))
+    assert (found.bos, found.eos, found.pad) == ("<|endoftext|>",) * 3
+    assert ExportTokenizer.find(tmp_path / "nothing") is None
