@@ -342,3 +342,7 @@ def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition(
            b"non-zero exit status 2.\n")
     f.close()
     assert sink.getvalue() == b""
+    sink = io.BytesIO()
+    f = StderrFilter(sink)
+    f.feed(b"\rtrain:   0%| 0/3\r")  # a progress bar clearing itself before a log line on stdout: nothing held
+    assert sink.getvalue() == b"\rtrain:   0%| 0/3\r"

@@ -20,9 +20,9 @@ workers and torchrun before train.py could act on it. So:
   `NEOX_STATUS_FILE`. Exit status: 0 for a finished run or a clean stop on a signal, train.py's own status
   otherwise (2: a problem the user fixes, already explained on stderr in one `error:` line), not the
   launcher's (accelerate exits 1 whatever its rank's status);
-- the command's stderr passes through `StderrFilter` (over a pseudo-terminal when ours is one, so progress
-  bars still draw), which leaves out the traceback accelerate or torchrun print after a rank failed: that
-  rank has already said what went wrong.
+- the command's stderr passes through `StderrFilter` (with its stdout, over a pseudo-terminal, when ours is
+  a terminal, so progress bars still draw and stay in order with the log lines), which leaves out the
+  traceback accelerate or torchrun print after a rank failed: that rank has already said what went wrong.
 
 Limits: if the supervisor itself is SIGKILLed, nothing is forwarded (the scheduler is then killing the
 whole job anyway).
@@ -63,7 +63,7 @@ class StderrFilter:
     def __init__(self, sink):
         self.sink = sink
         self.errors_shown: set[bytes] = set()
-        self.partial = b""  # an incomplete line held back only while it may be the start of a traceback
+        self.partial = b""  # the end of an incomplete line, held back only while it may start a traceback
         self.held: list[bytes] | None = None  # the traceback being read
         self.dropping = False
 
@@ -76,9 +76,11 @@ class StderrFilter:
             self._line(line + b"\n")
             if self.dropping:
                 return
-        if self.held is None and not self.START.startswith(self.partial.lstrip(b"\r")):
-            self._write(self.partial)  # e.g. a progress bar's `\r...` update: shown at once
-            self.partial = b""
+        if self.held is None:  # show an incomplete line at once (a progress bar's `\r...` updates), all but
+            head, sep, last = self.partial.rpartition(b"\r")  # what may yet become "Traceback ..."
+            keep = last if last and self.START.startswith(last) else b""
+            self._write(self.partial[:len(self.partial) - len(keep)])
+            self.partial = keep
 
     def _line(self, line: bytes) -> None:
         text = line.lstrip(b"\r")
@@ -129,11 +131,22 @@ class StderrFilter:
             os.close(fd)
 
 
-def _stderr_channel() -> tuple[int, int]:
-    """(read end, write end) for the command's stderr: a pseudo-terminal of our terminal's size when our
-    stderr is a terminal (so train.py still sees one and draws its progress bar), else a pipe."""
-    if not sys.stderr.isatty():
-        return os.pipe()
+def _same_terminal() -> bool:
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty() and \
+            os.path.samestat(os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno()))
+    except (OSError, ValueError):
+        return False
+
+
+def _stderr_channel() -> tuple[int, int, bool]:
+    """(read end, write end, merged) for the command's output. On a terminal (our stdout and stderr the same
+    one): a pseudo-terminal of its size for both the command's stdout and stderr, so train.py still sees a
+    terminal and draws its progress bar, and its log lines and the bar's redraws keep their order. Else a
+    pipe for its stderr alone (its stdout stays ours)."""
+    if not _same_terminal():
+        read_end, write_end = os.pipe()
+        return read_end, write_end, False
     import fcntl
     import pty
     import termios
@@ -145,7 +158,7 @@ def _stderr_channel() -> tuple[int, int]:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, fcntl.ioctl(sys.stderr.fileno(), termios.TIOCGWINSZ, b"\0" * 8))
     except OSError:
         pass
-    return master, slave
+    return master, slave, True
 
 
 def _children_of(pid: int) -> list[int]:
@@ -210,15 +223,17 @@ class Supervisor:
         os.close(fd)
         os.unlink(status_path)
         env = dict(os.environ, NEOX_STATUS_FILE=status_path)
-        read_end, write_end = _stderr_channel()
+        read_end, write_end, merged = _stderr_channel()
         try:
-            self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, stderr=write_end)
+            self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, stderr=write_end,
+                                          stdout=write_end if merged else None)
         except OSError as exc:
             print(f"{PROG}: error: cannot start {self.cmd[0]}: {exc}", file=sys.stderr)
             return 1
         finally:
             os.close(write_end)
-        pump = threading.Thread(target=StderrFilter(sys.stderr.buffer).pump, args=(read_end,), daemon=True)
+        sink = (sys.stdout if merged else sys.stderr).buffer
+        pump = threading.Thread(target=StderrFilter(sink).pump, args=(read_end,), daemon=True)
         pump.start()
         code = self._wait_all()
         pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
