@@ -8,8 +8,9 @@
 Inputs: .txt (one document per file), .jsonl (one document per line, in --text-field), either gzipped,
 and .parquet (with pyarrow installed); folders are searched recursively. Each document is followed by the
 tokenizer's end-of-document token. Output: 1-D uint16 shards (uint32 above 65,536 ids) of --shard-tokens
-ids in part-NNNNN/ folders, tokenizer.json, and dataset.json (vocabulary, EOS, counts, every shard's size
-and crc32c). The output is the same whatever --workers is; a killed run leaves nothing that looks like a
+ids in part-NNNNN/ folders, a validation split (a seeded random --val-fraction of the documents) in the
+same form under val/, tokenizer.json, and dataset.json (vocabulary, EOS, counts, both splits, every shard's
+size and crc32c). The output is the same whatever --workers is; a killed run leaves nothing that looks like a
 dataset, and running the same command again starts over (or, when the output is complete, does nothing).
 Exit status: 0 done, 1 upload failed (the local dataset is complete), 2 bad input.
 """
@@ -22,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from utils.data.prepare import DEFAULT_SHARD_TOKENS  # noqa: E402
+from utils.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION  # noqa: E402
+from utils.data.prepare import MIN_VAL_DOCUMENTS  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 
@@ -36,8 +38,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding the text")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                    help=f"token ids per shard (default {DEFAULT_SHARD_TOKENS:,} = 2^24: 32 MiB as uint16, so a "
-                        f"bucket holds thousands of objects, each downloads quickly, and the shards held out for "
-                        f"validation stay a small share)")
+                        f"bucket holds thousands of objects and each downloads quickly; for a small corpus use "
+                        f"less, so the training split has several shards: prepare warns when it has fewer than 8)")
+    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                   help=f"share of the documents, drawn at random over the whole corpus, held out as the "
+                        f"validation split under val/ (default {DEFAULT_VAL_FRACTION}; raised for a small corpus "
+                        f"towards {MIN_VAL_DOCUMENTS} documents, at most a quarter; 0: no split)")
+    p.add_argument("--split-seed", type=int, default=DEFAULT_SPLIT_SEED, help="seed of the validation draw")
     p.add_argument("--eos-token", help="the end-of-document token (default: the tokenizer's own)")
     p.add_argument("--upload", metavar="gs://BUCKET/PREFIX", help="then upload the result there, verified")
     p.add_argument("--no-progress", action="store_true")
@@ -57,7 +64,8 @@ def main(argv=None) -> int:
         check_upload_url(args.upload)
         lock = lock_output(args.output)
         result = prepare(args.input, args.tokenizer, args.output, workers=args.workers, text_field=args.text_field,
-                         shard_tokens=args.shard_tokens, eos_token=args.eos_token, progress=progress)
+                         shard_tokens=args.shard_tokens, eos_token=args.eos_token, progress=progress,
+                         val_fraction=args.val_fraction, split_seed=args.split_seed)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -70,6 +78,8 @@ def main(argv=None) -> int:
         if lock is not None:
             lock.release()
     print(report_line(result), flush=True)
+    for note in result.notes:
+        print(note, file=sys.stderr, flush=True)
     if args.upload:
         try:
             count = upload(result.output, args.upload)

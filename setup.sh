@@ -129,6 +129,14 @@ else
     installed_now=1
 fi
 
+# Every Python in the venv leaves out torchao's harmless import warnings on machines without its CUDA
+# kernels (utils/quiet_imports.py says which); a copy of the module and a .pth line that imports it.
+site_dir="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if ! cmp -s utils/quiet_imports.py "$site_dir/neox_quiet_imports.py"; then
+    cp utils/quiet_imports.py "$site_dir/neox_quiet_imports.py"
+    echo "import neox_quiet_imports" > "$site_dir/neox_quiet_imports.pth"
+fi
+
 # --- sanity check ------------------------------------------------------------------------------------
 step "checking the environment"
 "$VPY" - "$dev" "$torch_build" "$TORCH_VERSION" <<'EOF' || die "the installed packages do not import (see above); run ./setup.sh --force"

@@ -9,14 +9,28 @@ set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PROG="start_training.sh"
 
+# Python for the checks below: the repo's .venv when set up
+if [[ -x "$SCRIPT_DIR/.venv/bin/python" ]]; then
+    export VIRTUAL_ENV="$SCRIPT_DIR/.venv"
+    export PATH="$VIRTUAL_ENV/bin:$PATH"
+fi
+python="$(command -v python3 || command -v python || true)"
+
+# The lists of choices (presets, precisions, resume forms) come from configs/ (one home for each).
+PRESET_CHOICES="a preset" PRECISION_CHOICES="a precision" RESUME_CHOICES="auto | latest | a checkpoint"
+load_choices() {
+    [[ -n "$python" ]] && eval "$(PYTHONPATH="$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH}" "$python" -m configs.query --choices 2>/dev/null)" || true
+}
+
 usage() {
+    load_choices
     cat <<EOF
 Usage: ./$PROG --config NAME [options] [-- extra train.py args]
 
 Launches train.py with accelerate. The command is printed on one line before it runs.
 
 Required:
-  --config NAME|FILE       training preset (demo | test | production) or a .yaml/.json config file
+  --config NAME|FILE       training preset ($PRESET_CHOICES: configs/presets/) or a .yaml/.json file
 
 Where it runs:
   --gpus N                 processes per node (default: every visible GPU). Without --cpu each
@@ -33,9 +47,9 @@ Where it runs:
   --main-port P            port on the rank-0 machine (default 29500)
 
 Forwarded to train.py:
-  --resume X               latest | a checkpoint name | a local path | a gs:// URL
+  --resume X               $RESUME_CHOICES
   --max-steps N            stop after N optimizer steps
-  --mixed-precision M      bf16 | fp16 | no (default: the preset's)
+  --mixed-precision M      $PRECISION_CHOICES (default: the preset's)
   --no-background-upload   upload checkpoints in the foreground
   --set KEY=VALUE          any training-config field (repeatable; python train.py --help lists them)
   -- ARGS...               everything after -- goes to train.py unchanged (e.g. --output-dir runs/a)
@@ -115,8 +129,7 @@ while [[ $# -gt 0 ]]; do
         --resume) need_value "$1" $#; train_args+=(--resume "$2"); shift 2 ;;
         --max-steps) need_value "$1" $#; is_count "$2" || usage_error "--max-steps '$2' is not a whole number"
                      train_args+=(--max-steps "$2"); shift 2 ;;
-        --mixed-precision) need_value "$1" $#
-                     case "$2" in bf16|fp16|fp8|no) ;; *) usage_error "--mixed-precision '$2': use bf16, fp16, fp8 or no" ;; esac
+        --mixed-precision) need_value "$1" $#  # checked with the config, below
                      train_args+=(--mixed-precision "$2"); mixed_precision="$2"; shift 2 ;;
         --no-background-upload) train_args+=(--no-background-upload); shift ;;
         --set) need_value "$1" $#; [[ "$2" == *=* ]] || usage_error "--set '$2': expected KEY=VALUE"
@@ -128,7 +141,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-[[ -n "$config" ]] || usage_error "--config NAME is required (demo, test, production, or a .yaml/.json file)"
+[[ -n "$config" ]] || { load_choices; usage_error "--config NAME is required ($PRESET_CHOICES, or a .yaml/.json file)"; }
 [[ -z "$gpus" ]] || is_count "$gpus" || usage_error "--gpus '$gpus' is not a whole number"
 [[ -z "$gpus" || "$gpus" -ge 1 ]] || usage_error "--gpus must be at least 1"
 is_count "$nodes" && [[ "$nodes" -ge 1 ]] || usage_error "--nodes '$nodes' must be a whole number >= 1"
@@ -142,13 +155,8 @@ if [[ "$nodes" -gt 1 && -z "$main_addr" ]]; then
 fi
 
 # --- environment -------------------------------------------------------------------------------------
-if [[ -x "$SCRIPT_DIR/.venv/bin/python" ]]; then
-    export VIRTUAL_ENV="$SCRIPT_DIR/.venv"
-    export PATH="$VIRTUAL_ENV/bin:$PATH"
-fi
 train_script="${TRAIN_SCRIPT:-$SCRIPT_DIR/train.py}"
 [[ -f "$train_script" ]] || fail "training script not found: $train_script"
-python="$(command -v python3 || command -v python || true)"
 [[ -n "$python" ]] || fail "no python3 on PATH; run ./setup.sh first"
 
 # The preset (or config file) and --set values, checked before anything starts; and the run's mixed

@@ -24,8 +24,9 @@ REPO_ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from configs.settle import settle_config  # noqa: E402
-from configs.training_config import describe_fields, to_yaml  # noqa: E402
+from configs.training_config import MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields, to_yaml  # noqa: E402
 from utils.errors import UserError  # noqa: E402
+from utils.signals import StoppedInSetup  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,14 +35,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="training-config fields (--set KEY=VALUE, or KEY: VALUE in a --config file), with defaults:\n"
                + describe_fields())
     p.add_argument("--config", required=True, metavar="NAME|FILE",
-                   help="a preset (demo | test | production) or a .yaml/.json file of fields (`base: PRESET` "
-                        "starts it from a preset)")
+                   help=f"a preset ({' | '.join(PRESETS)}: configs/presets/) or a .yaml/.json file of fields "
+                        "(`base: PRESET` starts it from a preset)")
     p.add_argument("--max-steps", type=int, help="optimizer steps to train to (overrides the preset)")
     p.add_argument("--output-dir", default=str(REPO_ROOT), help="where checkpoints/ and logs/ go (default: repo root)")
     p.add_argument("--data-dir", help="local shard directory (overrides the preset's data_dir)")
-    p.add_argument("--resume", help="auto (the newest checkpoint if there is one, else a fresh start) | latest | "
-                                    "a checkpoint name | a local path | a gs:// URL")
-    p.add_argument("--mixed-precision", choices=("bf16", "fp16", "fp8", "no"))
+    p.add_argument("--resume", help=" | ".join(RESUME_FORMS) + " (auto: the newest checkpoint if there is one, "
+                                    "else a fresh start)")
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISION_MODES)
     p.add_argument("--no-background-upload", action="store_true", help="upload checkpoints synchronously")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any training-config field (repeatable); the list is below")
@@ -78,6 +79,11 @@ def main(argv=None) -> int:
             print(to_yaml(cfg), end="")
             return 0
         return train(cfg, profile, args)
+    except StoppedInSetup as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"Stopped: {exc}", flush=True)
+        write_run_status(exit_code=0, stopped_by=exc.reason, step=None, checkpoint=None, final_model=None)
+        return 0
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         write_run_status(exit_code=2, error=str(exc))
@@ -94,16 +100,19 @@ def train(cfg, profile, args) -> int:
 
     from utils.checkpoint.checkpointer import Checkpointer, find_checkpoint
     from utils.checkpoint.format import checkpoint_name
-    from utils.metrics import MetricsWindow, RunLogger, peak_flops
+    from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
     from utils.model.fp8 import after_optimizer_step as precompute_fp8_scales
     from utils.model.fsdp import clip_grad_norm
     from utils.optim import schedule_from_config
-    from utils.signals import StopSignal
+    from utils.sampling import Sampler
+    from utils.signals import StopSignal, catch_early
     from utils.state import RngState, TrainState
 
+    catch_early()  # a stop signal during setup ends the run between its phases, not after them
     output_dir = Path(args.output_dir).resolve()
     accelerator = make_accelerator(cfg, output_dir / "logs")
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    stop = StopSignal(distributed=world > 1)
     RngState.seed(cfg.seed + rank)
     lock = lock_output_dir(output_dir, accelerator)
     log = RunLogger(output_dir / "logs", is_main=accelerator.is_main_process)
@@ -112,8 +121,16 @@ def train(cfg, profile, args) -> int:
         check_shared_output_dir(output_dir, accelerator)
     resume_path = (find_checkpoint(args.resume, accelerator, output_dir / "checkpoints", remote_root, log)
                    if args.resume else None)
+    finished = resume_path and finished_run(resume_path, cfg, output_dir, accelerator, log)
+    if finished:  # nothing to train: no preflight, no export unless final_model/ is missing
+        log.close()
+        lock.release()
+        write_run_status(exit_code=0, stopped_by=None, step=cfg.max_steps, checkpoint=str(resume_path),
+                         final_model=str(finished))
+        return 0
     spec, seq_len, init_weights = resolve_model_spec(cfg, log)
     loader, val_batches = build_data(cfg, spec, seq_len, accelerator, log)
+    stop.end_setup_if_asked("data index")
     model, optimizer, scheduler = build_training(cfg, spec, init_weights if resume_path is None else None,
                                                  accelerator, log)
     core = accelerator.unwrap_model(model)
@@ -136,6 +153,7 @@ def train(cfg, profile, args) -> int:
                         extra_files={"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"})
     if resume_path is not None:
         ckpt.restore(resume_path)
+    stop.end_setup_if_asked("model build")
     params = list(model.parameters())  # walked once, not by every clip
     clip = clip_grad_norm if cfg.strategy == "fsdp" else accelerator.clip_grad_norm_
     fp8_scales = cfg.strategy == "fsdp" and cfg.mixed_precision == "fp8"  # float8 all-gather: scales once a step
@@ -143,13 +161,15 @@ def train(cfg, profile, args) -> int:
     describe_run(cfg, profile, spec, core, global_batch, seq_len, loader, val_batches, state, remote_root,
                  accelerator, log)
     lr_at = schedule_from_config(cfg)
-    stop = StopSignal(distributed=world > 1)
+    sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, cfg.data_dir, seq_len, cfg.seed,
+                      accelerator, log, sharded=cfg.strategy == "fsdp")
     grad_norm = torch.zeros((), device=device)
     trace = BatchTrace(output_dir, accelerator) if os.environ.get("NEOX_TRACE_BATCHES") == "1" else None
     bar = progress_bar(cfg, state, accelerator)
     exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
     try:
-        preflight(model, val_batches, cfg, accelerator, log)
+        preflight(model, val_batches, cfg, accelerator, log, stop)
+        stop.end_setup_if_asked("preflight")
         if state.step == 0:
             run_eval(model, val_batches, accelerator, state, log)
         window.restart(state.step + 1)
@@ -183,6 +203,8 @@ def train(cfg, profile, args) -> int:
                 log_step(row, state, window, cfg, bar, log)
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
                 window.exclude(run_eval(model, val_batches, accelerator, state, log))
+            if sampler.due(state.step):
+                window.exclude(sampler.sample(core, state.step, state.tokens))
             stopping = stop.agreed()
             planned_stop = state.step == cfg.stop_at_step
             saved, blocked_s = ckpt.save(state.step, force=stopping or planned_stop or state.step == cfg.max_steps)
@@ -199,6 +221,8 @@ def train(cfg, profile, args) -> int:
         if stopped_by is None:
             export_dir, in_sync = finish(model, spec, cfg, state, output_dir, accelerator, log)
             exit_code = 0 if in_sync else 1
+        log.info(closing_summary(output_dir / "logs" / "metrics.jsonl", time.perf_counter() - PROCESS_STARTED,
+                                 last_checkpoint, export_dir))
     finally:
         bar.close()
         loader.close()
@@ -241,11 +265,11 @@ def make_accelerator(cfg, log_dir: Path):
 
 def make_trackers(cfg, log_dir: Path) -> list:
     """accelerate's trackers for `report_to`; TensorBoard writes into logs/tensorboard/ as it always has."""
-    from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
+    from accelerate.tracking import MLflowTracker, WandBTracker
 
-    from utils.metrics import usable_trackers
+    from utils.metrics import tensorboard_tracker, usable_trackers
 
-    made = {"tensorboard": lambda: TensorBoardTracker("tensorboard", str(log_dir)),
+    made = {"tensorboard": lambda: tensorboard_tracker(log_dir),
             "wandb": lambda: WandBTracker(cfg.effective_run_name),
             "mlflow": lambda: MLflowTracker(cfg.effective_run_name, logging_dir=str(log_dir / "mlruns"))}
     return [made[name]() for name in usable_trackers(cfg.report_to)]
@@ -305,6 +329,33 @@ def resolve_model_spec(cfg, log):
     return spec, cfg.seq_len_for(spec), weights
 
 
+def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log) -> Path | None:
+    """A checkpoint at `max_steps` is a finished run: says so and returns final_model/, exporting it from the
+    checkpoint (rank 0) only when it is missing; None when there are steps left to train."""
+    from utils.checkpoint.format import parse_checkpoint_name
+
+    parsed = parse_checkpoint_name(Path(resume_path).name)
+    step = parsed[1] if parsed else None
+    if step != cfg.max_steps:
+        return None
+    final = output_dir / "final_model"
+    if accelerator.is_main_process:
+        if (final / "config.json").is_file():
+            log.info(f"The run already finished: checkpoint {resume_path.name} is at max_steps={step}, and the model "
+                     f"is in {final}; nothing to do (raise --max-steps to train further)")
+        else:
+            from utils.model.hf import export_hf, load_checkpoint_model
+
+            spec, weights, _ = load_checkpoint_model(resume_path)
+            data_dir = Path(cfg.data_dir).expanduser()
+            has_tokenizer = (data_dir / "dataset.json").is_file() or (data_dir / "tokenizer.json").is_file()
+            export_hf(weights, spec, final, tokenizer=data_dir if has_tokenizer else resume_path)
+            log.info(f"The run already finished at step {step} ({resume_path.name}); final_model/ was missing: "
+                     f"exported it to {final}")
+    accelerator.wait_for_everyone()
+    return final
+
+
 def build_data(cfg, spec, seq_len, accelerator, log):
     """Each source's shard index (validated once, cached), this rank's resumable loader over the mixture
     (`data_dir` alone is the one source `data`) and its eval batches per source."""
@@ -319,7 +370,10 @@ def build_data(cfg, spec, seq_len, accelerator, log):
 
     rank, world = accelerator.process_index, accelerator.num_processes
     sources = sources_from_config(cfg)
-    check_tokenizers({s.name: DatasetInfo.load(s.path) for s in sources})
+    infos = {s.name: DatasetInfo.load(s.path) for s in sources}
+    check_tokenizers(infos)
+    # prepare_data.py's validation split by documents, where a source has one (val_files then does not apply)
+    val_paths = {name: info.val_paths if info is not None else [] for name, info in infos.items()}
 
     def indexes():
         # Build demo data into an empty folder; re-check an existing demo build (it refuses another vocab or
@@ -329,13 +383,20 @@ def build_data(cfg, spec, seq_len, accelerator, log):
             if cfg.demo_data and (is_demo_build(s.path) or not any(s.path.rglob("*.npz"))):
                 build_demo_data(s.path, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
             built[s.name] = ShardIndex.build(s.path, seq_len=seq_len, vocab_size=spec.vocab_size,
-                                             max_files=cfg.max_files, log=log.info)
+                                             max_files=-1 if val_paths[s.name] else cfg.max_files, log=log.info)
         return built
 
     indexes = main_process_first(accelerator, indexes)  # rank 0 builds the demo data and the shard caches first
     train_sets, val_batches = [], {}
     for s in sources:
-        train_index, val_index = indexes[s.name].split(s.val_files)
+        if val_paths[s.name]:
+            train_index, val_index = indexes[s.name].split_paths(val_paths[s.name], cfg.max_files)
+            info = infos[s.name]
+            log.info(f"data: validation{'' if s.name == 'data' else ' of ' + s.name} on the {len(val_paths[s.name])} "
+                     f"shard(s) of {info.path.name}'s split ({info.raw['validation']['documents']:,} documents); "
+                     f"val_files does not apply")
+        else:
+            train_index, val_index = indexes[s.name].split(s.val_files)
         train_sets.append(MixtureSource(s.name, TokenSequenceDataset(train_index), s.weight, s.epochs))
         val_set = TokenSequenceDataset(val_index)
         val_batches[s.name] = (build_eval_batches(val_set, cfg.per_device_train_batch_size, rank, world,
@@ -514,9 +575,10 @@ def log_step(row, state, window, cfg, bar, log) -> None:
     bar.refresh()
 
 
-def preflight(model, batches, cfg, accelerator, log) -> None:
+def preflight(model, batches, cfg, accelerator, log, stop) -> None:
     """`preflight_steps` forward/backward passes in the run's precision before step 1: a loss or gradient
-    that is not finite stops the run with the precision to try instead."""
+    that is not finite stops the run with the precision to try instead. A stop signal ends it between
+    passes (in one process; ranks may hold different numbers of eval batches, so several check after it)."""
     import torch
 
     from utils.model import preflight_problem
@@ -524,7 +586,8 @@ def preflight(model, batches, cfg, accelerator, log) -> None:
     if not (cfg.preflight_steps and batches):
         return
     checks = [b.to(accelerator.device) for b in batches[:cfg.preflight_steps]]
-    problem = preflight_problem(model, checks)
+    between = (lambda: stop.end_setup_if_asked("preflight")) if accelerator.num_processes == 1 else None
+    problem = preflight_problem(model, checks, between)
     failed = accelerator.reduce(torch.tensor(float(problem is not None), device=accelerator.device), reduction="sum")
     if failed.item():
         others = [m for m in ("bf16", "no") if m != cfg.mixed_precision]
@@ -577,7 +640,7 @@ def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
     with files.write_guard(output_dir / "final_model", advice="the checkpoints are intact: export one with "
                            "scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into a folder you may write"):
         export_dir = export_hf(weights, spec, output_dir / "final_model",
-                               tokenizer=Path(cfg.data_dir).expanduser() / "tokenizer.json")
+                               tokenizer=Path(cfg.data_dir).expanduser())  # its dataset.json names EOS
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
     log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")

@@ -44,8 +44,12 @@ class ModelSpec:
     def rotary_dims(self) -> int:
         return int(self.head_dim * self.rotary_pct)
 
-    def to_hf_config(self, attn_implementation: str = "sdpa"):
+    def to_hf_config(self, attn_implementation: str = "sdpa", special_ids: dict | None = None):
+        """transformers' GPTNeoXConfig; `special_ids` ({"bos_token_id", "eos_token_id", "pad_token_id"}) come
+        from the tokenizer the model was trained with (utils/model/hf.py), None where it is unknown."""
         from transformers import GPTNeoXConfig
+
+        special_ids = special_ids or {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
         cfg = GPTNeoXConfig(
             vocab_size=self.padded_vocab_size, hidden_size=self.hidden_size,
@@ -55,7 +59,7 @@ class ModelSpec:
             use_parallel_residual=self.use_parallel_residual, layer_norm_eps=self.layer_norm_eps,
             attention_bias=self.attention_bias, hidden_act=self.hidden_act,
             tie_word_embeddings=self.tie_word_embeddings, initializer_range=self.initializer_range,
-            hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+            hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, **special_ids,
         )
         cfg._attn_implementation = attn_implementation
         return cfg

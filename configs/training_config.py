@@ -1,4 +1,5 @@
-"""Training presets (`demo`, `test`, `production`) as typed dataclasses, overridable field by field."""
+"""The training config: typed fields, overridable one by one; the presets are the YAML files in
+configs/presets/ (one file per preset, read here: the only copy), and config files of the same form."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,8 @@ LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 SOURCE_KEYS = ("path", "weight", "epochs", "val_files")
+# what `--resume` takes (train.py and the launcher's help both show this list)
+RESUME_FORMS = ("auto", "latest", "a checkpoint name", "a local path", "a gs:// URL")
 
 
 def check_seq_len(seq_len: int, spec) -> None:
@@ -85,6 +88,12 @@ class TrainingConfig:
     logging_steps: int = _field(100, "optimizer steps per log line and metrics row")
     eval_interval: int = _field(500, "optimizer steps between validation runs")
     eval_batches: int = _field(20, "validation batches per evaluation")
+    # samples during training (utils/sampling.py)
+    sample_every: int = _field(0, "every N optimizer steps, continue sample_prompts into logs/samples.jsonl, the log "
+                                  "and TensorBoard's text tab; 0: off")
+    sample_prompts: list[str] = field(default_factory=list, metadata={
+        "help": "prompts for sample_every (a YAML list; --set sample_prompts='[\"a\", \"b\"]' or one prompt)"})
+    sample_max_new_tokens: int = _field(32, "tokens each sample continues for")
     report_to: str = _field("tensorboard", "trackers: tensorboard, wandb, mlflow, a comma-separated list, or none")
     save_steps: int = _field(500, "optimizer steps between checkpoints")
     save_total_limit: int = _field(3, "local checkpoints kept (the newest); one not yet in GCS is never deleted")
@@ -141,9 +150,12 @@ class TrainingConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
         for name in ("warmup_steps", "dataloader_num_workers", "val_files", "seq_len", "stop_at_step",
-                     "preflight_steps", "upload_timeout_s"):
+                     "preflight_steps", "upload_timeout_s", "sample_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must not be negative")
+        if self.sample_every and not (self.sample_prompts and self.sample_max_new_tokens >= 1):
+            raise ConfigError(f"sample_every={self.sample_every} needs sample_prompts (a list of prompts) and "
+                              f"sample_max_new_tokens >= 1")
         if self.prefetch_factor < 1:
             raise ConfigError(f"prefetch_factor={self.prefetch_factor} must be at least 1")
         if self.max_files == 0 or self.max_files < -1:
@@ -190,31 +202,6 @@ class TrainingConfig:
         return dataclasses.asdict(self)
 
 
-PRESETS: dict[str, TrainingConfig] = {
-    # CPU, minutes, no network: builds its own corpus from the Python standard library.
-    "demo": TrainingConfig(
-        preset="demo", model="demo", data_dir="data/demo", demo_data=True, val_files=2,
-        max_steps=400, per_device_train_batch_size=16, gradient_accumulation_steps=1,
-        learning_rate=2e-3, warmup_steps=30, weight_decay=0.1, mixed_precision="no",
-        compile_model=False, dataloader_num_workers=1, prefetch_factor=2,
-        logging_steps=20, eval_interval=100, eval_batches=10, save_steps=100, save_total_limit=2,
-    ),
-    # The seed's quick validation of the 1.2B model on a GPU.
-    "test": TrainingConfig(
-        preset="test", model="gpt-neox-1.2b", max_files=5, max_steps=1000,
-        per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=3e-4,
-        warmup_steps=100, save_steps=200, logging_steps=25, eval_interval=200, eval_batches=10,
-        compile_model=True, mixed_precision="bf16", dataloader_num_workers=2, prefetch_factor=2,
-    ),
-    # The seed's production run.
-    "production": TrainingConfig(
-        preset="production", model="gpt-neox-1.2b", max_files=-1, max_steps=10000,
-        per_device_train_batch_size=4, gradient_accumulation_steps=4, learning_rate=3e-4,
-        warmup_steps=500, save_steps=500, save_total_limit=3, logging_steps=100, eval_interval=500,
-        compile_model=True, mixed_precision="bf16", dataloader_num_workers=4, prefetch_factor=4,
-    ),
-}
-
 _SETTABLE = {f.name: f for f in fields(TrainingConfig) if f.name != "preset"}
 CONFIG_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -248,6 +235,12 @@ def _coerce(name: str, raw, where: str):
             if isinstance(raw, bool):
                 raise ValueError
             return float(raw)
+        if kind == "list[str]":
+            if isinstance(raw, str):  # from --set: a JSON list, or one prompt
+                raw = json.loads(raw) if raw.strip().startswith("[") else [raw]
+            if not isinstance(raw, (list, tuple)) or not all(isinstance(v, str) for v in raw):
+                raise ValueError
+            return list(raw)
         if isinstance(raw, (list, tuple)) and name == "report_to":
             return ",".join(str(v) for v in raw)
         if isinstance(raw, (dict, list, tuple)):
@@ -299,6 +292,24 @@ def parse_data_mix(raw, where: str) -> dict:
                               f"whole numbers, got {entry!r}") from None
         mix[str(name)] = clean
     return mix
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+
+def _load_presets() -> dict[str, "TrainingConfig"]:
+    """configs/presets/NAME.yaml -> the preset NAME: the fields it sets over the defaults."""
+    import yaml
+
+    presets = {}
+    for path in sorted(PRESET_DIR.glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text()) or {}
+        for key in raw:
+            if key not in _SETTABLE:
+                raise _unknown_field(str(key), str(path))
+        presets[path.stem] = TrainingConfig(preset=path.stem, **{k: _coerce(k, v, str(path)) for k, v in raw.items()})
+    return presets
+
+
+PRESETS: dict[str, TrainingConfig] = _load_presets()
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -320,9 +331,11 @@ def is_config_file(name: str) -> bool:
 
 
 def read_config_file(path) -> tuple[str | None, dict]:
-    """A YAML or JSON file of training-config fields -> (base preset or None, typed overrides).
+    """A YAML or JSON file of training-config fields -> (base preset or None, its name or None, typed overrides).
 
-    `base: NAME` starts from a preset (default: the field defaults); every other key is a field."""
+    `base: NAME` starts from a preset (default: the field defaults); `preset: NAME` names the config (its
+    run name unless `run_name` is set; what `--print-config` writes, so its output loads back as the same
+    config); every other key is a field."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -344,6 +357,7 @@ def read_config_file(path) -> tuple[str | None, dict]:
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field: value, found a {type(raw).__name__}")
     base = raw.pop("base", None)
+    name = raw.pop("preset", None)
     if base is not None and base not in PRESETS:
         raise ConfigError(f"--config {path}: base '{base}' is not a preset; valid presets: {', '.join(PRESETS)}")
     overrides = {}
@@ -351,15 +365,15 @@ def read_config_file(path) -> tuple[str | None, dict]:
         if key not in _SETTABLE:
             raise _unknown_field(str(key), f"--config {path}")
         overrides[key] = _coerce(key, value, f"--config {path}")
-    return base, overrides
+    return base, None if name is None else str(name), overrides
 
 
 def get_training_config(preset: str, overrides: dict | None = None) -> TrainingConfig:
     """A preset name or a config file, then `overrides`, validated."""
     if is_config_file(preset):
-        base, from_file = read_config_file(preset)
+        base, name, from_file = read_config_file(preset)
         start = replace(PRESETS[base]) if base else TrainingConfig()
-        return replace(start, preset=str(preset), **(from_file | (overrides or {}))).validate()
+        return replace(start, preset=name or str(preset), **(from_file | (overrides or {}))).validate()
     if preset not in PRESETS:
         close = difflib.get_close_matches(preset, PRESETS, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
@@ -380,6 +394,7 @@ def describe_fields() -> str:
 
 
 def to_yaml(cfg: TrainingConfig) -> str:
+    """Every field, `preset` first: as a `--config` file it resolves to the same config (and the same text)."""
     import yaml
 
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -5,9 +5,12 @@
 
 Reads the checkpoint's weights (verified against its manifest; a sharded FSDP checkpoint's shards are
 reassembled in this one process) and its model record, writes them through transformers' own
-GPTNeoXForCausalLM (`save_pretrained`; above 5 GB as sharded safetensors with their index), and copies the
-checkpoint's tokenizer.json (or the one given with --tokenizer; an export without one says so). The end of
-every completed run does the same into final_model/.
+GPTNeoXForCausalLM (`save_pretrained`; above 5 GB as sharded safetensors with their index), with the
+tokenizer's files (tokenizer.json, tokenizer_config.json) and its BOS/EOS/padding ids in config.json and
+generation_config.json. The tokenizer is the checkpoint's tokenizer.json unless `--tokenizer` names another
+(a prepared data directory, whose dataset.json names the EOS token, an HF tokenizer directory, or a
+tokenizer.json); an export without one says so. The end of every completed run does the same into
+final_model/.
 """
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs.model_config import ModelSpec  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 
@@ -25,12 +27,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint directory (checkpoints/checkpoint-epoch*-step*-files*)")
     p.add_argument("out_dir", help="the HF model directory to write (must not exist, or be empty)")
-    p.add_argument("--tokenizer", metavar="PATH", help="the tokenizer.json to ship with the model (default: the "
-                   "checkpoint's own)")
+    p.add_argument("--tokenizer", help="a prepared data directory (dataset.json), an HF tokenizer directory or a "
+                                       "tokenizer.json (default: the checkpoint's tokenizer.json)")
     args = p.parse_args(argv)
     from utils import files
-    from utils.checkpoint.format import read_checkpoint
-    from utils.model.hf import export_hf
+    from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
 
     out = Path(args.out_dir)
     try:
@@ -38,32 +39,21 @@ def main(argv=None) -> int:
             raise UserError(f"{out} is a file; give a new directory to export into")
         if out.exists() and any(out.iterdir()):
             raise UserError(f"{out} already exists and is not empty; choose a new output directory")
-        if args.tokenizer and not Path(args.tokenizer).is_file():
-            raise UserError(f"--tokenizer {args.tokenizer}: no such file; give the tokenizer.json the model was "
-                            f"trained with")
-        payload = read_checkpoint(args.checkpoint, objects=False)
-        record = dict(payload.trainer_state.get("model") or {})
-        record.pop("padded_vocab_size", None)
-        try:
-            spec = ModelSpec(**record)
-        except TypeError as exc:
-            raise UserError(f"{args.checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
-        weights = payload.model_state
-        if weights is None:  # sharded (strategy=fsdp): every rank's shards, reassembled
-            from utils.checkpoint.sharded import read_full_model_state
-
-            weights = read_full_model_state(args.checkpoint)
-        tokenizer = Path(args.tokenizer) if args.tokenizer else Path(args.checkpoint) / "tokenizer.json"
+        tokenizer = Path(args.tokenizer or args.checkpoint)
+        if args.tokenizer and ExportTokenizer.find(tokenizer) is None:
+            raise UserError(f"--tokenizer {tokenizer}: no such file, or no tokenizer there (give a prepared data "
+                            f"directory, an HF tokenizer directory or a tokenizer.json)")
+        spec, weights, trainer_state = load_checkpoint_model(args.checkpoint)
+        if ExportTokenizer.find(tokenizer) is None:
+            print(f"warning: {args.checkpoint} holds no tokenizer.json, so {out} has none: AutoTokenizer cannot load "
+                  f"it (or loads a wrong one). Export again with --tokenizer PATH (the data directory or the "
+                  f"tokenizer.json the model was trained with)", file=sys.stderr)
         with files.write_guard(out, advice="export into a folder you may write, with space to spare"):
             export_hf(weights, spec, out, tokenizer=tokenizer)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not tokenizer.is_file():
-        print(f"warning: {args.checkpoint} holds no tokenizer.json, so {out} has none: AutoTokenizer cannot load it "
-              f"(or loads a wrong one). Export again with --tokenizer PATH (the tokenizer.json the model was trained "
-              f"with, e.g. DATA_DIR/tokenizer.json)", file=sys.stderr)
-    print(f"exported {args.checkpoint} (step {payload.trainer_state.get('step')}) to {out}")
+    print(f"exported {args.checkpoint} (step {trainer_state.get('step')}) to {out}")
     return 0
 
 

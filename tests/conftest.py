@@ -61,6 +61,10 @@ def repo_root() -> Path:
 
 @pytest.fixture
 def subprocess_env() -> dict:
+    return make_subprocess_env()
+
+
+def make_subprocess_env() -> dict:
     """Environment for running the repo's scripts in a subprocess: repo on PYTHONPATH, the test's python
     first on PATH (so `accelerate`, `torchrun` resolve to this venv), quiet and single-threaded."""
     env = dict(os.environ)

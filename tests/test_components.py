@@ -161,3 +161,23 @@ def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
     assert fresh_sched.state_dict()["last_epoch"] == 5
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     assert any("Resumed from" in line for line in log.lines)
+
+
+def test_closing_summary_reads_the_whole_run_from_metrics_jsonl(tmp_path):
+    """Steps, tokens, mean tok/s and MFU, first/last val loss with the change, the checkpoint and the model;
+    a resumed session's rewritten step counts once, and a torn last line is skipped."""
+    import json
+
+    from utils.metrics import closing_summary
+
+    rows = [{"step": 0, "tokens": 0, "val_loss": 8.0},
+            {"step": 10, "tokens": 1000, "loss": 7.0, "tokens_per_sec": 100.0, "mfu": 0.2},
+            {"step": 20, "tokens": 2000, "loss": 6.0, "tokens_per_sec": 999.0, "mfu": 0.9},  # crashed session
+            {"step": 20, "tokens": 2000, "loss": 6.0, "tokens_per_sec": 300.0, "mfu": 0.4},  # its resume
+            {"step": 20, "tokens": 2000, "val_loss": 6.0}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3')
+    text = closing_summary(path, 12.0, tmp_path / "ck", tmp_path / "final_model")
+    assert text.splitlines()[0] == "Summary: 20 steps, 2,000 tokens; this session 12 s; mean 200 tok/s, MFU 30.0%"
+    assert "val_loss 8.0000 at step 0 -> 6.0000 at step 20 (-25.0%)" in text
+    assert f"checkpoint: {tmp_path / 'ck'}" in text and f"model: {tmp_path / 'final_model'}" in text

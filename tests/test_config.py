@@ -9,9 +9,28 @@ from configs import ConfigError, PRESETS, get_model_spec, get_training_config, p
 
 
 def test_presets_exist_and_validate():
-    assert set(PRESETS) == {"demo", "test", "production"}
+    assert set(PRESETS) == {"cpu", "demo", "test", "production"}
     for name in PRESETS:
         assert get_training_config(name).preset == name
+
+
+def test_presets_are_the_yaml_files_and_print_config_round_trips(tmp_path, capsys):
+    """configs/presets/NAME.yaml is the preset (one copy); `--print-config` output, loaded back with
+    `--config`, prints the same text for every preset, and a field in the file reaches the preset."""
+    import train
+    from configs.training_config import PRESET_DIR
+
+    assert sorted(p.stem for p in PRESET_DIR.glob("*.yaml")) == sorted(PRESETS)
+    for name in PRESETS:
+        assert train.main(["--config", name, "--print-config"]) == 0
+        printed = capsys.readouterr().out
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(printed)
+        assert train.main(["--config", str(path), "--print-config"]) == 0
+        assert capsys.readouterr().out == printed, name
+        assert yaml.safe_load(printed)["preset"] == name
+    demo = yaml.safe_load((PRESET_DIR / "demo.yaml").read_text())
+    assert PRESETS["demo"].learning_rate == demo["learning_rate"] and PRESETS["demo"].model == demo["model"]
 
 
 def test_production_preset_is_the_seeds():
@@ -60,7 +79,7 @@ def test_bad_values(overrides, fragment):
 
 
 def test_unknown_preset_lists_valid():
-    with pytest.raises(ConfigError, match="valid configs: demo, test, production"):
+    with pytest.raises(ConfigError, match="valid configs: cpu, demo, production, test"):
         get_training_config("prod")
 
 

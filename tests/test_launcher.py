@@ -302,3 +302,47 @@ def test_torchrun_runs_train_py_directly(subprocess_env, tmp_path, repo_root):
     assert "2 process(es) on cpu" in proc.stdout and max(train_rows(out)) == 3
     final = [json.loads(l) for l in (out / "logs" / "metrics.jsonl").read_text().splitlines() if '"final"' in l]
     assert final and final[-1]["weights_in_sync"] is True and len(final[-1]["weight_sums"]) == 2
+
+
+# ------------------------------------------------------------------------- errors after the launch
+
+def test_an_error_after_launch_is_one_line_and_train_py_s_exit_status(launcher, subprocess_env, tmp_path):
+    """train.py's `error:` line is all of stderr (no accelerate traceback), and the launcher exits 2, as
+    train.py did, not accelerate's 1."""
+    proc = subprocess.run([str(launcher), "--config", "demo", "--cpu", "--resume", "latest", "--",
+                           "--output-dir", str(tmp_path / "empty")], env=subprocess_env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: --resume latest")
+
+
+def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition():
+    import io
+
+    from utils.launch import StderrFilter
+
+    sink = io.BytesIO()
+    f = StderrFilter(sink)
+    for chunk in (b"error: bad thing\n", b"error: bad thing\n",  # two ranks say the same
+                  b"\rtrain:  10%|#  ", b"| 1/10\n",  # a progress bar's partial line shows at once
+                  b"Traceback (most recent call last):\n  File \"train.py\", line 1\nValueError: a real bug\n",
+                  b"W1123 12:00:00.0 1 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 9 "
+                  b"closing signal SIGTERM\n",
+                  b"Traceback (most recent call last):\n  File \"run.py\", line 9, in main\n    raise ChildFailedError(\n"
+                  b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\ntrain.py FAILED\n"):
+        f.feed(chunk)
+    f.close()
+    assert sink.getvalue() == (b"error: bad thing\n\rtrain:  10%|#  | 1/10\nTraceback (most recent call last):\n"
+                               b"  File \"train.py\", line 1\nValueError: a real bug\n")
+    sink = io.BytesIO()
+    f = StderrFilter(sink)
+    f.feed(b"Trace")
+    assert sink.getvalue() == b""  # may be a traceback's start: held
+    f.feed(b"back (most recent call last):\n  File \"x\"\nsubprocess.CalledProcessError: Command '[...]' returned "
+           b"non-zero exit status 2.\n")
+    f.close()
+    assert sink.getvalue() == b""
+    sink = io.BytesIO()
+    f = StderrFilter(sink)
+    f.feed(b"\rtrain:   0%| 0/3\r")  # a progress bar clearing itself before a log line on stdout: nothing held
+    assert sink.getvalue() == b"\rtrain:   0%| 0/3\r"

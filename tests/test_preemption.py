@@ -183,3 +183,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_sigterm_during_preflight_ends_the_run_within_seconds_with_nothing_to_save(tmp_path, subprocess_env):
+    """The launcher gets SIGTERM while train.py is in a long preflight (the demo model, 30 passes): the run
+    ends before the next pass, exit 0, saying so; no checkpoint, nothing left running."""
+    data = make_shards(tmp_path / "data", n_files=3, rows=480, seq_len=128)
+    out = tmp_path / "out"
+    cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu"]
+    for s in TINY + ["model=demo", "seq_len=128", "per_device_train_batch_size=16", "preflight_steps=30",
+                     "eval_batches=30", "max_steps=5"]:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd + ["--", "--output-dir", str(out), "--data-dir", str(data)], env=subprocess_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    for line in proc.stdout:  # describe_run's last line: the preflight comes next
+        if "no gcs_bucket configured" in line:
+            break
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - signalled < 10 and proc.returncode == 0, stderr[-3000:]
+    assert "Stopped: stopped by SIGTERM during setup (preflight) before any training step" in stdout, stdout
+    assert "stopped by SIGTERM during setup, before any training step; nothing to save" in stdout
+    assert "Preflight:" not in stdout and not list_checkpoints(out / "checkpoints")
+    assert not leftovers(str(out))

@@ -94,7 +94,7 @@ def test_counts_order_and_byte_identical_whatever_the_workers(corpus, tokenizer,
     for workers in (1, 3):
         outs[workers] = tmp_path / f"w{workers}"
         proc = prepare(["--input", root, "--tokenizer", tokenizer, "--output", outs[workers], "--workers", workers,
-                        "--shard-tokens", 1024], subprocess_env)
+                        "--shard-tokens", 1024, "--val-fraction", 0], subprocess_env)
         assert re.search(r"[\d,]+ tokens/s", proc.stdout)
     tree = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
     assert tree(outs[1]) == tree(outs[3])  # byte for byte, dataset.json included
@@ -115,8 +115,8 @@ def test_counts_order_and_byte_identical_whatever_the_workers(corpus, tokenizer,
 
     assert all(file_crc32c(outs[1] / s["path"]) == s["crc32c"] for s in info.shards)
     ShardIndex.build(outs[1], seq_len=64, vocab_size=info.vocab_size, log=lambda *_: None)
-    again = prepare(["--input", root, "--tokenizer", tokenizer, "--output", outs[1], "--shard-tokens", 1024],
-                    subprocess_env)
+    again = prepare(["--input", root, "--tokenizer", tokenizer, "--output", outs[1], "--shard-tokens", 1024,
+                     "--val-fraction", 0], subprocess_env)
     assert "already holds this dataset" in again.stdout
 
 
@@ -130,7 +130,49 @@ def test_training_on_prepared_data_learns(corpus, tokenizer, tmp_path, subproces
     assert "vocabulary from" in proc.stdout  # the tokenizer's 400-odd ids, not tiny's 512
     rows = train_rows(out)
     assert rows[30]["loss"] < rows[5]["loss"] - 0.5, (rows[5]["loss"], rows[30]["loss"])
-    assert (out / "final_model" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    assert "validation on the 1 shard(s) of dataset.json's split" in proc.stdout  # val_files=1 does not apply
+    from tokenizers import Tokenizer
+
+    exported = Tokenizer.from_file(str(out / "final_model" / "tokenizer.json"))
+    assert exported.get_vocab() == Tokenizer.from_file(str(tokenizer)).get_vocab()
+
+
+def test_validation_is_a_random_share_of_documents_from_the_whole_corpus(tokenizer, tmp_path):
+    """Two kinds of documents, all of one kind first: validation holds both kinds, its documents are
+    disjoint from training's, together they are the corpus, and the split is in dataset.json."""
+    from tokenizers import Tokenizer
+
+    from utils.data.prepare import MIN_VAL_DOCUMENTS, prepare as prepare_in_process
+
+    rng = random.Random(3)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    docs = {kind: [f"{kind} {i} " + text(rng, 12) for i in range(300)] for kind in ("alpha", "omega")}
+    for kind, texts in docs.items():  # sorted order: every alpha document before every omega one
+        (corpus / f"{kind}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    result = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "out", shard_tokens=1024, val_fraction=0.01)
+    info = DatasetInfo.load(tmp_path / "out")
+    tok = Tokenizer.from_file(str(tokenizer))
+
+    def documents(shards):
+        ids = np.concatenate([np.load(tmp_path / "out" / s["path"])["input_ids"] for s in shards]).astype(np.int64)
+        cuts = np.flatnonzero(ids == info.eos_id)
+        return [tok.decode(part.tolist()) for part in np.split(ids, cuts + 1)[:-1]]
+
+    val = documents(info.raw["validation"]["shards"])
+    train = documents(info.shards)
+    everything = docs["alpha"] + docs["omega"]
+    assert len(val) == info.raw["validation"]["documents"] == result.val_documents >= MIN_VAL_DOCUMENTS // 2
+    assert len(val) <= len(everything) // 4  # at most a quarter, raised from 1% for a small corpus
+    assert not set(val) & set(train) and sorted(val + train) == sorted(everything)
+    assert {d.split()[0] for d in val} == {"alpha", "omega"}  # drawn from the whole corpus, not its tail
+    assert all(p.startswith("val/") for p in info.val_paths) and not any(s["path"].startswith("val/") for s in info.shards)
+    # seeded: another seed draws other documents; the same seed the same bytes
+    other = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "other", shard_tokens=1024,
+                               val_fraction=0.01, split_seed=7)
+    assert other.val_documents and documents(info.raw["validation"]["shards"]) == val
+    assert (tmp_path / "other" / "val").is_dir() and \
+        (tmp_path / "other" / info.val_paths[0]).read_bytes() != (tmp_path / "out" / info.val_paths[0]).read_bytes()
 
 
 def big_vocab_tokenizer(path: Path, size: int = 70_000) -> Path:

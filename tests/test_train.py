@@ -113,7 +113,7 @@ def test_unknown_set_key(tmp_path, subprocess_env):
 
 def test_unknown_preset(tmp_path, subprocess_env):
     proc = run(train_cmd(tmp_path / "o", tmp_path / "d", config="prodution"), subprocess_env, check=False)
-    assert "valid configs: demo, test, production" in _one_error_line(proc)
+    assert "valid configs: cpu, demo, production, test" in _one_error_line(proc)
 
 
 def test_missing_data_dir(tmp_path, subprocess_env):

@@ -40,8 +40,8 @@ def train_cmd(out: Path, data: Path, *sets: str, extra: tuple = (), config: str 
     return cmd + list(extra)
 
 
-def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
                              f"stderr:\n{proc.stderr[-4000:]}")
@@ -62,3 +62,29 @@ def load_weights(path: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def gpt2_style_tokenizer(path: Path) -> Path:
+    """A GPT-2-shaped byte-level BPE tokenizer.json built locally (no hub download): 256 byte tokens, 50,000
+    merges of byte pairs (common characters first) and `<|endoftext|>` as id 50256: 50,257 ids, as GPT-2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    common = "Ġetaoinshrdlucmfwypvbgkjqxz" + "ETAOINSHRDLUCMFWYPVBGKJQXZ" + ".,;:'\"!?-()Ċ0123456789"
+    ordered = [c for c in common if c in alphabet] + sorted(c for c in alphabet if c not in common)
+    vocab = {c: i for i, c in enumerate(ordered)}
+    merges = []
+    for a in ordered:
+        for b in ordered:
+            if len(vocab) == 50256:
+                break
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    assert tok.get_vocab_size() == 50257 and tok.token_to_id("<|endoftext|>") == 50256
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path

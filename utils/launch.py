@@ -17,8 +17,12 @@ workers and torchrun before train.py could act on it. So:
 - the supervisor is a child subreaper (PID 1 is one anyway): whatever the ranks leave behind is reparented
   here and waited for, so nothing outlives the launcher;
 - the last line says how the run ended and names the checkpoint, from the record rank 0 writes to
-  `NEOX_STATUS_FILE`. Exit status: 0 for a finished run or a clean stop on a signal, the training's own
-  status otherwise (2: a problem the user fixes, already explained on stderr).
+  `NEOX_STATUS_FILE`. Exit status: 0 for a finished run or a clean stop on a signal, train.py's own status
+  otherwise (2: a problem the user fixes, already explained on stderr in one `error:` line), not the
+  launcher's (accelerate exits 1 whatever its rank's status);
+- the command's stderr passes through `StderrFilter` (with its stdout, over a pseudo-terminal, when ours is
+  a terminal, so progress bars still draw and stay in order with the log lines), which leaves out the
+  traceback accelerate or torchrun print after a rank failed: that rank has already said what went wrong.
 
 Limits: if the supervisor itself is SIGKILLed, nothing is forwarded (the scheduler is then killing the
 whole job anyway).
@@ -28,10 +32,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +46,119 @@ FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM, sign
              signal.SIGINT: signal.SIGINT}
 PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE_S = 30.0  # non-rank leftovers (e.g. a stuck DataLoader worker) get this long after the ranks
+
+
+class StderrFilter:
+    """Copies the command's stderr to `sink` as it comes, leaving out what only repeats a rank's failure:
+    a launcher's traceback after a failed rank (its last line `subprocess.CalledProcessError: ...` from
+    accelerate or `...ChildFailedError` from torchrun) and everything after it (torchrun's failure report),
+    torchrun's log lines about stopping the other ranks and about a rank's exit status 2 (a user error, said
+    by the rank), and an `error:` line another rank already printed. Other tracebacks pass through whole."""
+
+    START = b"Traceback (most recent call last):"
+    LAUNCHER_ERRORS = (b"subprocess.CalledProcessError:", b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+    NOISE = re.compile(rb"torch/distributed/elastic/multiprocessing/api\.py:\d+\] "
+                       rb"(Sending process \d+ closing signal|failed \(exitcode: 2\))")
+
+    def __init__(self, sink):
+        self.sink = sink
+        self.errors_shown: set[bytes] = set()
+        self.partial = b""  # the end of an incomplete line, held back only while it may start a traceback
+        self.held: list[bytes] | None = None  # the traceback being read
+        self.dropping = False
+
+    def feed(self, data: bytes) -> None:
+        if self.dropping:
+            return
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        for line in lines:
+            self._line(line + b"\n")
+            if self.dropping:
+                return
+        if self.held is None:  # show an incomplete line at once (a progress bar's `\r...` updates), all but
+            head, sep, last = self.partial.rpartition(b"\r")  # what may yet become "Traceback ..."
+            keep = last if last and self.START.startswith(last) else b""
+            self._write(self.partial[:len(self.partial) - len(keep)])
+            self.partial = keep
+
+    def _line(self, line: bytes) -> None:
+        text = line.lstrip(b"\r")
+        if self.held is None:
+            if text.startswith(self.START):
+                self.held = [line]
+            elif text.startswith(b"error: ") and text in self.errors_shown or self.NOISE.search(text):
+                pass
+            else:
+                if text.startswith(b"error: "):
+                    self.errors_shown.add(text)
+                self._write(line)
+            return
+        self.held.append(line)
+        if text.strip() and not text.startswith((b" ", b"\t")):  # the exception line ends the traceback
+            if text.startswith(self.LAUNCHER_ERRORS):
+                self.dropping = True
+            else:
+                self._write(b"".join(self.held))
+            self.held = None
+
+    def close(self) -> None:
+        if not self.dropping:
+            self._write(b"".join(self.held or []) + self.partial)
+        self.held, self.partial = None, b""
+
+    def _write(self, data: bytes) -> None:
+        if data:
+            try:
+                self.sink.write(data)
+                self.sink.flush()
+            except (OSError, ValueError):
+                pass  # our stderr is gone (a closed terminal): nothing to show it on
+
+    def pump(self, fd: int) -> None:
+        """Reads `fd` until its writers are all gone (EOF, or EIO from a pseudo-terminal), then closes it."""
+        try:
+            while True:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    break
+                if not data:
+                    break
+                self.feed(data)
+        finally:
+            self.close()
+            os.close(fd)
+
+
+def _same_terminal() -> bool:
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty() and \
+            os.path.samestat(os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno()))
+    except (OSError, ValueError):
+        return False
+
+
+def _stderr_channel() -> tuple[int, int, bool]:
+    """(read end, write end, merged) for the command's output. On a terminal (our stdout and stderr the same
+    one): a pseudo-terminal of its size for both the command's stdout and stderr, so train.py still sees a
+    terminal and draws its progress bar, and its log lines and the bar's redraws keep their order. Else a
+    pipe for its stderr alone (its stdout stays ours)."""
+    if not _same_terminal():
+        read_end, write_end = os.pipe()
+        return read_end, write_end, False
+    import fcntl
+    import pty
+    import termios
+    import tty
+
+    master, slave = pty.openpty()
+    tty.setraw(slave)  # bytes through unchanged (no \n -> \r\n); our own terminal translates as it shows them
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, fcntl.ioctl(sys.stderr.fileno(), termios.TIOCGWINSZ, b"\0" * 8))
+    except OSError:
+        pass
+    return master, slave, True
 
 
 def _children_of(pid: int) -> list[int]:
@@ -104,12 +223,20 @@ class Supervisor:
         os.close(fd)
         os.unlink(status_path)
         env = dict(os.environ, NEOX_STATUS_FILE=status_path)
+        read_end, write_end, merged = _stderr_channel()
         try:
-            self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True)
+            self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, stderr=write_end,
+                                          stdout=write_end if merged else None)
         except OSError as exc:
             print(f"{PROG}: error: cannot start {self.cmd[0]}: {exc}", file=sys.stderr)
             return 1
+        finally:
+            os.close(write_end)
+        sink = (sys.stdout if merged else sys.stderr).buffer
+        pump = threading.Thread(target=StderrFilter(sink).pump, args=(read_end,), daemon=True)
+        pump.start()
         code = self._wait_all()
+        pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
         status = _read_status(status_path)
         try:
             os.unlink(status_path)
@@ -143,9 +270,14 @@ class Supervisor:
         if code < 0:  # killed by a signal nobody caught
             print(f"{PROG}: training was killed by {signal.Signals(-code).name}", file=sys.stderr)
             return 128 - code
-        if not status or status.get("exit_code", code) != 0 or code != 0:
+        if status and status.get("exit_code"):
+            return int(status["exit_code"])  # train.py's own status, not the launcher's (accelerate: always 1)
+        if not status or code != 0:
             return code
-        if status.get("stopped_by"):
+        if status.get("stopped_by") and status.get("step") is None:
+            print(f"{PROG}: stopped by {status['stopped_by']} during setup, before any training step; nothing to "
+                  f"save", flush=True)
+        elif status.get("stopped_by"):
             where = status.get("checkpoint") or "(none written)"
             print(f"{PROG}: stopped by {status['stopped_by']} after step {status.get('step')}; checkpoint {where} "
                   f"(continue with --resume auto)", flush=True)

@@ -161,7 +161,10 @@ class RunLogger:
 
     def info(self, msg: str) -> None:
         if self.is_main:
-            print(msg, flush=True)
+            from tqdm import tqdm
+
+            with tqdm.external_write_mode():  # a progress bar on the terminal is cleared, then redrawn below
+                print(msg, flush=True)
             self._append("training.log", f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
 
     def warning(self, msg: str) -> None:
@@ -186,7 +189,7 @@ class RunLogger:
             with disk_full_guard(self._tracker_dir()):
                 self._accelerator.log(scalars, step=row["step"])
                 tokens = row.get("tokens")
-                if group != "checkpoint" and tokens and self._tensorboard is not None:
+                if group != "checkpoint" and tokens is not None and self._tensorboard is not None:  # step 0 too
                     for key, value in scalars.items():
                         self._tensorboard.add_scalar(f"by_tokens/{key}", value, tokens)
         except DiskFullError:
@@ -196,6 +199,20 @@ class RunLogger:
 
     def _tracker_dir(self) -> Path:
         return Path(getattr(self._tensorboard, "log_dir", None) or self.log_dir)
+
+    def write_samples(self, step: int, tokens: int, samples: list[tuple[str, str]]) -> None:
+        """Samples of the model's text (utils/sampling.py): logs/samples.jsonl, the log, TensorBoard's text tab."""
+        if not self.is_main:
+            return
+        if "samples.jsonl" not in self._files:
+            self._files["samples.jsonl"] = open(self.log_dir / "samples.jsonl", "a", buffering=1)
+        for prompt, text in samples:
+            self._append("samples.jsonl", json.dumps({"step": step, "tokens": tokens, "prompt": prompt,
+                                                      "continuation": text, "time": round(time.time(), 3)}) + "\n")
+            self.info(f"Sample at step {step}: {prompt!r} -> {text!r}")
+        if self._tensorboard is not None:
+            table = "\n\n".join(f"**{prompt}**{text}" for prompt, text in samples)
+            self._tensorboard.add_text("samples", table, step)
 
     def _drop_files(self) -> None:
         for f in self._files.values():
@@ -224,6 +241,25 @@ def _quiet_tensorboard_thread(args, _previous=threading.excepthook) -> None:
 
 
 threading.excepthook = _quiet_tensorboard_thread
+def tensorboard_tracker(log_dir: Path):
+    """accelerate's TensorBoard tracker writing into log_dir/tensorboard/, with the hyperparameters in that
+    same run: accelerate's own stores them through `add_hparams`, which opens a second run named by the
+    time, and `hparams.yml` in a third (TensorBoard then lists two stray runs)."""
+    from accelerate.tracking import TensorBoardTracker, on_main_process
+
+    class OneRunTensorBoard(TensorBoardTracker):
+        @on_main_process
+        def store_init_configuration(self, values: dict):
+            import yaml
+            from torch.utils.tensorboard.summary import hparams
+
+            flat = {k: v if isinstance(v, (bool, int, float, str)) or v is None else str(v) for k, v in values.items()}
+            for event in hparams({k: "" if v is None else v for k, v in flat.items()}, metric_dict={}):
+                self.writer.file_writer.add_summary(event)
+            self.writer.flush()
+            Path(self.logging_dir, "hparams.yml").write_text(yaml.safe_dump(values, sort_keys=False))
+
+    return OneRunTensorBoard("tensorboard", str(log_dir))
 
 
 class NonFiniteLoss(UserError):
@@ -315,3 +351,48 @@ def format_step_line(row: dict, best: float) -> str:
     if row.get("data_wait_frac") is not None:
         line += f" | data wait {100 * row['data_wait_frac']:.1f}%"
     return line
+
+
+def read_metrics(path) -> list[dict]:
+    """logs/metrics.jsonl's rows; a torn last line (a killed run) is skipped."""
+    rows = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def rows_with(rows: list[dict], key: str) -> list[dict]:
+    """The rows carrying `key` (not null), one per step (the last written wins, as after a resume that
+    rewrote steps a crashed session had logged), in step order."""
+    return sorted({r["step"]: r for r in rows if r.get(key) is not None}.values(), key=lambda r: r["step"])
+
+
+def closing_summary(metrics_path, session_s: float, checkpoint: Path | None, final_model: Path | None) -> str:
+    """The lines that end a run, from its whole metrics.jsonl (every resumed session): steps, tokens, mean
+    tokens/s and MFU, the first and last validation loss, and where the checkpoint and the model are."""
+    rows = read_metrics(metrics_path)
+    train = {r["step"]: r for r in rows_with(rows, "loss")}
+    evals = {r["step"]: r["val_loss"] for r in rows_with(rows, "val_loss")}
+    if not train:
+        return "Summary: no training step was logged"
+    last = train[max(train)]
+    speeds = [r["tokens_per_sec"] for r in train.values() if r.get("tokens_per_sec")]
+    mfus = [r["mfu"] for r in train.values() if r.get("mfu") is not None]
+    lines = [f"Summary: {last['step']:,} steps, {last['tokens']:,} tokens; this session {session_s:,.0f} s; mean "
+             f"{sum(speeds) / max(1, len(speeds)):,.0f} tok/s" + (f", MFU {100 * sum(mfus) / len(mfus):.1f}%" if mfus else "")]
+    if evals:
+        first_step, last_step = min(evals), max(evals)
+        first, final = evals[first_step], evals[last_step]
+        change = f" ({100 * (final - first) / first:+.1f}%)" if first and last_step != first_step else ""
+        lines.append(f"  val_loss {first:.4f} at step {first_step} -> {final:.4f} at step {last_step}{change}")
+    lines.append(f"  checkpoint: {checkpoint or 'none'}")
+    if final_model is not None:
+        lines.append(f"  model: {final_model} (python generate.py {final_model} --prompt \"...\")")
+    return "\n".join(lines)

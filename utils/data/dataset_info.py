@@ -4,12 +4,16 @@ data directory to size the model's vocabulary by the tokenizer (and check ids ag
     {"format": "gpt-neox-shards", "version": 1,
      "tokenizer": {"file": "tokenizer.json", "vocab_size": 50277, "eos_id": 0, "eos_token": "<|endoftext|>"},
      "dtype": "uint16", "documents": 1200, "documents_empty": 3, "tokens": 1843200, "shard_tokens": 16777216,
-     "shards": [{"path": "part-00000/shard-00000.npz", "tokens": 1843200, "bytes": 3686658,
+     "shards": [{"path": "part-00000/shard-00000.npz", "tokens": 1834000, "bytes": 3668258,
                  "crc32c": "AbCd1w=="}],
+     "validation": {"documents": 12, "tokens": 9200, "fraction": 0.005, "stride": 100, "seed": 1234,
+                    "shards": [{"path": "val/part-00000/shard-00000.npz", ...}]},
      "inputs": [{"path": "corpus/a.jsonl", "bytes": 5012}],
      "settings": {"text_field": "text", "eos_token": null, "shard_tokens": 16777216}}
 
-It carries no timestamp, so the same corpus prepared twice gives the same bytes.
+`documents` and `tokens` count the whole corpus, both splits; `shards` are the training split's and
+`validation` (absent in datasets prepared before it existed) the held-out documents'. It carries no
+timestamp, so the same corpus prepared twice gives the same bytes.
 """
 from __future__ import annotations
 
@@ -39,6 +43,11 @@ class DatasetInfo:
     tokens: int
     shards: tuple[dict, ...]
     raw: dict
+
+    @property
+    def val_paths(self) -> list[str]:
+        """The validation split's shard files (relative paths); empty without one."""
+        return [s["path"] for s in (self.raw.get("validation") or {}).get("shards", [])]
 
     @classmethod
     def load(cls, data_dir) -> "DatasetInfo | None":

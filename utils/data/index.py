@@ -161,6 +161,22 @@ class ShardIndex:
         make = lambda part: ShardIndex(self.root, self.seq_len, self.vocab_size, part, self.layouts)
         return make(self.shards[:cut]), make(self.shards[cut:])
 
+    def split_paths(self, val_paths, max_files: int = -1) -> tuple["ShardIndex", "ShardIndex"]:
+        """(train, val) by name: the files in `val_paths` (dataset.json's validation split) are validation,
+        the others training, of which `max_files` (-1: all) are kept."""
+        val_paths = list(val_paths)
+        missing = sorted(set(val_paths) - {s.path for s in self.shards})
+        if missing:
+            raise DataDirError(f"{self.root}: the validation shard {missing[0]} listed in dataset.json is missing "
+                               f"({len(missing)} in all); download or prepare the data again")
+        chosen = set(val_paths)
+        train = [s for s in self.shards if s.path not in chosen]
+        train = train if max_files < 0 else train[:max_files]
+        if not train:
+            raise DataDirError(f"{self.root}: no training shard besides the validation split in dataset.json")
+        make = lambda part: ShardIndex(self.root, self.seq_len, self.vocab_size, part, self.layouts)
+        return make(train), make([s for s in self.shards if s.path in chosen])
+
     def fingerprint(self) -> dict:
         """What a checkpoint stores to notice, on resume, that the data is not what it was."""
         h = hashlib.sha256()

@@ -8,6 +8,13 @@ vocabulary exceeds 65,536 ids), the last one holding the remainder (between half
 shards, so no shard is too short to cut a sequence from). A document may span two shards: the loader cuts
 `seq_len` windows from the stream either way.
 
+Validation split, by documents: one document in every block of `stride` consecutive documents, at a
+position drawn from `seed` (stratified sampling), goes to the validation shards under `val/` instead, so
+validation is a random sample of the whole corpus however its files are ordered, disjoint from training,
+and the same whatever `workers` is. `stride` is 1 / `val_fraction`, lowered for a small corpus so that
+validation holds at least MIN_VAL_DOCUMENTS documents where it can (never more than a quarter of them).
+`dataset.json` lists both splits; train.py then validates on the `val/` shards.
+
 Parallel and deterministic: the main process reads documents in order and hands batches to `workers`
 processes that tokenize; results come back in order and one writer cuts the shards, so the output is
 byte-identical whatever `workers` is. Atomic: everything is written into a hidden temporary directory
@@ -41,6 +48,14 @@ from utils.errors import UserError
 # and each download is efficient; small enough that the last `val_files` shards held out for validation are
 # a small share of a modest corpus, and that a failed download costs little.
 DEFAULT_SHARD_TOKENS = 1 << 24
+DEFAULT_VAL_FRACTION = 0.005
+DEFAULT_SPLIT_SEED = 1234
+MIN_VAL_DOCUMENTS = 100
+MIN_VAL_STRIDE = 4  # validation takes at most a quarter of the documents
+# Fewer training shards than this and what works by file (parallel downloads, max_files, val_files) has
+# little to work with: prepare warns, naming --shard-tokens.
+MIN_TRAIN_SHARDS = 8
+VAL_FOLDER = "val"
 SHARDS_PER_FOLDER = 256
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -231,6 +246,8 @@ class Counts:
     documents: int = 0
     empty: int = 0
     tokens: int = 0
+    val_documents: int = 0
+    val_tokens: int = 0
 
 
 # ------------------------------------------------------------------------------------------------ shards
@@ -238,8 +255,8 @@ class Counts:
 class ShardWriter:
     """Cuts the token stream into shards of `shard_tokens` ids (the last takes the remainder)."""
 
-    def __init__(self, root: Path, shard_tokens: int, dtype: np.dtype):
-        self.root, self.shard_tokens, self.dtype = root, shard_tokens, dtype
+    def __init__(self, root: Path, shard_tokens: int, dtype: np.dtype, folder: str = ""):
+        self.root, self.shard_tokens, self.dtype, self.folder = root, shard_tokens, dtype, folder
         self.pending: list[np.ndarray] = []
         self.pending_tokens = 0
         self.shards: list[dict] = []
@@ -261,14 +278,50 @@ class ShardWriter:
 
     def _write(self, ids: np.ndarray) -> None:
         k = len(self.shards)
-        rel = Path(f"part-{k // SHARDS_PER_FOLDER:05d}") / f"shard-{k:05d}.npz"
-        (self.root / rel.parent).mkdir(exist_ok=True)
+        rel = Path(self.folder, f"part-{k // SHARDS_PER_FOLDER:05d}", f"shard-{k:05d}.npz")
+        (self.root / rel.parent).mkdir(parents=True, exist_ok=True)
         with open(self.root / rel, "wb") as f:
             np.savez(f, input_ids=np.ascontiguousarray(ids))
         from utils.storage import file_crc32c
 
         self.shards.append({"path": rel.as_posix(), "tokens": int(ids.size),
                             "bytes": (self.root / rel).stat().st_size, "crc32c": file_crc32c(self.root / rel)})
+
+
+# ------------------------------------------------------------------------------------------ the split
+
+class ValidationSplit:
+    """Which documents (by their index in reading order) are validation: one in each block of `stride`."""
+
+    def __init__(self, stride: int, seed: int):
+        self.stride, self.seed = stride, seed
+        self._block, self._pick = -1, -1
+
+    def is_validation(self, index: int) -> bool:
+        if self.stride == 0:
+            return False
+        block, position = divmod(index, self.stride)
+        if block != self._block:
+            digest = hashlib.blake2b(f"{self.seed}:{block}".encode(), digest_size=8).digest()
+            self._block, self._pick = block, int.from_bytes(digest, "little") % self.stride
+        return position == self._pick
+
+
+def split_stride(files_in: list[Path], text_field: str, val_fraction: float) -> int:
+    """1 / val_fraction, lowered (down to MIN_VAL_STRIDE) when the corpus has too few documents for
+    MIN_VAL_DOCUMENTS of them at that rate; 0 without a split. Counting stops once the corpus is known to be
+    big enough, so a large corpus is not read twice."""
+    if val_fraction <= 0:
+        return 0
+    stride = max(MIN_VAL_STRIDE, round(1 / val_fraction))
+    enough = stride * MIN_VAL_DOCUMENTS
+    documents = 0
+    for path in files_in:
+        for text in read_documents(path, text_field):
+            documents += bool(text.strip())
+            if documents >= enough:
+                return stride
+    return max(MIN_VAL_STRIDE, min(stride, documents // MIN_VAL_DOCUMENTS))
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -282,6 +335,8 @@ class PrepareResult:
     shards: int
     seconds: float
     reused: bool = False
+    val_documents: int = 0
+    val_shards: int = 0
     uploaded_to: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -298,17 +353,21 @@ def fingerprint(inputs: list[Path], tok: TokenizerInfo, settings: dict) -> str:
 
 def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_field: str = "text",
             shard_tokens: int = DEFAULT_SHARD_TOKENS, eos_token: str | None = None,
-            progress: Callable[[int, int], None] | None = None) -> PrepareResult:
+            progress: Callable[[int, int], None] | None = None, val_fraction: float = DEFAULT_VAL_FRACTION,
+            split_seed: int = DEFAULT_SPLIT_SEED) -> PrepareResult:
     """Tokenizes `inputs` into shards + tokenizer.json + dataset.json in `output` (see the module docstring)."""
     started = time.perf_counter()
     if shard_tokens < 1024:
         raise PrepareError(f"--shard-tokens {shard_tokens} is too small; use at least 1024 (default {DEFAULT_SHARD_TOKENS})")
     if workers < 1:
         raise PrepareError(f"--workers must be at least 1, got {workers}")
+    if not 0 <= val_fraction < 0.5:
+        raise PrepareError(f"--val-fraction {val_fraction} must be within [0, 0.5) (0: no validation split)")
     files_in = find_inputs(inputs)
     tok_obj, tok = load_tokenizer(tokenizer, eos_token)
     output = Path(output)
-    settings = {"text_field": text_field, "eos_token": tok.eos_token, "shard_tokens": shard_tokens}
+    settings = {"text_field": text_field, "eos_token": tok.eos_token, "shard_tokens": shard_tokens,
+                "val_fraction": val_fraction, "split_seed": split_seed}
     digest = fingerprint(files_in, tok, settings)
     done = _finished(output, digest)
     if done is not None:
@@ -321,12 +380,19 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
     files.remove_stale_temps(output.parent)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 65536 else np.uint32)
     counts = Counts()
+    split = ValidationSplit(split_stride(files_in, text_field, val_fraction), split_seed)
     with files.disk_full_guard(output, advice=DISK_FULL_ADVICE), files.atomic_directory(output) as tmp:
         writer = ShardWriter(tmp, shard_tokens, dtype)
+        val_writer = ShardWriter(tmp, shard_tokens, dtype, folder=VAL_FOLDER)
         eos = np.array([tok.eos_id], dtype=np.int64)
         for encoded in _tokenized(files_in, text_field, tok, tok_obj, workers, counts):
             for ids in encoded:
-                writer.add(np.concatenate((ids, eos)))
+                if split.is_validation(counts.documents):
+                    val_writer.add(np.concatenate((ids, eos)))
+                    counts.val_documents += 1
+                    counts.val_tokens += ids.size + 1
+                else:
+                    writer.add(np.concatenate((ids, eos)))
                 counts.documents += 1
                 counts.tokens += ids.size + 1
             if progress:
@@ -335,6 +401,7 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
             raise PrepareError(f"the corpus is empty: {len(files_in)} input file(s), {counts.empty} empty document(s)"
                                f" and no text")
         writer.close()
+        val_writer.close()
         shutil.copyfile(tok.path, tmp / "tokenizer.json")
         description = {
             "format": FORMAT, "version": VERSION,
@@ -342,6 +409,9 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
                           "eos_token": tok.eos_token, "sha256": tok.digest},
             "dtype": dtype.name, "documents": counts.documents, "documents_empty": counts.empty,
             "tokens": counts.tokens, "shard_tokens": shard_tokens, "shards": writer.shards,
+            "validation": {"documents": counts.val_documents, "tokens": counts.val_tokens,
+                           "fraction": val_fraction, "stride": split.stride, "seed": split_seed,
+                           "shards": val_writer.shards},
             "inputs": [{"path": p.as_posix(), "bytes": p.stat().st_size} for p in files_in],
             "settings": settings, "fingerprint": digest,
         }
@@ -349,8 +419,16 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
         for path in tmp.rglob("*"):
             if path.is_file():
                 files.set_default_mode(path)
-    return PrepareResult(output, counts.documents, counts.empty, counts.tokens, len(writer.shards),
-                         time.perf_counter() - started)
+    result = PrepareResult(output, counts.documents, counts.empty, counts.tokens, len(writer.shards),
+                           time.perf_counter() - started, val_documents=counts.val_documents,
+                           val_shards=len(val_writer.shards))
+    train_tokens = counts.tokens - counts.val_tokens
+    if len(writer.shards) < MIN_TRAIN_SHARDS and train_tokens >= MIN_TRAIN_SHARDS * 1024:
+        result.notes.append(
+            f"warning: the training split is {len(writer.shards)} shard file(s); parallel downloads, max_files and "
+            f"val_files work by file, so for {MIN_TRAIN_SHARDS}+ files prepare it again with --shard-tokens "
+            f"{max(1024, train_tokens // MIN_TRAIN_SHARDS):,} (training works either way)")
+    return result
 
 
 def _tokenized(files_in, text_field, tok: TokenizerInfo, tok_obj, workers: int, counts: Counts):
@@ -389,8 +467,11 @@ def report_line(result: PrepareResult) -> str:
     if result.reused:
         return (f"{result.output} already holds this dataset ({result.documents:,} documents, {result.tokens:,} "
                 f"tokens in {result.shards} shards); nothing to do")
+    split = (f"; validation: {result.val_documents:,} documents in {result.val_shards} shard(s) under "
+             f"{VAL_FOLDER}/" if result.val_shards else "; no validation split")
     return (f"prepared {result.documents:,} documents ({result.empty:,} empty skipped), {result.tokens:,} tokens in "
-            f"{result.shards} shard(s) in {result.output}: {result.seconds:.1f} s, {rate:,.0f} tokens/s")
+            f"{result.shards} training shard(s) in {result.output}{split}: {result.seconds:.1f} s, "
+            f"{rate:,.0f} tokens/s")
 
 
 def stderr_progress():

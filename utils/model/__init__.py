@@ -69,13 +69,16 @@ def hf_model_class():
 _HFGPTNeoX = None
 
 
-def preflight_problem(model: nn.Module, batches: list[torch.Tensor]) -> str | None:
+def preflight_problem(model: nn.Module, batches: list[torch.Tensor], before_each=None) -> str | None:
     """Forward + backward on each batch in the run's precision. None when the loss and every gradient are
-    finite, else what was not. Gradients are cleared afterwards; no weight changes."""
+    finite, else what was not. Gradients are cleared afterwards; no weight changes. `before_each()` runs
+    before every pass (e.g. to end the run on a stop signal: a pass of a big model on a CPU takes minutes)."""
     from utils.model.fsdp import local
 
     problem = None
     for i, batch in enumerate(batches, 1):
+        if before_each is not None:
+            before_each()
         loss = model(batch)
         loss.backward()
         grads = [local(p.grad) for p in model.parameters() if p.grad is not None]

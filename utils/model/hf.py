@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -107,12 +108,12 @@ def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source) -> No
                           + "; ".join(p for p in parts if p) + ")")
 
 
-def to_transformers(state: dict[str, torch.Tensor], spec: ModelSpec):
+def to_transformers(state: dict[str, torch.Tensor], spec: ModelSpec, special_ids: dict | None = None):
     """transformers' own GPTNeoXForCausalLM holding `state` (loaded strictly)."""
     from transformers import GPTNeoXForCausalLM
     from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
 
-    config = spec.to_hf_config()
+    config = spec.to_hf_config(special_ids=special_ids)
     with torch.device("meta"):  # no time spent initialising weights that are replaced at once
         model = GPTNeoXForCausalLM(config)
     model.load_state_dict(engine_names(state), strict=not spec.tie_word_embeddings, assign=True)
@@ -122,14 +123,136 @@ def to_transformers(state: dict[str, torch.Tensor], spec: ModelSpec):
     return model
 
 
-def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenizer: Path | None = None) -> Path:
-    """Writes `state` as an HF model directory (through transformers' class), files readable by others."""
+def load_checkpoint_model(checkpoint) -> tuple[ModelSpec, dict[str, torch.Tensor], dict]:
+    """(architecture, weights, trainer_state) of an engine checkpoint, verified against its manifest: what
+    scripts/export_hf.py and generate.py read. A sharded (FSDP) checkpoint's shards are reassembled."""
+    from utils.checkpoint.format import read_checkpoint
+
+    payload = read_checkpoint(checkpoint, objects=False)
+    record = dict(payload.trainer_state.get("model") or {})
+    record.pop("padded_vocab_size", None)
+    try:
+        spec = ModelSpec(**record)
+    except TypeError as exc:
+        raise ConfigError(f"{checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
+    weights = payload.model_state
+    if weights is None:  # sharded (strategy=fsdp): every rank's shards, reassembled in this process
+        from utils.checkpoint.sharded import read_full_model_state
+
+        weights = read_full_model_state(checkpoint)
+    return spec, weights, payload.trainer_state
+
+
+@dataclass(frozen=True)
+class ExportTokenizer:
+    """The tokenizer a model was trained with and its special tokens, as the export writes them."""
+
+    file: Path  # a tokenizers tokenizer.json
+    eos: str | None  # None: the tokenizer has no end-of-document token anyone named
+    bos: str | None
+    pad: str | None
+
+    @classmethod
+    def find(cls, source) -> "ExportTokenizer | None":
+        """`source`: a prepared data directory (its dataset.json names the tokenizer and EOS), an HF tokenizer
+        directory or a directory holding tokenizer.json (a checkpoint), or a tokenizer.json; None when there
+        is no tokenizer there. EOS: dataset.json's, else the tokenizer's own (prepare_data.py's rule); BOS:
+        tokenizer_config.json's, else EOS (GPT-2/GPT-NeoX use one token for both); padding: the tokenizer's
+        own pad token, else EOS."""
+        from utils.data.dataset_info import DatasetInfo
+        from utils.data.prepare import PrepareError, load_tokenizer
+
+        source = Path(source).expanduser()
+        eos = None
+        if source.is_dir():
+            info = DatasetInfo.load(source)
+            if info is not None:
+                eos = info.eos_token
+                source = source / info.raw["tokenizer"].get("file", "tokenizer.json")
+            else:
+                source = source / "tokenizer.json"
+        if not source.is_file():
+            return None
+        try:
+            tokenizer, tok = load_tokenizer(str(source), eos)
+            eos = tok.eos_token
+        except PrepareError:  # no end-of-document token it can name: the files still go out, without one
+            from tokenizers import Tokenizer
+
+            try:
+                tokenizer, eos = Tokenizer.from_file(str(source)), None
+            except Exception:  # tokenizers raises its own exception type for malformed files
+                return None
+        configured = _tokenizer_config(source.parent)
+        pick = lambda key: next((t for t in (configured.get(key),) if t and tokenizer.token_to_id(t) is not None), None)
+        return cls(source, eos, pick("bos_token") or eos, pick("pad_token") or eos)
+
+    def hf_tokenizer(self, model_max_length: int):
+        """transformers' PreTrainedTokenizerFast over the file, with the special tokens set; it pads on the
+        left, as batched generation with a decoder-only model needs."""
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_file=str(self.file), bos_token=self.bos, eos_token=self.eos,
+                                       pad_token=self.pad, unk_token=None, padding_side="left",
+                                       model_max_length=model_max_length)
+
+    def special_ids(self, hf_tokenizer) -> dict:
+        return {"bos_token_id": hf_tokenizer.bos_token_id, "eos_token_id": hf_tokenizer.eos_token_id,
+                "pad_token_id": hf_tokenizer.pad_token_id}
+
+
+def _tokenizer_config(directory: Path) -> dict:
+    """An HF tokenizer directory's special tokens (names), from tokenizer_config.json / special_tokens_map.json."""
+    names = {}
+    for file in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            raw = json.loads((directory / file).read_text())
+        except (OSError, ValueError):
+            continue
+        for key in ("bos_token", "eos_token", "pad_token"):
+            value = raw.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                names[key] = value
+    return names
+
+
+def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenizer=None) -> Path:
+    """Writes `state` as an HF model directory (through transformers' class), files readable by others.
+
+    With a tokenizer (`tokenizer`: see `ExportTokenizer.find`), its full files are written through
+    transformers' PreTrainedTokenizerFast (tokenizer.json, tokenizer_config.json with the special tokens),
+    so `AutoTokenizer.from_pretrained(DIR)` needs no guessing, and config.json / generation_config.json carry
+    its BOS, EOS and padding ids."""
     out_dir = Path(out_dir)
-    model = to_transformers({k: v.detach().cpu() for k, v in state.items()}, spec)
-    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=EXPORT_SHARD_SIZE)
-    if tokenizer is not None and Path(tokenizer).is_file():
-        shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
+    found = ExportTokenizer.find(tokenizer) if tokenizer is not None else None
+    hf_tokenizer = found.hf_tokenizer(spec.max_position_embeddings) if found else None
+    special_ids = found.special_ids(hf_tokenizer) if found else None
+    from transformers import GenerationConfig
+
+    model = to_transformers({k: v.detach().cpu() for k, v in state.items()}, spec, special_ids)
+    model.config.use_cache = True  # trained without the KV cache; generation wants it
+    model.generation_config = GenerationConfig.from_model_config(model.config)
+    with quiet_progress():
+        model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=EXPORT_SHARD_SIZE)
+    if hf_tokenizer is not None:
+        hf_tokenizer.save_pretrained(out_dir)
     for path in out_dir.iterdir():
         if path.is_file():
             files.set_default_mode(path)
     return out_dir
+
+
+@contextmanager
+def quiet_progress():
+    """No transformers/huggingface_hub progress bars (e.g. `Writing model shards`) inside the block: the
+    engine's own output stays whole."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
