@@ -167,6 +167,7 @@ if ! precision="$(PYTHONPATH="$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH}" "$python" 
     echo "$PROG: ${precision##*$'\n'}" >&2
     exit 2
 fi
+precision="${precision##*$'\n'}"  # the value is the last line (a config warning may come before it)
 [[ "$precision" == fp8 ]] && precision=bf16
 
 # GPUs this process may use: `nvidia-smi -L` lines, narrowed by CUDA_VISIBLE_DEVICES when it is set.

@@ -258,6 +258,12 @@ def test_set_is_passed_and_the_precision_reaches_accelerate(launcher, subprocess
                          env=subprocess_env, capture_output=True, text=True)
     args = shlex.split(next(l for l in fp8.stdout.splitlines() if l.startswith("+ "))[2:])
     assert args[args.index("--mixed_precision") + 1] == "bf16"  # fp8 runs torchao's float8 inside bf16
+    # a config warning (warmup longer than the run) is not taken for the precision
+    short = subprocess.run([str(launcher), "--config", "demo", "--cpu", "--set", "max_steps=4", "--dry-run"],
+                           env=subprocess_env, capture_output=True, text=True)
+    assert short.returncode == 0, short.stderr
+    args = shlex.split(next(l for l in short.stdout.splitlines() if l.startswith("+ "))[2:])
+    assert args[args.index("--mixed_precision") + 1] == "no"
 
 
 @pytest.mark.parametrize("argv, fragment", [
