@@ -252,7 +252,7 @@ def test_config_forms(tmp_path):
     path = tmp_path / "mix.yaml"
     path.write_text("base: demo\ndata_mix:\n  web: {path: data/web, weight: 3}\n"
                     "  code: {path: data/code, weight: 1, epochs: 1, val_files: 0}\n")
-    base, fields = read_config_file(path)
+    base, _, fields = read_config_file(path)
     assert base == "demo" and fields["data_mix"]["code"] == {"path": "data/code", "weight": 1.0, "epochs": 1,
                                                              "val_files": 0}
     bad = {"data_mix=web": "data_mix item 'web'", "data_mix=web=x:heavy": "weight must be a number",
