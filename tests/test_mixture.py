@@ -310,7 +310,12 @@ def test_train_py_mixture_resume_rows_and_changed_weights(tmp_path, subprocess_e
     tags = EventAccumulator(str(events)).Reload().Tags()["scalars"]
     assert {"train/tokens/web", "train/tokens/code", "eval/val_loss/web", "eval/val_loss/code"} <= set(tags)
 
-    # the changed mixture, resumed on 2 processes (micro-batch 2, no accumulation: the same global batch)
+    # the changed mixture, resumed on 2 processes (micro-batch 2, no accumulation: the same global batch),
+    # and on 1 process (micro-batch 2 x accumulation 2): the same losses
+    one = tmp_path / "changed-on-one"
+    shutil.copytree(changed, one)
+    run(train_cmd(one, web, f"data_mix=web={web}:0.25,code={code}:0.75", *sets, extra=("--resume", "latest")),
+        subprocess_env)
     launch = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", "2", "--"]
     resumed = run(launch + train_cmd(changed, web, f"data_mix=web={web}:0.25,code={code}:0.75", *sets,
                                      "gradient_accumulation_steps=1", extra=("--resume", "latest"))[4:],
@@ -320,3 +325,7 @@ def test_train_py_mixture_resume_rows_and_changed_weights(tmp_path, subprocess_e
     c = train_rows(changed)
     assert c[20]["tokens/web"] - c[10]["tokens/web"] == 10 * 64  # a quarter of the 40 sequences after step 10
     assert c[20]["tokens/code"] - c[10]["tokens/code"] == 30 * 64  # counted over both ranks' shares
+    ones = train_rows(one)
+    for step in range(11, 21):
+        assert abs(c[step]["loss"] - ones[step]["loss"]) <= 1e-5 * abs(ones[step]["loss"]), step
+        assert c[step]["tokens/web"] == ones[step]["tokens/web"]
