@@ -168,10 +168,13 @@ def train(cfg, profile, args) -> int:
     bar = progress_bar(cfg, state, accelerator)
     exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
     try:
+        bar.set_description_str("setup: preflight (compiles the blocks)" if cfg.compile_model else "setup: preflight")
         preflight(model, val_batches, cfg, accelerator, log, stop)
         stop.end_setup_if_asked("preflight")
         if state.step == 0:
+            bar.set_description_str("setup: eval")
             run_eval(model, val_batches, accelerator, state, log)
+        bar.set_description_str("train")
         window.restart(state.step + 1)
         data_iter = iter(loader)
         while state.step < cfg.max_steps:

@@ -134,3 +134,26 @@ def test_nonfinite_loss_stops_naming_the_step(tmp_path, subprocess_env):
     bad_step = int(re.search(r"non-finite loss at step (\d+)", line).group(1))
     saved = [int(p.name.split("-step")[1].split("-")[0]) for p in (out / "checkpoints").glob("checkpoint-*")]
     assert all(s < bad_step for s in saved), (saved, bad_step)
+
+
+def test_on_a_terminal_the_bar_names_the_setup_phases_and_lines_are_never_glued_to_it(tmp_path, subprocess_env):
+    """On a terminal (a pseudo-terminal from `script`) the progress bar says which setup phase the run is in
+    (preflight, eval) before it counts steps, and every log line starts on a line of its own."""
+    import shlex
+    import shutil
+    import subprocess
+
+    from tests.trainkit import REPO_ROOT
+
+    if shutil.which("script") is None:
+        pytest.skip("needs util-linux's script for a pseudo-terminal")
+    data = make_shards(tmp_path / "data")
+    cmd = train_cmd(tmp_path / "out", data, "max_steps=3", "save_steps=100")
+    proc = subprocess.run(["script", "-qec", "stty cols 120 rows 40; " + shlex.join(cmd), "/dev/null"],
+                          env=subprocess_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    screen = proc.stdout
+    assert "setup: preflight" in screen and "setup: eval" in screen and "train:" in screen
+    for line in ("Preflight: 2 forward/backward", "Step 0: val_loss=", "Step 3: loss="):
+        at = screen.index(line)
+        assert screen[at - 1] in "\r\n", repr(screen[max(0, at - 80):at + 20])
