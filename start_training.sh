@@ -8,6 +8,8 @@ set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PROG="start_training.sh"
+# A stop signal before the supervisor takes over (below, `exec`): nothing has started, nothing to save.
+trap 'echo "$PROG: stopped by a signal before training started; nothing to save" >&2; exit 0' TERM HUP USR1 INT
 
 # Python for the checks below: the repo's .venv when set up
 if [[ -x "$SCRIPT_DIR/.venv/bin/python" ]]; then

@@ -72,6 +72,9 @@ def write_run_status(**fields) -> None:
 
 
 def main(argv=None) -> int:
+    from utils.signals import catch_early
+
+    catch_early()  # from the start: a stop signal during setup (imports, data index, build) ends it cleanly
     args = parse_args(argv)
     try:
         cfg, profile = settle_config(args.config, args.set, cli_aliases(args))

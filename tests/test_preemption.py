@@ -207,3 +207,33 @@ def test_sigterm_during_preflight_ends_the_run_within_seconds_with_nothing_to_sa
     assert "stopped by SIGTERM during setup, before any training step; nothing to save" in stdout
     assert "Preflight:" not in stdout and not list_checkpoints(out / "checkpoints")
     assert not leftovers(str(out))
+
+
+@pytest.mark.parametrize("when", ["before launching", "while accelerate starts", "while train.py imports"])
+def test_sigterm_before_the_ranks_can_catch_it_still_ends_the_run_cleanly(tmp_path, subprocess_env, when):
+    """SIGTERM to the launcher before it has started anything, while accelerate is still starting train.py,
+    or while train.py is importing: the launcher hands it to the rank as soon as the rank catches SIGTERM
+    (or stops before launching), and the run ends with exit 0, nothing saved, nothing left running."""
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu"]
+    for s in TINY + ["max_steps=5"]:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd + ["--", "--output-dir", str(out), "--data-dir", str(data)], env=subprocess_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if when == "before launching":
+        time.sleep(0.3)  # the launcher is checking the config (a first Python), before it starts anything
+    else:
+        for line in proc.stdout:  # the command line, printed just before the supervisor starts accelerate
+            if line.startswith("+ "):
+                break
+        time.sleep(0.3 if when == "while accelerate starts" else 2.5)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, (stdout[-2000:], stderr[-3000:])
+    if when == "before launching":  # the bash preamble or, on a fast machine, the supervisor already
+        assert ("stopped by a signal before training started; nothing to save" in stderr
+                or "Stopped: stopped by SIGTERM during setup" in stdout), (stdout[-2000:], stderr[-2000:])
+    else:
+        assert "Stopped: stopped by SIGTERM during setup" in stdout, stdout
+    assert not list_checkpoints(out / "checkpoints") and not leftovers(str(out))

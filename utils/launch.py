@@ -45,7 +45,8 @@ PROG = "start_training.sh"
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM, signal.SIGUSR1: signal.SIGTERM,
              signal.SIGINT: signal.SIGINT}
 PR_SET_CHILD_SUBREAPER = 36
-LEFTOVER_GRACE_S = 30.0  # non-rank leftovers (e.g. a stuck DataLoader worker) get this long after the ranks
+LEFTOVER_GRACE_S = 30.0
+LATE_RANK_WAIT_S = 600.0  # how long a stop signal waits for ranks that are still starting  # non-rank leftovers (e.g. a stuck DataLoader worker) get this long after the ranks
 
 
 class StderrFilter:
@@ -161,6 +162,18 @@ def _stderr_channel() -> tuple[int, int, bool]:
     return master, slave, True
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (the SigCgt mask in its /proc status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def _children_of(pid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -184,6 +197,8 @@ class Supervisor:
         self.child: subprocess.Popen | None = None
         self.ranks: set[int] = set()
         self.received: list[str] = []
+        self.delivered: set[int] = set()  # ranks a stop signal reached
+        self.child_done = threading.Event()
 
     def ranks_now(self) -> list[int]:
         """The training processes: a launcher's children (accelerate's single-process Popen, or torchrun's
@@ -202,14 +217,34 @@ class Supervisor:
         self.ranks.update(targets)
         first = len(self.received) == 1
         if first or signum == signal.SIGINT:
-            print(f"{PROG}: {name} received: asking {len(targets)} training process(es) to checkpoint and stop "
-                  f"after the current step" + ("" if first else " (a second Ctrl-C stops them at once)"),
+            print(f"{PROG}: {name} received: asking {len(targets) or 'the'} training process(es) to checkpoint and "
+                  f"stop after the current step" + ("" if first else " (a second Ctrl-C stops them at once)"),
                   file=sys.stderr, flush=True)
         for pid in targets:
-            try:
-                os.kill(pid, forward)
-            except ProcessLookupError:
-                pass
+            if _catches(pid, forward):
+                self.delivered.add(pid)
+                try:
+                    os.kill(pid, forward)
+                except ProcessLookupError:
+                    pass
+        if first:  # ranks not started yet, or not yet catching it: they get it as soon as they can act on it
+            threading.Thread(target=self._forward_to_late_ranks, args=(forward,), daemon=True).start()
+
+    def _forward_to_late_ranks(self, forward: int) -> None:
+        """A stop signal that came while accelerate was still starting the ranks, or before a rank had
+        installed its handler (Python's default for SIGTERM is to die mid-setup): every rank gets it once
+        its /proc status says it catches the signal, for as long as the command runs."""
+        deadline = time.monotonic() + LATE_RANK_WAIT_S
+        while not self.child_done.is_set() and time.monotonic() < deadline:
+            for pid in self.ranks_now():
+                if pid not in self.delivered and _catches(pid, forward):
+                    self.delivered.add(pid)
+                    self.ranks.add(pid)
+                    try:
+                        os.kill(pid, forward)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.1)
 
     def run(self) -> int:
         try:
@@ -263,6 +298,7 @@ class Supervisor:
                 time.sleep(0.2)
                 continue
             if pid == self.child.pid:
+                self.child_done.set()
                 code = os.waitstatus_to_exitcode(status)
                 child_done_at = time.monotonic()
 
