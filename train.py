@@ -120,8 +120,7 @@ def train(cfg, profile, args) -> int:
     lock = lock_output_dir(output_dir, accelerator)
     log = RunLogger(output_dir / "logs", is_main=accelerator.is_main_process)
     remote_root = remote_checkpoint_root(cfg)
-    if cfg.strategy == "fsdp":
-        check_shared_output_dir(output_dir, accelerator)
+    node_uploads = cfg.strategy == "fsdp" and not shared_output_dir(output_dir, accelerator, remote_root, log)
     resume_path = (find_checkpoint(args.resume, accelerator, output_dir / "checkpoints", remote_root, log)
                    if args.resume else None)
     finished = resume_path and finished_run(resume_path, cfg, output_dir, accelerator, log)
@@ -153,7 +152,8 @@ def train(cfg, profile, args) -> int:
                         window=window, save_steps=cfg.save_steps, sharded=cfg.strategy == "fsdp",
                         name=lambda: checkpoint_name(loader.epoch, state.step, loader.files_consumed()),
                         background_upload=cfg.background_upload, upload_timeout_s=cfg.upload_timeout_s,
-                        extra_files={"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"})
+                        extra_files={"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"},
+                        node_uploads=node_uploads)
     if resume_path is not None:
         ckpt.restore(resume_path)
     stop.end_setup_if_asked("model build")
@@ -465,16 +465,18 @@ def build_training(cfg, spec, init_weights, accelerator, log):
     return model, optimizer, scheduler
 
 
-def check_shared_output_dir(output_dir: Path, accelerator) -> None:
-    """Sharded checkpoints are written by every rank into one directory: across nodes it must be one
-    shared filesystem. Rank 0 leaves a file there; a node that cannot see it stops every rank in one line."""
+def shared_output_dir(output_dir: Path, accelerator, remote_root: str | None, log) -> bool:
+    """Sharded checkpoints are written by every rank into one directory: across nodes it is complete in one
+    place only on a shared filesystem, or in GCS. Rank 0 leaves a file in its output dir and every node
+    looks for it in its own. False when some node cannot see it: with a bucket each node then uploads its
+    own ranks' shards (utils/checkpoint/sharded.py); without one every rank stops in one line."""
     import secrets
 
     from accelerate.utils import broadcast_object_list, gather_object
 
     world = accelerator.num_processes
     if world == 1 or int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
-        return
+        return True
     name = f".shared-fs-check-{secrets.token_hex(4)}" if accelerator.is_main_process else None
     if name is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -486,10 +488,18 @@ def check_shared_output_dir(output_dir: Path, accelerator) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (output_dir / name).unlink(missing_ok=True)
-    if blind:
+    if not blind:
+        return True
+    nodes = ", ".join(sorted(set(blind)))
+    if remote_root is None:
         raise UserError(f"strategy=fsdp on several nodes writes one checkpoint from every rank, but --output-dir "
-                        f"{output_dir} is not shared: {', '.join(sorted(set(blind)))} cannot see it; put it on a "
-                        f"shared filesystem (NFS, Lustre, GCS FUSE) or use strategy=ddp")
+                        f"{output_dir} is not shared: {nodes} cannot see it; put it on a shared filesystem (NFS, "
+                        f"Lustre, GCS FUSE), set gcs_bucket (each node then uploads its own shards), or use "
+                        f"strategy=ddp")
+    log.info(f"  --output-dir is not shared ({nodes} cannot see rank 0's): each node writes its ranks' checkpoint "
+             f"shards to its own disk and uploads them to {remote_root}/; a checkpoint is complete there once its "
+             f"manifest is, and --resume downloads it on every node")
+    return False
 
 
 def describe_run(cfg, profile, spec, core, global_batch, seq_len, loader, val_batches, state, remote_root,

@@ -331,6 +331,37 @@ def test_retention_keeps_newest_complete_and_cleans_stale_temps(tmp_path):
         live.wait()
 
 
+def test_a_partial_node_copy_counts_for_retention_and_names_its_complete_copy(tmp_path):
+    """Rank 0's copy of a checkpoint written on several nodes without a shared dir: the manifest lists the
+    other node's shard as remote. Verification says where the whole checkpoint is, resume passes it over,
+    and retention counts it (node 0's disk does not fill with partial copies)."""
+    from utils.checkpoint.format import PartialCheckpoint, ShardedPart
+
+    url = "gs://bucket/checkpoints/run"
+    remote = {"dcp/__1_0.distcp": {"size": 10, "crc32c": "AAAAAA==", "remote": True}}
+    paths = []
+    for step in (1, 2, 3):
+        name = checkpoint_name(0, step, 0)
+        tmp = files.temp_path(tmp_path / name)
+        (tmp / "dcp").mkdir(parents=True)
+        (tmp / "dcp" / "__0_0.distcp").write_bytes(b"rank0 data")
+        part = ShardedPart(tmp, lambda: remote, complete_at=f"{url}/{name}")
+        payload = CheckpointPayload(None, {"cursor": {"samples": step}}, {"step": step, "epoch": 0, "tokens": 1})
+        paths.append(write_checkpoint(tmp_path, name, payload, sharded=part))
+    manifest = json.loads((paths[-1] / MANIFEST).read_text())
+    assert manifest["files"]["dcp/__1_0.distcp"] == remote["dcp/__1_0.distcp"]
+    assert manifest["complete_at"] == f"{url}/{paths[-1].name}" and "dcp/__0_0.distcp" in manifest["files"]
+    with pytest.raises(PartialCheckpoint, match=f"whole checkpoint is at {url}/{paths[-1].name}"):
+        verify_checkpoint(paths[-1])
+    logs = []
+    assert find_latest_local(tmp_path, log=logs.append) is None and len(logs) == 3
+    assert apply_retention(tmp_path, keep=2, log=lambda m: None) == [paths[0]]
+    # once the other node's file is there (a downloaded copy), it is an ordinary complete checkpoint
+    (paths[-1] / "dcp" / "__1_0.distcp").write_bytes(b"rank1 data")
+    with pytest.raises(CheckpointError, match="crc32c"):
+        verify_checkpoint(paths[-1])
+
+
 class Gate:
     """Pickles only once the test opens the event: holds a background write in the middle of a file."""
 

@@ -220,28 +220,115 @@ def test_init_from_and_sigterm_to_the_launcher_during_an_fsdp_run(runs, tmp_path
     assert subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 1  # no process left
 
 
-@pytest.mark.slow
-def test_two_nodes_without_a_shared_output_dir_are_refused(tmp_path, subprocess_env):
-    """Two launchers on this machine stand in for two nodes; each has its own --output-dir, as two machines
-    with local disks would: the run stops before training, saying the output dir is not shared."""
+def two_nodes(outs: list[Path], data: Path, *sets: str, extra: tuple = (), env=None, envs=None) -> list[tuple]:
+    """Two launchers on this machine stand in for two nodes of one process each; each has its own
+    --output-dir, as two machines with local disks would (and its own environment in `envs`). Returns
+    (exit code, stdout, stderr) per node."""
     from tests.conftest import free_port
 
-    port, data = str(free_port()), make_shards(tmp_path / "data")
-    procs = []
-    for rank in (0, 1):
+    port, procs = str(free_port()), []
+    for rank, out in enumerate(outs):
         cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", "1", "--nodes", "2",
                "--node-rank", str(rank), "--main-addr", "127.0.0.1", "--main-port", port, "--strategy", "fsdp",
-               "--", "--output-dir", str(tmp_path / f"node{rank}"), "--data-dir", str(data)]
-        for s in TINY + ["max_steps=2"]:
+               "--", "--output-dir", str(out), "--data-dir", str(data)]
+        for s in TINY + list(sets):
             cmd += ["--set", s]
-        procs.append(subprocess.Popen(cmd, env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    results = [p.communicate(timeout=180) for p in procs]
-    for p, (stdout, stderr) in zip(procs, results):
-        assert p.returncode != 0
-        assert "is not shared" in stderr and "cannot see it" in stderr, stderr[-2000:]
-    assert not (tmp_path / "node0" / "logs" / "metrics.jsonl").exists() or \
-        '"loss"' not in (tmp_path / "node0" / "logs" / "metrics.jsonl").read_text()
+        procs.append(subprocess.Popen(cmd + list(extra), env=envs[rank] if envs else env, cwd=REPO_ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return [(p.returncode, *out) for p, out in [(p, p.communicate(timeout=300)) for p in procs]]
+
+
+@pytest.mark.slow
+def test_two_nodes_without_a_shared_output_dir_or_a_bucket_are_refused(tmp_path, subprocess_env):
+    """Without a bucket the checkpoint could be complete nowhere: the run stops before training."""
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    for code, stdout, stderr in two_nodes(outs, make_shards(tmp_path / "data"), "max_steps=2", env=subprocess_env):
+        assert code != 0
+        assert "is not shared" in stderr and "cannot see it" in stderr and "gcs_bucket" in stderr, stderr[-2000:]
+    assert not (outs[0] / "logs" / "metrics.jsonl").exists() or \
+        '"loss"' not in (outs[0] / "logs" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_two_nodes_with_local_disks_complete_each_checkpoint_in_gcs(runs, emulator, tmp_path, monkeypatch):
+    """Two nodes, each with its own disk, and a bucket: each node uploads its own shards and the manifest
+    goes up last, so the checkpoint is complete in GCS; node 0 keeps a partial copy, node 1 nothing; both
+    nodes resume from GCS and continue the 2-rank run's losses."""
+    from utils.checkpoint.format import PartialCheckpoint, verify_checkpoint
+
+    env, data, nodes = runs["env"], runs["data"], [tmp_path / "node0", tmp_path / "node1"]
+    sets = (*STEPS, "per_device_train_batch_size=1", "gradient_accumulation_steps=2",
+            f"gcs_bucket={emulator.bucket}", "run_name=nodes")
+    first = two_nodes(nodes, data, *sets, env=env)
+    for code, stdout, stderr in first:
+        assert code == 0, stderr[-3000:]
+    assert "each node writes its ranks' checkpoint shards to its own disk and uploads them" in first[0][1]
+    expected, rows = train_rows(runs["a"]), train_rows(nodes[0])
+    assert sorted(rows) == list(range(1, 9))
+    for step in range(1, 9):  # the same global batch as run A's 2 FSDP ranks on one node
+        assert close(rows[step]["loss"], expected[step]["loss"]), (step, rows[step], expected[step])
+        assert close(rows[step]["grad_norm"], expected[step]["grad_norm"])
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator.url)
+    client = emulator.client()
+    for step in (4, 8):
+        local = checkpoint(nodes[0], step)
+        prefix = f"checkpoints/nodes/{local.name}/"
+        remote = {b.name[len(prefix):]: b.size for b in client.list_blobs(emulator.bucket, prefix=prefix)}
+        manifest = json.loads(client.bucket(emulator.bucket).blob(prefix + "manifest.json").download_as_bytes())
+        # in GCS: every file the manifest lists, node 1's shard among them, with the size it has there
+        assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "trainer_state.json"} <= set(manifest["files"])
+        assert {rel: e["size"] for rel, e in manifest["files"].items()} == \
+            {rel: size for rel, size in remote.items() if rel != "manifest.json"}
+        assert manifest["files"]["dcp/__1_0.distcp"]["remote"] is True
+        assert manifest["complete_at"] == f"gs://{emulator.bucket}/{prefix.rstrip('/')}"
+        # node 0's copy holds its own files and says where the whole checkpoint is
+        assert (local / "dcp" / "__0_0.distcp").is_file() and not (local / "dcp" / "__1_0.distcp").exists()
+        with pytest.raises(PartialCheckpoint, match=manifest["complete_at"]):
+            verify_checkpoint(local)
+    assert not list((nodes[1] / "checkpoints").iterdir())  # node 1's shards went to GCS; no temporary left
+
+    # both nodes resume from GCS: without step 8 (gone from GCS and node 0), --resume auto takes step 4
+    for blob in client.list_blobs(emulator.bucket, prefix=f"checkpoints/nodes/{checkpoint(nodes[0], 8).name}/"):
+        blob.delete()
+    shutil.rmtree(checkpoint(nodes[0], 8))
+    before = len(metrics(nodes[0]))
+    results = two_nodes(nodes, data, *sets, extra=("--resume", "auto"), env=env)
+    for code, stdout, stderr in results:
+        assert code == 0, stderr[-3000:]
+    assert "holds only the shards its node wrote; downloading the whole checkpoint" in results[0][1]
+    resumed = {r["step"]: r for r in metrics(nodes[0])[before:] if "loss" in r}
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step in range(5, 9):
+        assert close(resumed[step]["loss"], expected[step]["loss"]), (step, resumed[step], expected[step])
+    verify_checkpoint(checkpoint(nodes[1], 4))  # node 1 downloaded the whole checkpoint for itself
+
+
+@pytest.mark.slow
+def test_a_node_whose_shards_do_not_reach_gcs_leaves_no_checkpoint_that_looks_complete(runs, emulator, tmp_path,
+                                                                                         monkeypatch):
+    """Node 1 talks to another GCS (an emulator without the bucket): its upload fails at once. The run
+    trains to the end, rank 0 names the incomplete checkpoint and exits 1; no manifest reaches GCS and no
+    copy is left that a resume would take for complete."""
+    other = Emulator(bucket="other-bucket")
+    try:
+        nodes = [tmp_path / "node0", tmp_path / "node1"]
+        sets = ("max_steps=2", "save_steps=2", "per_device_train_batch_size=1", "gradient_accumulation_steps=2",
+                f"gcs_bucket={emulator.bucket}", "run_name=lost-node")
+        envs = [{**runs["env"], "STORAGE_EMULATOR_HOST": url} for url in (emulator.url, other.url)]
+        (code0, out0, err0), (code1, out1, err1) = two_nodes(nodes, runs["data"], *sets, envs=envs)
+    finally:
+        other.stop()
+    assert (code0, code1) == (1, 0), err0[-3000:]
+    assert re.search(r"checkpoint checkpoint-epoch0-step2-files0 is incomplete in gs://test-bucket/checkpoints/"
+                     r"lost-node: rank 1's node: .*the previous checkpoint is intact", err0), err0[-3000:]
+    assert "this node's shards of checkpoint-epoch0-step2-files0 did not reach" in err1, err1[-3000:]
+    assert train_rows(nodes[0]).keys() == {1, 2} and (nodes[0] / "final_model" / "model.safetensors").is_file()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator.url)
+    names = [b.name for b in emulator.client().list_blobs(emulator.bucket, prefix="checkpoints/lost-node/")]
+    assert not [n for n in names if n.endswith("manifest.json")], names
+    assert [p.name for p in (nodes[0] / "checkpoints").iterdir()] == []
+    assert [p.name for p in (nodes[1] / "checkpoints").iterdir()] == []
 
 
 def test_a_large_export_is_sharded_safetensors_with_an_index(tmp_path, monkeypatch):

@@ -18,15 +18,19 @@ class DiskFullError(UserError, OSError):
 
 
 def main_process_first(accelerator, fn):
-    """`fn()` on rank 0 first, then on the other ranks (which may reuse what rank 0 made, e.g. a cache or a
-    download). A UserError is raised on each rank only after the ranks have met at the barrier, so one rank
-    failing never leaves the others waiting at a barrier it will not reach."""
+    """`fn()` on rank 0 first, then on the first process of each other node, then on the rest: each may
+    reuse what an earlier one made (a cache, a download), on a shared disk or on its own node's. A UserError
+    is raised on each rank only after every rank has passed every barrier, so one rank failing never leaves
+    the others waiting at a barrier it will not reach."""
     result = error = None
-    with accelerator.main_process_first():
-        try:
-            result = fn()
-        except UserError as exc:
-            error = exc
+    turn = 0 if accelerator.is_main_process else 1 if accelerator.is_local_main_process else 2
+    for phase in range(3):
+        if phase == turn:
+            try:
+                result = fn()
+            except UserError as exc:
+                error = exc
+        accelerator.wait_for_everyone()
     if error is not None:
         raise error
     return result

@@ -12,7 +12,9 @@ Saving: the finite check (every rank), then only the device-to-host copy blocks 
 retention and upload run in threads. Unsharded (DDP): rank 0 writes the model (`model.safetensors`, HF
 names) and every object (`<key>.pt`, the optimizer's among them). Sharded (FSDP): every rank writes its
 own shards of model and optimizer into `dcp/` (utils/checkpoint/sharded.py), rank 0 the rest and, once
-every rank's files are on disk, the manifest; then the directory is renamed into place. Each rank's RNG
+every rank's files are on disk, the manifest; then the directory is renamed into place (on
+several nodes without a shared output dir, each node uploads its own shards to GCS first, and rank 0's copy
+is partial: the checkpoint is complete in GCS once its manifest is). Each rank's RNG
 state goes into `rng.pt`, `TrainState` and the run record into `trainer_state.json`. Extra files (the
 data's tokenizer.json) are looked up when a checkpoint is written, so one made during the run is included.
 
@@ -68,7 +70,8 @@ class Checkpointer:
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, stateful: dict, state: TrainState,
                  run: dict, window, name: Callable[[], str], save_steps: int = 0, sharded: bool = False,
                  background_upload: bool = True, upload_timeout_s: float = 600.0,
-                 client_factory: Callable = make_client, extra_files: dict[str, Path] | None = None):
+                 client_factory: Callable = make_client, extra_files: dict[str, Path] | None = None,
+                 node_uploads: bool = False):
         self.accelerator = accelerator
         self.root, self.remote_root, self.keep, self.log = Path(root), remote_root, keep, log
         self.model, self.optimizer, self.stateful = model, optimizer, dict(stateful)
@@ -85,10 +88,16 @@ class Checkpointer:
             main_process_only(accelerator, lambda: self.uploader.check(remote_root))
         self.buffers = HostBuffers()
         self.shard_saver = None
+        # several nodes without a shared output dir: each node uploads its own ranks' shards (sharded.py)
+        self.node_uploads = sharded and node_uploads and remote_root is not None
         if sharded:
-            from utils.checkpoint.sharded import ShardedSaver
+            from utils.checkpoint.sharded import NodeUploads, ShardedSaver
 
-            self.shard_saver = ShardedSaver()  # a gloo group of its own: created on every rank, in order
+            nodes = (NodeUploads(uploader=accelerator.is_local_main_process and not self.is_main,
+                                 remote_root=remote_root, client_factory=client_factory, log=log.warning)
+                     if self.node_uploads else None)
+            self.shard_saver = ShardedSaver(nodes)  # a gloo group of its own: created on every rank, in order
+        self.incomplete: str | None = None  # the newest checkpoint, when a node's shards did not reach GCS
         self.last: Path | None = None  # the newest checkpoint this run saved
         self.last_bytes = 0  # its size on disk, for the free-space check before the next one
 
@@ -168,7 +177,7 @@ class Checkpointer:
         name = self.name()
         path = self.root / name
         if self.is_main:
-            self.writer.wait()  # at most one write in flight (raising its error); the buffers are free again
+            self._wait_writer()  # at most one write in flight (raising its error); the buffers are free again
             self._check_free_space(path)
         copy_started = time.perf_counter()
         sharded = self._start_sharded(path) if self.sharded else None
@@ -197,18 +206,35 @@ class Checkpointer:
         from utils.checkpoint.sharded import SHARDED_DIR
 
         self.shard_saver.wait()  # this rank's previous shards are on disk (the writer may still finish it)
-        tmp = files.temp_path(path) if self.is_main else None
+        tmp = files.temp_path(path).name if self.is_main else None
         if self.accelerator.num_processes > 1:
-            tmp = broadcast_object_list([tmp])[0]
+            tmp = broadcast_object_list([tmp])[0]  # a name: each node's own output dir holds it
         future = self.shard_saver.start(self.accelerator.unwrap_model(self.model), self.optimizer,
-                                        Path(tmp) / SHARDED_DIR)
-        return ShardedPart(Path(tmp), future.result) if self.is_main else None
+                                        self.root / tmp / SHARDED_DIR, path.name)
+        if not self.is_main:
+            return None
+        if not self.node_uploads:
+            return ShardedPart(self.root / tmp, lambda: future.result() and {})  # every file is local
+        return ShardedPart(self.root / tmp, future.result, complete_at=f"{self.remote_root}/{path.name}")
+
+    def _wait_writer(self) -> Path | None:
+        """Rank 0: waits for the last write. A checkpoint whose shards did not all reach GCS (several nodes
+        without a shared output dir) is said and remembered, not raised: the run goes on, the next
+        checkpoint tries again and the previous one is intact."""
+        from utils.checkpoint.sharded import NodeUploadFailed
+
+        try:
+            return self.writer.wait()
+        except NodeUploadFailed as exc:
+            self.incomplete = str(exc)
+            self.log.error(f"error: {exc}; the previous checkpoint is intact, the next one tries again")
+            return None
 
     def wait(self) -> Path | None:
         """Blocks until the last save is on disk (rank 0's files; every rank's shards); raises its error."""
         if self.shard_saver is not None:
             self.shard_saver.wait()
-        return self.writer.wait() if self.writer else None
+        return self._wait_writer() if self.writer else None
 
     def _check_free_space(self, path: Path) -> None:
         """Warns before a save that would not fit: the previous checkpoint's size against the free space."""
@@ -221,7 +247,7 @@ class Checkpointer:
                              f"space or lower save_total_limit")
 
     def _after_write(self, path: Path) -> None:  # the writer thread, rank 0
-        self.last = path
+        self.last, self.incomplete = path, None
         self.last_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         protect = {path} | (self.uploader.protected() if self.uploader else set())
         apply_retention(self.root, self.keep, protect=protect, log=self.log.info)
@@ -243,7 +269,9 @@ class Checkpointer:
         if not self.is_main:
             return code
         try:
-            self.writer.wait()
+            self._wait_writer()
+            if self.incomplete:
+                code = 1
         except DiskFullError as exc:
             self.log.error(f"error: {exc}")
             code = 1

@@ -10,6 +10,10 @@ A checkpoint is a directory `checkpoint-epoch{E}-step{S}-files{F}/` holding
     <extra files>         copied in as given (e.g. tokenizer.json)
     manifest.json         written last: size and crc32c of every other file
 
+On several nodes without a shared filesystem, rank 0's copy holds only its node's shards: the manifest
+lists the other nodes' files too, marked `remote` (they went to GCS from their nodes), and names the GCS
+copy, which alone is complete (`complete_at`). Such a local copy is partial: resume downloads the whole one.
+
 It is written under a temporary name (utils/files.py) and renamed into place only after every file, the
 manifest included, is on disk. So a directory with a checkpoint's name is complete unless something outside this
 module damaged it, and `verify_checkpoint` catches that too. Uploads send the manifest last, so a remote
@@ -51,6 +55,11 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, incomplete or corrupt, or could not be written; the message names it."""
 
 
+class PartialCheckpoint(CheckpointError):
+    """This node's copy of a checkpoint written on several nodes without a shared filesystem: the other
+    nodes' shards are only in GCS."""
+
+
 class NoCheckpointFound(CheckpointError):
     """`--resume latest` found no complete checkpoint, locally or remotely (`auto` starts fresh then)."""
 
@@ -79,9 +88,11 @@ class CheckpointPayload:
 @dataclass
 class ShardedPart:
     """A sharded save under way: every rank writes its shards into `tmp` (the checkpoint's temporary
-    directory); `wait()` returns once all of them are on disk, or raises."""
+    directory); `wait()` returns once all of them are on disk (or, on several nodes without a shared
+    filesystem, in GCS at `complete_at`: it then returns the other nodes' files' manifest entries), or raises."""
     tmp: Path
     wait: Any
+    complete_at: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------- snapshot
@@ -191,14 +202,20 @@ def _model_tensors(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def build_manifest(directory: Path, name: str, objects: list[str]) -> dict:
+def build_manifest(directory: Path, name: str, objects: list[str], remote: dict | None = None,
+                   complete_at: str | None = None) -> dict:
+    """Size and crc32c of every file in `directory`, and `remote`: entries for files other nodes sent to
+    `complete_at` (GCS)."""
     listed = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = path.relative_to(directory).as_posix()
         if rel != MANIFEST:
             listed[rel] = {"size": path.stat().st_size, "crc32c": file_crc32c(path)}
-    return {"format_version": FORMAT_VERSION, "name": name, "created_unix": time.time(),
-            "objects": objects, "files": listed}
+    manifest = {"format_version": FORMAT_VERSION, "name": name, "created_unix": time.time(),
+                "objects": objects, "files": dict(sorted((listed | (remote or {})).items()))}
+    if remote:
+        manifest["complete_at"] = complete_at
+    return manifest
 
 
 def write_checkpoint(root, name: str, payload: CheckpointPayload,
@@ -260,12 +277,13 @@ def _write_contents(tmp: Path, name: str, payload: CheckpointPayload, extra_file
 
     if _TEST_WRITE_DELAY_S:  # fault injection for the preemption tests: a slow disk
         time.sleep(_TEST_WRITE_DELAY_S)
+    remote = None
     if sharded is not None:
-        sharded.wait()  # every rank's shards are on disk (and fsynced) before the manifest lists them
+        remote = sharded.wait()  # every rank's shards are on disk (or in GCS) before the manifest lists them
         for path in tmp.rglob("*"):
             if path.is_file():
                 files.set_default_mode(path)
-    manifest = build_manifest(tmp, name, sorted(payload.objects))
+    manifest = build_manifest(tmp, name, sorted(payload.objects), remote, sharded.complete_at if sharded else None)
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=2)
         f.flush()
@@ -313,6 +331,10 @@ def verify_checkpoint(path) -> dict:
         if not isinstance(expected, dict) or not {"size", "crc32c"} <= expected.keys():
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry for {rel} is malformed; the checkpoint is corrupt")
         if not file.is_file():
+            if expected.get("remote"):
+                raise PartialCheckpoint(f"checkpoint {path} holds only this node's shards: it was written by "
+                                        f"several nodes without a shared output dir, and the whole checkpoint is at "
+                                        f"{manifest.get('complete_at')} (--resume latest downloads it)")
             raise CheckpointError(f"checkpoint {path}: file {rel} is missing; the checkpoint is corrupt")
         size = file.stat().st_size
         if size != expected["size"]:
@@ -329,10 +351,11 @@ def verify_checkpoint(path) -> dict:
 
 
 def _looks_complete(path: Path) -> bool:
-    """Cheap completeness check for retention: manifest readable and every size matches (no crc32c)."""
+    """Cheap completeness check for retention: manifest readable and every size matches (no crc32c); the
+    files other nodes sent to GCS (`remote`) may be absent."""
     try:
         manifest = _read_manifest(path)
-        return all((path / rel).is_file() and (path / rel).stat().st_size == f["size"]
+        return all((path / rel).stat().st_size == f["size"] if (path / rel).is_file() else f.get("remote", False)
                    for rel, f in manifest["files"].items())
     except (CheckpointError, OSError):
         return False

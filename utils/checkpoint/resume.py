@@ -4,8 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from utils import files, storage
-from utils.checkpoint.format import (MANIFEST, CheckpointError, NoCheckpointFound, find_latest_local,
-                                     list_checkpoints, parse_checkpoint_name, verify_checkpoint)
+from utils.checkpoint.format import (MANIFEST, CheckpointError, NoCheckpointFound, PartialCheckpoint,
+                                     find_latest_local, list_checkpoints, parse_checkpoint_name,
+                                     verify_checkpoint)
 
 
 def _join_url(base: str, name: str) -> str:
@@ -34,6 +35,9 @@ def _download(client, url: str, local_root: Path, name: str, log) -> Path:
             verify_checkpoint(dest)
             log(f"resume: {name} is already present locally at {dest}; not downloading {url}")
             return dest
+        except PartialCheckpoint:
+            log(f"resume: {dest} holds only the shards its node wrote; downloading the whole checkpoint from {url}")
+            files.remove_tree(dest)
         except CheckpointError as e:
             log(f"resume: local copy {dest} is broken ({e}); downloading {url} again")
             files.remove_tree(dest)

@@ -7,6 +7,16 @@ coordinates the ranks over a gloo group of its own, so it never competes with th
 The rest of the checkpoint (scheduler, data cursor, RNG, trainer_state.json, manifest.json) is rank 0's,
 as in the unsharded format (utils/checkpoint/format.py), and the manifest lists every rank's files.
 
+Several nodes without a shared filesystem (a bucket is then required, train.py checks): each node writes
+its own ranks' shards into the temporary directory on its own disk. Once DCP's write has finished on every
+rank, the first process of each node other than rank 0's uploads that node's files to the checkpoint's
+place in GCS and deletes them locally (`NodeUploads`); the ranks then gather, on the saver's group, what
+each node uploaded (name, size, crc32c) or why it failed. Rank 0's manifest lists those files as `remote`:
+rank 0's own copy holds only its node's files, and its background upload sends the manifest last, so the
+checkpoint becomes complete in GCS only after every node's files are there. A node whose upload fails
+leaves this checkpoint incomplete (rank 0 says so; the next checkpoint tries again, the previous one is
+intact). `--resume` downloads the whole checkpoint on every node.
+
 Resume reshards: a DCP checkpoint loads into any world size and either strategy (DCP plans the reads
 from each rank's current shapes), and an unsharded checkpoint (model.safetensors + optimizer.pt, written
 by DDP runs, also before sharding existed) loads into an FSDP model as full state that each rank cuts to
@@ -16,13 +26,57 @@ whatever the layout.
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
+from utils.checkpoint.format import CheckpointError
+
 SHARDED_DIR = "dcp"  # inside a checkpoint directory
 METADATA = ".metadata"
+# The saver's gloo group also waits for the nodes' uploads (NodeUploads): far longer than a collective.
+SAVER_GROUP_TIMEOUT = timedelta(hours=3)
+
+
+class NodeUploadFailed(CheckpointError):
+    """A node's shards of a checkpoint did not reach GCS: that checkpoint is complete nowhere."""
+
+
+@dataclass
+class NodeUploads:
+    """Multi-node sharded saves without a shared output dir (see the module docstring). `uploader`: this
+    process uploads its node's files (the first process of a node other than rank 0's); `remote_root`:
+    the run's checkpoint folder in GCS; `log`: where this node says what failed."""
+    uploader: bool
+    remote_root: str
+    client_factory: Callable
+    log: Callable[[str], None] = print
+
+    def upload(self, directory: Path, name: str) -> dict:
+        """This node's files of checkpoint `name` (in `directory`, its temporary dir) -> GCS, then deleted
+        here. Returns {"files": {rel: {size, crc32c, remote}}} or {"error": why}; never raises."""
+        from utils import files
+        from utils.storage import file_crc32c, upload_directory
+
+        url = f"{self.remote_root}/{name}"
+        try:
+            listed = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "crc32c": file_crc32c(p),
+                                                            "remote": True}
+                      for p in sorted(directory.rglob("*")) if p.is_file()}
+            upload_directory(self.client_factory(), directory, url)
+            return {"files": listed}
+        except Exception as exc:  # noqa: BLE001 - reported by rank 0 for the whole checkpoint
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.log(f"warning: this node's shards of {name} did not reach {url} ({why}); that checkpoint is "
+                     f"incomplete, the next one tries again")
+            return {"error": why}
+        finally:
+            files.remove_tree(directory)
 
 
 def is_sharded(directory) -> bool:
@@ -36,34 +90,59 @@ def _dist() -> bool:
 
 
 class ShardedSaver:
-    """One rank's side of sharded saves: `start(model, optimizer, dest)` stages and returns a future for
-    the write; at most one is in flight (the next start waits for the previous one)."""
+    """One rank's side of sharded saves: `start(model, optimizer, dest, name)` stages and returns a future
+    for the write (with `nodes`, for the nodes' uploads too; on rank 0 its result is the files the other
+    nodes uploaded); at most one is in flight (the next start waits for the previous one)."""
 
-    def __init__(self):
+    def __init__(self, nodes: NodeUploads | None = None):
         import torch.distributed as dist
         from torch.distributed.checkpoint import FileSystemWriter
 
-        self.group = dist.new_group(backend="gloo") if _dist() else None
+        self.group = dist.new_group(backend="gloo", timeout=SAVER_GROUP_TIMEOUT) if _dist() else None
         # kept across saves so DCP reuses its pinned staging buffers on CUDA (cache_staged_state_dict pins
         # host memory, which needs a GPU)
         self.writer = FileSystemWriter(".", cache_staged_state_dict=torch.cuda.is_available())
+        self.nodes = nodes
+        self.after = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-nodes") if nodes else None
         self.pending = None
 
-    def start(self, model: nn.Module, optimizer: torch.optim.Optimizer, dest: Path):
+    def start(self, model: nn.Module, optimizer: torch.optim.Optimizer, dest: Path, name: str = ""):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self.wait()
         model_state, optim_state = get_state_dict(model, optimizer)
-        self.pending = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=str(dest),
-                                      storage_writer=self.writer, process_group=self.group,
-                                      no_dist=self.group is None)
+        written = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=str(dest),
+                                 storage_writer=self.writer, process_group=self.group, no_dist=self.group is None)
+        self.pending = written if self.after is None else self.after.submit(self._gather_nodes, written,
+                                                                            Path(dest).parent, name)
         return self.pending
+
+    def _gather_nodes(self, written: Future, directory: Path, name: str) -> dict:
+        """After every rank's write: this node's upload (by its uploader), then rank 0 learns each node's
+        files. Every rank runs it, in the same order of saves, on the saver's group."""
+        import torch.distributed as dist
+
+        written.result()  # DCP raises on every rank when any rank's write failed: nobody reaches the gather
+        report = self.nodes.upload(directory, name) if self.nodes.uploader else None
+        rank = dist.get_rank(self.group)
+        reports = [None] * dist.get_world_size(self.group) if rank == 0 else None
+        dist.gather_object(report, reports, dst=0, group=self.group)
+        if rank != 0:
+            return {}
+        failed = [f"rank {r}'s node: {rep['error']}" for r, rep in enumerate(reports) if rep and "error" in rep]
+        if failed:
+            raise NodeUploadFailed(f"checkpoint {name} is incomplete in {self.nodes.remote_root}: "
+                                   f"{'; '.join(failed)}")
+        return {rel: entry for rep in reports if rep for rel, entry in rep["files"].items()}
 
     def wait(self) -> None:
         pending, self.pending = self.pending, None
         if pending is not None:
-            pending.result()
+            try:
+                pending.result()
+            except NodeUploadFailed:
+                pass  # rank 0's writer waits on the same future and reports it
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
