@@ -262,6 +262,10 @@ def make_accelerator(cfg, log_dir: Path):
     if accelerator.distributed_type.name == "FSDP":
         raise UserError("accelerate was launched with its own FSDP flags; launch plainly (start_training.sh "
                         "--strategy fsdp, or --set strategy=fsdp): the engine shards the model itself")
+    if cfg.strategy == "fsdp":
+        from utils.model.fsdp import ensure_process_group
+
+        ensure_process_group(accelerator.device)
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -94,6 +94,21 @@ def test_two_fsdp_ranks_train_like_one_ddp_process(runs):
 
 
 @pytest.mark.slow
+def test_one_fsdp_process_without_a_launcher_trains_like_ddp(runs, tmp_path):
+    """`python train.py --set strategy=fsdp` (and start_training.sh --gpus 1, the single-GPU comparison with
+    DDP): one process gets a process group of its own and trains exactly as run B's DDP process."""
+    out = tmp_path / "fsdp1"
+    proc = run(train_cmd(out, runs["data"], *STEPS, "per_device_train_batch_size=2", "gradient_accumulation_steps=2",
+                         "strategy=fsdp"), runs["env"])
+    assert "strategy fsdp, world size 1" in proc.stdout
+    rows, expected = train_rows(out), train_rows(runs["b"])
+    assert sorted(rows) == list(range(1, 9))
+    for step in range(1, 9):
+        assert close(rows[step]["loss"], expected[step]["loss"]), (step, rows[step], expected[step])
+    assert (checkpoint(out, 8) / "dcp" / "__0_0.distcp").is_file()
+
+
+@pytest.mark.slow
 def test_fsdp_export_loads_in_transformers_with_the_native_loss(runs):
     from transformers import AutoModelForCausalLM
 

@@ -42,6 +42,19 @@ def mixed_precision_policy(precision: str):
     return MixedPrecisionPolicy()
 
 
+def ensure_process_group(device: torch.device) -> None:
+    """FSDP2 needs a process group even for one process: a process started without a launcher
+    (`python train.py`, `start_training.sh --gpus 1`) gets a group of its own, over an in-memory store
+    (no port, no environment variables)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+
+
 def shard_model(model: nn.Module, device: torch.device, world_size: int, precision: str) -> nn.Module:
     """Applies fully_shard to the native model's units and the root, in place; returns the model."""
     from torch.distributed.device_mesh import init_device_mesh
