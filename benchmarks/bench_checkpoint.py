@@ -16,6 +16,7 @@ snapshot (allocating, and on CUDA pinning, host buffers) against the next ones (
     python benchmarks/bench_checkpoint.py                      # CPU: the demo model
     python benchmarks/bench_checkpoint.py --model gpt-neox-1.2b --precision bf16 --steps 40 --save-every 10
     python benchmarks/bench_checkpoint.py --copy-rate          # 1.2B-sized state: GPU->pinned host, or host->host
+    python benchmarks/bench_checkpoint.py --strategy fsdp      # sharded saves (DCP's async save) instead
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def run_train(out: Path, data: Path, args, sets: list[str], env: dict, allow_upl
            "--set", f"max_steps={args.steps}", "--set", "eval_interval=1000000", "--set", "val_files=1",
            "--set", f"per_device_train_batch_size={args.micro_batch}", "--set", "gradient_accumulation_steps=1",
            "--set", "dataloader_num_workers=0", "--set", "warmup_steps=2", "--set", "profile=off",
-           "--set", "preflight_steps=0", "--set", f"seq_len={args.seq_len}"]
+           "--set", "preflight_steps=0", "--set", f"seq_len={args.seq_len}", "--set", f"strategy={args.strategy}"]
     for s in sets:
         cmd += ["--set", s]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -135,6 +136,8 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=4 if cuda else 8)
     p.add_argument("--seq-len", type=int, default=0, help="0: the model's context")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians across them")
+    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+                   help="fsdp: sharded checkpoints (every rank's shards through DCP's async save), one process")
     p.add_argument("--copy-rate", action="store_true", help="measure the snapshot copy at 1.2B size and exit")
     args = p.parse_args()
     if args.copy_rate:
@@ -180,7 +183,7 @@ def main() -> int:
     if server is not None:
         server.stop()
 
-    print(f"# Checkpoint cost: model {args.model}, micro-batch {args.micro_batch} x seq {args.seq_len}, "
+    print(f"# Checkpoint cost ({args.strategy}): model {args.model}, micro-batch {args.micro_batch} x seq {args.seq_len}, "
           f"{args.precision}, {args.steps} steps, a checkpoint every {args.save_every}, "
           f"{args.repeats} interleaved rounds (medians)")
     print(f"device: {'cuda ' + __import__('torch').cuda.get_device_name(0) if cuda else 'cpu ' + platform.processor()}"

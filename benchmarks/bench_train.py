@@ -16,6 +16,8 @@ tokens/s and step time; per contender the median over `--repeats` rounds is prin
 - naive:   transformers.Trainer with its default arguments (fp32, no compile, its default optimizer and
            loader settings), same model, batch and schedule: the "standard configuration" the seed documents
            claim a 5-10x speed-up over. Only `--only` with it, or the default on CUDA, runs it.
+- fsdp:    the engine with `strategy=fsdp` in the same single process (FSDP2 over a world of one): what
+           sharding's hooks cost on one GPU, `fsdp/engine` (the FSDP issue asks for >= 0.95). Only with `--only`.
 - bare:    utils.model.build_model + utils.optim.build_optimizer/build_scheduler, batches already in
            device memory, forward/backward/clip/step/zero_grad, one `.item()` at the end: the ceiling.
 
@@ -49,7 +51,8 @@ WORKER_STARTED = time.perf_counter()  # a worker's time to first step counts fro
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-CONTENDERS = ("engine", "trainer", "naive", "bare")
+CONTENDERS = ("engine", "trainer", "naive", "bare", "fsdp")
+ENGINES = ("engine", "fsdp", "candidate")  # train.py processes
 BIG = 10**9  # eval_interval / save_steps that never fire inside the timed span
 # A gated child stops itself before exec, so the scheduler decides when it first runs.
 STOP_THEN_EXEC = "import os, signal, sys; os.kill(os.getpid(), signal.SIGSTOP); os.execv(sys.argv[1], sys.argv[1:])"
@@ -91,8 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "by GPU memory and changes micro-batch/accumulation/checkpointing; the others get what it chose")
     p.add_argument("--threads", type=int, help="torch threads per process (default: 1 on CPU, torch's own on "
                    "CUDA); on a shared CPU, OpenMP spinning over busy cores makes figures swing 10x")
-    p.add_argument("--only", help="comma-separated subset of engine,trainer,naive,bare (default: all on CUDA; "
-                   "engine,trainer,bare on CPU, where every contender is fp32 anyway)")
+    p.add_argument("--only", help="comma-separated subset of engine,trainer,naive,bare,fsdp (default: all but "
+                   "fsdp on CUDA; engine,trainer,bare on CPU, where every contender is fp32 anyway)")
     p.add_argument("--repeats", type=int, help="rounds (default: 3 on CPU, 1 on CUDA)")
     p.add_argument("--schedule", choices=("slices", "rounds"), help="default: slices on CPU, rounds on CUDA")
     p.add_argument("--slice-s", type=float, default=1.0, help="run time per turn with --schedule slices")
@@ -249,7 +252,7 @@ def engine_job(name: str, repo: Path, s: dict, data_dir: Path, work: Path) -> Jo
     out = work / name
     cmd = [sys.executable, "-c", ENGINE_SHIM, str(repo / "train.py"), "--config", "production",
            "--output-dir", str(out), "--data-dir", str(data_dir), "--no-background-upload"]
-    overrides = engine_overrides(s)
+    overrides = engine_overrides(s) | ({"strategy": "fsdp"} if name == "fsdp" else {})
     if name == "candidate":  # another checkout may predate model_impl: it trains its own default model
         overrides.pop("model_impl")
     for key, value in overrides.items():
@@ -593,7 +596,7 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available()
     s = resolve_settings(args, cuda)
-    default = CONTENDERS if cuda else ("engine", "trainer", "bare")
+    default = ("engine", "trainer", "naive", "bare") if cuda else ("engine", "trainer", "bare")
     only = [c.strip() for c in (args.only or ",".join(default)).split(",") if c.strip()]
     if set(only) - set(CONTENDERS) or not only or len(set(only)) != len(only):
         raise SystemExit(f"error: --only takes a subset of {','.join(CONTENDERS)} (got {args.only!r})")
@@ -628,7 +631,7 @@ def main(argv=None) -> int:
             round_dir.mkdir()
             order = only[r % len(only):] + only[:r % len(only)]
             jobs = [engine_job(name, candidate if name == "candidate" else REPO_ROOT, s, data_dir, round_dir)
-                    if name in ("engine", "candidate") else worker_job(name, s, data_dir, round_dir)
+                    if name in ENGINES else worker_job(name, s, data_dir, round_dir)
                     for name in order]
             t = time.perf_counter()
             if s["schedule"] == "slices":
@@ -653,8 +656,8 @@ def main(argv=None) -> int:
             "first_step_s")
     median = {name: {k: median_of(name, k) for k in keys} for name in only}
     ratios = {}
-    for a, b in (("engine", "bare"), ("engine", "trainer"), ("engine", "naive"), ("candidate", "engine"),
-                 ("candidate", "bare")):
+    for a, b in (("engine", "bare"), ("engine", "trainer"), ("engine", "naive"), ("fsdp", "engine"),
+                 ("candidate", "engine"), ("candidate", "bare")):
         if a in only and b in only:
             # A round's contenders met the same machine, so its own ratio is the paired, steadier figure.
             per_round = [x["tokens_per_sec"] / y["tokens_per_sec"] for x, y in zip(runs[a], runs[b])]
