@@ -144,6 +144,10 @@ class Checkpointer:
                           f"resharded; ranks below {min(run['world_size'], saved['world_size'])} restore their "
                           f"saved RNG, others seed theirs from (seed, step, rank); the data cursor is global, so "
                           f"no sample is skipped or repeated")
+        if self.node_uploads:  # other nodes keep no checkpoints: the copy downloaded for this resume goes
+            self.accelerator.wait_for_everyone()  # once every rank of the node has read it
+            if self.accelerator.is_local_main_process and not self.is_main and path.parent == self.root:
+                files.remove_tree(path)
         old_global = saved.get("global_batch_sequences")
         if old_global and old_global != run["global_batch_sequences"]:
             self.log.warning(f"  global batch changes from {old_global} to {run['global_batch_sequences']} "
