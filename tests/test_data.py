@@ -17,7 +17,8 @@ from utils.data import dataset as data_dataset
 from utils.data import index as data_index
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.index import DataDirError, ShardIndex
-from utils.data.loader import ResumableLoader, ShardedBatchSampler, build_eval_batches
+from utils.data.loader import ResumableLoader, build_eval_batches
+from utils.data.mixture import DEFAULT_SOURCE, EpochOrder, source_key
 from utils.data.shards import ShardError
 
 SEQ = 8
@@ -186,8 +187,10 @@ def test_restore_time_does_not_grow_with_position(tmp_path):
             loader.load_state_dict(dict(template, position=position))
             batch = next(loader)
             best = min(best, time.perf_counter() - t0)
-        sampler = ShardedBatchSampler(len(dataset), 8, 0, 1, 0)
-        assert torch.equal(batch, torch.from_numpy(dataset.get_batch(sampler.indices_at(position))))
+        # the stream's definition: position p is sample perm(seed, p // N)[p % N]
+        order = EpochOrder(len(dataset), source_key(0, DEFAULT_SOURCE))
+        expected = order.at(np.arange(position, position + 8)).tolist()
+        assert torch.equal(batch, torch.from_numpy(dataset.get_batch(expected)))
         return best
 
     small, large = restore_and_read(8), restore_and_read(8_000_000)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from utils.data.dataset import TokenSequenceDataset
 from utils.data.mixture import (DEFAULT_SOURCE, EpochOrder, MixtureError, MixturePlan, SourceSpec, describe_change,
                                 epoch_permutation, source_key)
 
-__all__ = ["EvalBatches", "MixtureSource", "ResumableLoader", "ShardedBatchSampler", "build_eval_batches",
+__all__ = ["EvalBatches", "MixtureSource", "ResumableLoader", "build_eval_batches",
            "epoch_permutation"]
 
 
@@ -83,32 +83,6 @@ def _ignore_stop_signals(_worker_id: int) -> None:
 
 # ----------------------------------------------------------------------------------------------------
 # Order and sharding
-
-
-class ShardedBatchSampler(Sampler[list[int]]):
-    """One dataset's stream (the `data` source alone), rank r's micro-batches of sequence numbers.
-
-    The global sample stream is perm(seed, 0) ++ perm(seed, 1) ++ ...; stream position p is sample
-    perm(seed, p // N)[p % N]. A global batch is G = micro_batch_size * world_size consecutive positions
-    and rank r takes positions [r * micro, (r + 1) * micro) of each. Starting at `start_position` costs one
-    permutation, whatever the position. (`ResumableLoader` reads the same order through MixturePlan.)"""
-
-    def __init__(self, num_samples: int, micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 start_position: int = 0):
-        _check_sampling(num_samples, micro_batch_size, rank, world_size, seed)
-        self.micro, self.rank, self.global_batch = micro_batch_size, rank, micro_batch_size * world_size
-        self.start_position = start_position
-        self._order = EpochOrder(num_samples, source_key(seed, DEFAULT_SOURCE))
-
-    def indices_at(self, first_position: int) -> list[int]:
-        """Sample numbers at stream positions [first_position, first_position + micro)."""
-        return self._order.at(np.arange(first_position, first_position + self.micro)).tolist()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        p = self.start_position + self.rank * self.micro
-        while True:
-            yield self.indices_at(p)
-            p += self.global_batch
 
 
 def _check_sampling(num_samples: int, micro_batch_size: int, rank: int, world_size: int, seed: int) -> None:
