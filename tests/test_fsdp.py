@@ -235,10 +235,9 @@ def test_init_from_and_sigterm_to_the_launcher_during_an_fsdp_run(runs, tmp_path
     assert subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 1  # no process left
 
 
-def two_nodes(outs: list[Path], data: Path, *sets: str, extra: tuple = (), env=None, envs=None) -> list[tuple]:
+def start_two_nodes(outs: list[Path], data: Path, *sets: str, extra: tuple = (), env=None, envs=None) -> list:
     """Two launchers on this machine stand in for two nodes of one process each; each has its own
-    --output-dir, as two machines with local disks would (and its own environment in `envs`). Returns
-    (exit code, stdout, stderr) per node."""
+    --output-dir, as two machines with local disks would (and its own environment in `envs`)."""
     from tests.conftest import free_port
 
     port, procs = str(free_port()), []
@@ -249,8 +248,14 @@ def two_nodes(outs: list[Path], data: Path, *sets: str, extra: tuple = (), env=N
         for s in TINY + list(sets):
             cmd += ["--set", s]
         procs.append(subprocess.Popen(cmd + list(extra), env=envs[rank] if envs else env, cwd=REPO_ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return [(p.returncode, *out) for p, out in [(p, p.communicate(timeout=300)) for p in procs]]
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    return procs
+
+
+def two_nodes(*args, **kwargs) -> list[tuple]:
+    """start_two_nodes, run to the end: (exit code, stdout, stderr) per node."""
+    return [(p.returncode, *out) for p, out in [(p, p.communicate(timeout=300)) for p in start_two_nodes(*args, **kwargs)]]
 
 
 @pytest.mark.slow
@@ -318,6 +323,35 @@ def test_two_nodes_with_local_disks_complete_each_checkpoint_in_gcs(runs, emulat
         assert close(resumed[step]["loss"], expected[step]["loss"]), (step, resumed[step], expected[step])
     # node 1 downloaded the whole checkpoint for itself (its rank read its shards from it), then deleted it
     assert not list((nodes[1] / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_sigterm_to_both_nodes_leaves_a_checkpoint_complete_in_gcs(runs, emulator, tmp_path, monkeypatch):
+    """A preemption of both nodes (SIGTERM to each launcher) in node-upload mode: both exit 0, and the
+    checkpoint of the step they stopped after is complete in GCS, node 1's shard in it."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    procs = start_two_nodes(nodes, runs["data"], "max_steps=100000", "save_steps=100000",
+                            "per_device_train_batch_size=1", "gradient_accumulation_steps=2",
+                            f"gcs_bucket={emulator.bucket}", "run_name=preempted", env=runs["env"])
+    rows = nodes[0] / "logs" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (rows.exists() and rows.read_text().count('"loss"') >= 3):
+        time.sleep(0.2)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    results = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    stopped = max(train_rows(nodes[0]))
+    assert f"stopped by SIGTERM after step {stopped}" in results[0][0]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator.url)
+    client = emulator.client()
+    name = checkpoint(nodes[0], stopped).name
+    prefix = f"checkpoints/preempted/{name}/"
+    remote = {b.name[len(prefix):]: b.size for b in client.list_blobs(emulator.bucket, prefix=prefix)}
+    manifest = json.loads(client.bucket(emulator.bucket).blob(prefix + "manifest.json").download_as_bytes())
+    assert {rel: e["size"] for rel, e in manifest["files"].items()} == \
+        {rel: size for rel, size in remote.items() if rel != "manifest.json"}
+    assert "dcp/__1_0.distcp" in remote and not list((nodes[1] / "checkpoints").iterdir())
 
 
 @pytest.mark.slow
