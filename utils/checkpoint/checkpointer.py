@@ -50,19 +50,44 @@ class NonFiniteWeights(UserError):
 
 def find_checkpoint(resume: str, accelerator, root: Path, remote_root: str | None, log,
                     client_factory: Callable = make_client) -> Path | None:
-    """`--resume` -> a verified local checkpoint, downloaded from GCS if need be (rank 0 first; the others
-    then find it locally). `auto`: the newest complete one, or None for a fresh start."""
-    try:
-        return main_process_first(accelerator, lambda: resolve_resume(
-            "latest" if resume == "auto" else resume, Path(root), remote_root, client_factory=client_factory,
-            log=log.info))
-    except NoCheckpointFound as exc:
-        if resume != "auto":
-            raise UserError(f"--resume {resume}: {exc}") from None
-        log.info(f"--resume auto: {str(exc).split(';')[0]}; starting a fresh run")
+    """`--resume` -> a verified local checkpoint, downloaded from GCS if need be. `auto`: the newest complete
+    one, or None for a fresh start. Rank 0 decides which checkpoint; every other rank then takes that one
+    (found locally, or downloaded by the first process of its node when its disk is not rank 0's), so no
+    rank can resume another step than rank 0's, whatever each one's disk holds or its GCS listing says."""
+    from accelerate.utils import broadcast_object_list
+
+    arg = "latest" if resume == "auto" else resume
+
+    def resolve(which: str) -> Path:
+        return resolve_resume(which, Path(root), remote_root, client_factory=client_factory, log=log.info)
+
+    chosen = problem = None  # rank 0: ("found", name) or ("fresh", why)
+    if accelerator.is_main_process:
+        try:
+            path = resolve(arg)
+            chosen = ("found", path.name)
+        except NoCheckpointFound as exc:
+            if resume != "auto":
+                problem = UserError(f"--resume {resume}: {exc}")
+            else:
+                chosen = ("fresh", str(exc).split(";")[0])
+        except UserError as exc:
+            problem = UserError(f"--resume {resume}: {exc}")
+    if accelerator.num_processes > 1:
+        chosen = broadcast_object_list([chosen])[0]
+    if problem is not None:
+        raise problem
+    if chosen is None:
+        raise SystemExit(2)  # rank 0 says why
+    if chosen[0] == "fresh":
+        log.info(f"--resume auto: {chosen[1]}; starting a fresh run")
         return None
+    # a path or gs:// URL names one checkpoint for every rank; `latest` and names become rank 0's choice
+    same = arg if arg.startswith("gs://") or Path(arg).is_dir() else chosen[1]
+    try:
+        return main_process_first(accelerator, lambda: path if accelerator.is_main_process else resolve(same))
     except UserError as exc:
-        raise UserError(f"--resume {resume}: {exc}") from None
+        raise UserError(f"--resume {resume} (checkpoint {chosen[1]}, chosen by rank 0): {exc}") from None
 
 
 class Checkpointer:
