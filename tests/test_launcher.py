@@ -348,6 +348,25 @@ def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition(
            b"non-zero exit status 2.\n")
     f.close()
     assert sink.getvalue() == b""
+    # node 1 after node 0 ended the run with status 1: torch's C++ dump and exit-barrier traceback -> one line
+    sink = io.BytesIO()
+    f = StderrFilter(sink)
+    agent = b"E1123 22:28:36.382000 21157 .venv/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py:1008] "
+    f.feed(b"warning: this node's shards did not reach GCS\n"
+           b"[W1123 22:28:36.742 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed: Failed to recv, got 0 bytes.\n"
+           b"Exception raised from recvBytes at /__w/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 (most recent "
+           b"call first):\nframe #0: c10::Error::Error(c10::SourceLocation) + 0x9d (0x7f in libc10.so)\n"
+           b"<omitting python frames>\nframe #29: _start + 0x21 (0x55 in python)\n\n"
+           + agent + b"Error waiting on exit barrier. Elapsed: 1.98 seconds\n"
+           + agent + b"Traceback (most recent call last):\n"
+           + agent + b"  File \"api.py\", line 994, in _exit_barrier\n"
+           + agent + b"torch.distributed.DistNetworkError: Failed to recv, got 0 bytes.\n"
+           b"start_training.sh: finished after step 2\n")
+    f.close()
+    assert sink.getvalue() == (b"warning: this node's shards did not reach GCS\n"
+                               b"[W1123 22:28:36.742 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed: Failed to "
+                               b"recv, got 0 bytes.\n" + StderrFilter.EXIT_BARRIER_SAID +
+                               b"start_training.sh: finished after step 2\n")
     sink = io.BytesIO()
     f = StderrFilter(sink)
     f.feed(b"\rtrain:   0%| 0/3\r")  # a progress bar clearing itself before a log line on stdout: nothing held

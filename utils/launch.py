@@ -54,12 +54,19 @@ class StderrFilter:
     a launcher's traceback after a failed rank (its last line `subprocess.CalledProcessError: ...` from
     accelerate or `...ChildFailedError` from torchrun) and everything after it (torchrun's failure report),
     torchrun's log lines about stopping the other ranks and about a rank's exit status 2 (a user error, said
-    by the rank), and an `error:` line another rank already printed. Other tracebacks pass through whole."""
+    by the rank), an `error:` line another rank already printed, C++ stack dumps (`Exception raised from
+    ...` and its `frame #N` lines), and, on a node whose ranks all finished, torchrun's traceback for an exit
+    barrier that node 0's launcher left first (it ended the run with another status): one line says that
+    instead. Other tracebacks pass through whole."""
 
     START = b"Traceback (most recent call last):"
     LAUNCHER_ERRORS = (b"subprocess.CalledProcessError:", b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
     NOISE = re.compile(rb"torch/distributed/elastic/multiprocessing/api\.py:\d+\] "
                        rb"(Sending process \d+ closing signal|failed \(exitcode: 2\))")
+    CPP_DUMP = b"Exception raised from "  # ... (most recent call first):, then frame lines up to a blank line
+    EXIT_BARRIER = re.compile(rb"(elastic/agent/server/api\.py:\d+\] )Error waiting on exit barrier")
+    EXIT_BARRIER_SAID = (b"note: this node's processes finished, but node 0's launcher had already exited (the "
+                         b"run's status is on node 0), so torchrun's exit barrier was not met; nothing was lost\n")
 
     def __init__(self, sink):
         self.sink = sink
@@ -67,6 +74,8 @@ class StderrFilter:
         self.partial = b""  # the end of an incomplete line, held back only while it may start a traceback
         self.held: list[bytes] | None = None  # the traceback being read
         self.dropping = False
+        self.in_cpp_dump = False
+        self.barrier_log: bytes | None = None  # the log-record prefix of an exit-barrier report being dropped
 
     def feed(self, data: bytes) -> None:
         if self.dropping:
@@ -85,6 +94,8 @@ class StderrFilter:
 
     def _line(self, line: bytes) -> None:
         text = line.lstrip(b"\r")
+        if self._torch_noise(text):
+            return
         if self.held is None:
             if text.startswith(self.START):
                 self.held = [line]
@@ -102,6 +113,25 @@ class StderrFilter:
             else:
                 self._write(b"".join(self.held))
             self.held = None
+
+    def _torch_noise(self, text: bytes) -> bool:
+        """C++ stack dumps and an unmet exit barrier's report (see the class docstring): dropped."""
+        if self.in_cpp_dump:
+            self.in_cpp_dump = bool(text.strip())
+            return True
+        if text.startswith(self.CPP_DUMP) and text.rstrip().endswith(b"(most recent call first):"):
+            self.in_cpp_dump = True
+            return True
+        if self.barrier_log is not None:
+            if self.barrier_log in text:
+                return True
+            self.barrier_log = None
+        found = self.EXIT_BARRIER.search(text)
+        if found:
+            self.barrier_log = found.group(1)
+            self._write(self.EXIT_BARRIER_SAID)
+            return True
+        return False
 
     def close(self) -> None:
         if not self.dropping:
