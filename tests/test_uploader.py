@@ -117,6 +117,38 @@ def test_submit_never_blocks_and_a_newer_checkpoint_supersedes_a_waiting_one(gcs
     assert names == {cks[0].name, cks[2].name}
 
 
+def test_other_nodes_files_of_a_superseded_checkpoint_are_removed(gcs_emulator, tmp_path):
+    """Several nodes without a shared dir: node 1 uploaded its shards of every checkpoint itself. When rank
+    0's upload of one is superseded, its manifest never goes up, and node 1's files there are deleted; a
+    checkpoint whose manifest is in GCS is never touched."""
+    from utils.checkpoint.upload import remove_incomplete_upload
+    from utils.storage import upload_verified
+
+    factory, lines = GatedFactory(), []
+    uploader = BackgroundUploader(client_factory=factory, log=lines.append, clean_superseded=True)
+    cks = [make_checkpoint(tmp_path, f"checkpoint-epoch0-step{i}-files0", seed=i) for i in (1, 2, 3)]
+    base, client = f"gs://{gcs_emulator.bucket}/ck", make_client()
+    shard = tmp_path / "node1-shard"
+    shard.write_bytes(b"node 1's shard")
+    for ck in cks:  # node 1's part of each checkpoint, uploaded by node 1
+        upload_verified(client, gcs_emulator.bucket, shard, f"ck/{ck.name}/dcp/__1_0.distcp")
+    uploader.submit(cks[0], f"{base}/{cks[0].name}")
+    deadline = time.monotonic() + 10
+    while factory.calls == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    uploader.submit(cks[1], f"{base}/{cks[1].name}")
+    uploader.submit(cks[2], f"{base}/{cks[2].name}")  # supersedes cks[1]
+    factory.release()
+    assert uploader.close(timeout=60).succeeded == [f"{base}/{cks[0].name}", f"{base}/{cks[2].name}"]
+    names = {b.name for b in client.list_blobs(gcs_emulator.bucket, prefix="ck/")}
+    assert not [n for n in names if cks[1].name in n]
+    for ck in (cks[0], cks[2]):
+        assert f"ck/{ck.name}/dcp/__1_0.distcp" in names and f"ck/{ck.name}/manifest.json" in names
+    assert any(f"removed 1 file(s) other nodes had uploaded to {base}/{cks[1].name}" in line for line in lines)
+    assert remove_incomplete_upload(client, f"{base}/{cks[2].name}") == 0  # complete: left alone
+    assert f"ck/{cks[2].name}/dcp/__1_0.distcp" in {b.name for b in client.list_blobs(gcs_emulator.bucket)}
+
+
 def test_a_failed_upload_stays_protected_until_a_newer_one_reaches_gcs(gcs_emulator, tmp_path):
     uploader = BackgroundUploader(retries=0, log=lambda line: None)
     old, new = (make_checkpoint(tmp_path, f"checkpoint-epoch0-step{i}-files0", seed=i) for i in (1, 2))

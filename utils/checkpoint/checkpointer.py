@@ -107,7 +107,8 @@ class Checkpointer:
         self.extra_files = dict(extra_files or {})  # resolved at each save: e.g. tokenizer.json made after setup
         self.is_main = accelerator.is_main_process
         self.writer = AsyncCheckpointWriter() if self.is_main else None
-        self.uploader = (BackgroundUploader(client_factory, synchronous=not background_upload, log=log.info)
+        self.uploader = (BackgroundUploader(client_factory, synchronous=not background_upload, log=log.info,
+                                            clean_superseded=sharded and node_uploads)
                          if remote_root and self.is_main else None)
         if remote_root:  # a mistyped bucket is one line now, on every rank, not at the first upload
             main_process_only(accelerator, lambda: self.uploader.check(remote_root))

@@ -3,7 +3,10 @@
 `submit()` never blocks: with GCS slow, refusing or hanging, the writer thread that calls it (and so the
 next checkpoint, and so the training loop) goes on at once. One upload runs at a time; a checkpoint still
 waiting its turn when a newer one is submitted is *superseded* (GCS needs the newest, not every one), so
-the backlog never grows past one waiting upload.
+the backlog never grows past one waiting upload. With `clean_superseded` (several nodes without a shared
+output dir: the other nodes uploaded their shards of every checkpoint themselves) what the other nodes put
+under a superseded checkpoint's URL is deleted before the next upload, since its manifest never goes up:
+a run whose uploads lag does not leave those shards in the bucket.
 
 Retention asks `protected()` what it must keep: every checkpoint whose upload is waiting or running, and
 the newest one whose upload failed, unless a newer checkpoint has since reached GCS. Only the newest failed
@@ -25,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from utils.storage import StorageError, check_writable, make_client, upload_directory
+from utils.storage import (StorageError, check_writable, list_objects, make_client, parse_gs_url, retry_call,
+                           upload_directory)
 
 UPLOAD_COMMAND = "python -m utils.checkpoint.upload"
 
@@ -75,7 +79,7 @@ class BackgroundUploader:
     """One daemon thread uploading checkpoint directories in order, the manifest last."""
 
     def __init__(self, client_factory: Callable = make_client, retries: int = 5, synchronous: bool = False,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, clean_superseded: bool = False):
         self._client_factory = client_factory
         self._retries = retries
         self._synchronous = synchronous
@@ -89,6 +93,8 @@ class BackgroundUploader:
         self._said_bounded = False  # the warning that older failed uploads are no longer kept, said once
         self._results = UploadReport()  # finished, not yet reported
         self._seq = 0
+        self._clean_superseded = clean_superseded
+        self._orphans: list[str] = []  # superseded checkpoints' URLs whose other-node files are to go
         self._closed = False
         self._thread: threading.Thread | None = None
         if not synchronous:
@@ -121,6 +127,8 @@ class BackgroundUploader:
                     old = self._waiting.popleft()
                     self._results.superseded.append(old.gs_url)
                     self._results.local[old.gs_url] = old.local_dir
+                    if self._clean_superseded:
+                        self._orphans.append(old.gs_url)
                     self._log(f"upload of {old.local_dir.name} skipped: {job.local_dir.name} is newer and "
                               f"goes to GCS instead")
                 self._waiting.append(job)
@@ -188,7 +196,22 @@ class BackgroundUploader:
                 if job is _STOP:
                     return
                 self._running = job
+                orphans, self._orphans = self._orphans, []
+            self._remove(orphans)
             self._upload(job)
+
+    def _remove(self, urls: list[str]) -> None:
+        for url in urls:
+            try:
+                if self._client is None:
+                    self._client = self._client_factory()
+                removed = remove_incomplete_upload(self._client, url)
+                if removed:
+                    self._log(f"removed {removed} file(s) other nodes had uploaded to {url}: that checkpoint was "
+                              f"superseded before its manifest went up")
+            except Exception as exc:  # noqa: BLE001 - nothing may escape into training
+                self._log(f"warning: could not remove the other nodes' files under {url} (superseded, no manifest): "
+                          f"{type(exc).__name__}: {exc}")
 
     def _upload(self, job: _Job) -> None:
         started = time.monotonic()
@@ -224,6 +247,19 @@ class BackgroundUploader:
                 self._failed[job.local_dir] = job
             self._running = None
             self._cond.notify_all()
+
+
+def remove_incomplete_upload(client, gs_url: str) -> int:
+    """Deletes every object under `gs_url` unless its manifest.json is there (a complete checkpoint is
+    never touched). Returns how many objects it deleted."""
+    bucket, prefix = parse_gs_url(gs_url.rstrip("/"))
+    objects = list_objects(client, bucket, prefix, suffix=None)
+    if any(o.name == f"{prefix}/manifest.json" for o in objects):
+        return 0
+    for obj in objects:
+        retry_call(lambda name=obj.name: client.bucket(bucket).blob(name).delete(retry=None),
+                   what=f"deleting gs://{bucket}/{obj.name}")
+    return len(objects)
 
 
 def main(argv=None) -> int:
