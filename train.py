@@ -108,10 +108,9 @@ def train(cfg, profile, args) -> int:
     from utils.model.fsdp import clip_grad_norm
     from utils.optim import schedule_from_config
     from utils.sampling import Sampler
-    from utils.signals import StopSignal, catch_early
+    from utils.signals import StopSignal
     from utils.state import RngState, TrainState
 
-    catch_early()  # a stop signal during setup ends the run between its phases, not after them
     output_dir = Path(args.output_dir).resolve()
     accelerator = make_accelerator(cfg, output_dir / "logs")
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes

@@ -623,9 +623,9 @@ def download_directory(client, gs_url_: str, dest_dir, retries: int = 5) -> int:
 # ------------------------------------------------------------------------------------------------ uploads
 
 
-def upload_verified(client, bucket: str, local_path, object_name: str, retries: int = 5) -> None:
+def upload_verified(client, bucket: str, local_path, object_name: str, retries: int = 5) -> str:
     """Upload a file, then check the object's crc32c (and size) against the local file's; retry on a
-    mismatch or transient error, finally StorageError."""
+    mismatch or transient error, finally StorageError. Returns that crc32c (base64, as GCS gives it)."""
     local_path = Path(local_path)
     url = gs_url(bucket, object_name)
     try:
@@ -651,6 +651,7 @@ def upload_verified(client, bucket: str, local_path, object_name: str, retries: 
         retry_call(attempt, what=f"uploading {local_path} to {url}", retries=retries)
     except Exception as exc:
         raise _explain(exc, url) from exc
+    return expected
 
 
 def check_writable(client, gs_url_: str, timeout: float = 10.0) -> str | None:

@@ -107,15 +107,15 @@ class Checkpointer:
         self.extra_files = dict(extra_files or {})  # resolved at each save: e.g. tokenizer.json made after setup
         self.is_main = accelerator.is_main_process
         self.writer = AsyncCheckpointWriter() if self.is_main else None
+        # several nodes without a shared output dir: each node uploads its own ranks' shards (sharded.py)
+        self.node_uploads = sharded and node_uploads and remote_root is not None
         self.uploader = (BackgroundUploader(client_factory, synchronous=not background_upload, log=log.info,
-                                            clean_superseded=sharded and node_uploads)
+                                            clean_superseded=self.node_uploads)
                          if remote_root and self.is_main else None)
         if remote_root:  # a mistyped bucket is one line now, on every rank, not at the first upload
             main_process_only(accelerator, lambda: self.uploader.check(remote_root))
         self.buffers = HostBuffers()
         self.shard_saver = None
-        # several nodes without a shared output dir: each node uploads its own ranks' shards (sharded.py)
-        self.node_uploads = sharded and node_uploads and remote_root is not None
         if sharded:
             from utils.checkpoint.sharded import NodeUploads, ShardedSaver
 
@@ -243,9 +243,13 @@ class Checkpointer:
                                         self.root / tmp / SHARDED_DIR, path.name)
         if not self.is_main:
             return None
-        if not self.node_uploads:
-            return ShardedPart(self.root / tmp, lambda: future.result() and {})  # every file is local
-        return ShardedPart(self.root / tmp, future.result, complete_at=f"{self.remote_root}/{path.name}")
+        if self.node_uploads:  # its result: the files the other nodes sent to GCS
+            return ShardedPart(self.root / tmp, future.result, complete_at=f"{self.remote_root}/{path.name}")
+
+        def shards_written() -> None:  # every rank's files are local (DCP's result, its metadata, is not needed)
+            future.result()
+
+        return ShardedPart(self.root / tmp, shards_written)
 
     def _wait_writer(self) -> Path | None:
         """Rank 0: waits for the last write. A checkpoint whose shards did not all reach GCS (several nodes

@@ -61,14 +61,16 @@ class NodeUploads:
         """This node's files of checkpoint `name` (in `directory`, its temporary dir) -> GCS, then deleted
         here. Returns {"files": {rel: {size, crc32c, remote}}} or {"error": why}; never raises."""
         from utils import files
-        from utils.storage import file_crc32c, upload_directory
+        from utils.storage import parse_gs_url, upload_verified
 
         url = f"{self.remote_root}/{name}"
         try:
-            listed = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "crc32c": file_crc32c(p),
-                                                            "remote": True}
-                      for p in sorted(directory.rglob("*")) if p.is_file()}
-            upload_directory(self.client_factory(), directory, url)
+            client, (bucket, prefix) = self.client_factory(), parse_gs_url(url)
+            listed = {}
+            for path in sorted(p for p in directory.rglob("*") if p.is_file()):  # no manifest here to put last
+                rel = path.relative_to(directory).as_posix()
+                crc = upload_verified(client, bucket, path, f"{prefix}/{rel}")  # each file is read once
+                listed[rel] = {"size": path.stat().st_size, "crc32c": crc, "remote": True}
             return {"files": listed}
         except Exception as exc:  # noqa: BLE001 - reported by rank 0 for the whole checkpoint
             why = f"{type(exc).__name__}: {exc}".splitlines()[0]
