@@ -292,6 +292,8 @@ def parse_data_mix(raw, where: str) -> dict:
                               f"whole numbers, got {entry!r}") from None
         mix[str(name)] = clean
     return mix
+
+
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 

@@ -45,8 +45,8 @@ PROG = "start_training.sh"
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM, signal.SIGUSR1: signal.SIGTERM,
              signal.SIGINT: signal.SIGINT}
 PR_SET_CHILD_SUBREAPER = 36
-LEFTOVER_GRACE_S = 30.0
-LATE_RANK_WAIT_S = 600.0  # how long a stop signal waits for ranks that are still starting  # non-rank leftovers (e.g. a stuck DataLoader worker) get this long after the ranks
+LEFTOVER_GRACE_S = 30.0  # non-rank leftovers (e.g. a stuck DataLoader worker) get this long after the ranks
+LATE_RANK_WAIT_S = 600.0  # how long a stop signal waits for ranks that are still starting
 
 
 class StderrFilter:
@@ -252,11 +252,7 @@ class Supervisor:
                   file=sys.stderr, flush=True)
         for pid in targets:
             if _catches(pid, forward):
-                self.delivered.add(pid)
-                try:
-                    os.kill(pid, forward)
-                except ProcessLookupError:
-                    pass
+                self._deliver(pid, forward)
         if first:  # ranks not started yet, or not yet catching it: they get it as soon as they can act on it
             threading.Thread(target=self._forward_to_late_ranks, args=(forward,), daemon=True).start()
 
@@ -268,13 +264,16 @@ class Supervisor:
         while not self.child_done.is_set() and time.monotonic() < deadline:
             for pid in self.ranks_now():
                 if pid not in self.delivered and _catches(pid, forward):
-                    self.delivered.add(pid)
                     self.ranks.add(pid)
-                    try:
-                        os.kill(pid, forward)
-                    except ProcessLookupError:
-                        pass
+                    self._deliver(pid, forward)
             time.sleep(0.1)
+
+    def _deliver(self, pid: int, signum: int) -> None:
+        self.delivered.add(pid)
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
 
     def run(self) -> int:
         try:

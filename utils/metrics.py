@@ -241,6 +241,8 @@ def _quiet_tensorboard_thread(args, _previous=threading.excepthook) -> None:
 
 
 threading.excepthook = _quiet_tensorboard_thread
+
+
 def tensorboard_tracker(log_dir: Path):
     """accelerate's TensorBoard tracker writing into log_dir/tensorboard/, with the hyperparameters in that
     same run: accelerate's own stores them through `add_hparams`, which opens a second run named by the

@@ -158,8 +158,7 @@ class ShardIndex:
                 "selected); lower val_files (--set val_files=N, 0 disables validation), raise max_files, "
                 "or add shards")
         cut = len(self.shards) - val_files
-        make = lambda part: ShardIndex(self.root, self.seq_len, self.vocab_size, part, self.layouts)
-        return make(self.shards[:cut]), make(self.shards[cut:])
+        return self._part(self.shards[:cut]), self._part(self.shards[cut:])
 
     def split_paths(self, val_paths, max_files: int = -1) -> tuple["ShardIndex", "ShardIndex"]:
         """(train, val) by name: the files in `val_paths` (dataset.json's validation split) are validation,
@@ -174,8 +173,11 @@ class ShardIndex:
         train = train if max_files < 0 else train[:max_files]
         if not train:
             raise DataDirError(f"{self.root}: no training shard besides the validation split in dataset.json")
-        make = lambda part: ShardIndex(self.root, self.seq_len, self.vocab_size, part, self.layouts)
-        return make(train), make([s for s in self.shards if s.path in chosen])
+        return self._part(train), self._part([s for s in self.shards if s.path in chosen])
+
+    def _part(self, shards) -> "ShardIndex":
+        """An index over some of this one's shards."""
+        return ShardIndex(self.root, self.seq_len, self.vocab_size, shards, self.layouts)
 
     def fingerprint(self) -> dict:
         """What a checkpoint stores to notice, on resume, that the data is not what it was."""
