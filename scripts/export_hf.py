@@ -39,12 +39,12 @@ def main(argv=None) -> int:
             raise UserError(f"{out} is a file; give a new directory to export into")
         if out.exists() and any(out.iterdir()):
             raise UserError(f"{out} already exists and is not empty; choose a new output directory")
-        tokenizer = Path(args.tokenizer or args.checkpoint)
-        if args.tokenizer and ExportTokenizer.find(tokenizer) is None:
-            raise UserError(f"--tokenizer {tokenizer}: no such file, or no tokenizer there (give a prepared data "
-                            f"directory, an HF tokenizer directory or a tokenizer.json)")
+        tokenizer = ExportTokenizer.find(Path(args.tokenizer or args.checkpoint))
+        if args.tokenizer and tokenizer is None:
+            raise UserError(f"--tokenizer {args.tokenizer}: no such file, or no tokenizer there (give a prepared "
+                            f"data directory, an HF tokenizer directory or a tokenizer.json)")
         spec, weights, trainer_state = load_checkpoint_model(args.checkpoint)
-        if ExportTokenizer.find(tokenizer) is None:
+        if tokenizer is None:
             print(f"warning: {args.checkpoint} holds no tokenizer.json, so {out} has none: AutoTokenizer cannot load "
                   f"it (or loads a wrong one). Export again with --tokenizer PATH (the data directory or the "
                   f"tokenizer.json the model was trained with)", file=sys.stderr)

@@ -387,14 +387,15 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
         eos = np.array([tok.eos_id], dtype=np.int64)
         for encoded in _tokenized(files_in, text_field, tok, tok_obj, workers, counts):
             for ids in encoded:
+                document = np.concatenate((ids, eos))
                 if split.is_validation(counts.documents):
-                    val_writer.add(np.concatenate((ids, eos)))
+                    val_writer.add(document)
                     counts.val_documents += 1
-                    counts.val_tokens += ids.size + 1
+                    counts.val_tokens += document.size
                 else:
-                    writer.add(np.concatenate((ids, eos)))
+                    writer.add(document)
                 counts.documents += 1
-                counts.tokens += ids.size + 1
+                counts.tokens += document.size
             if progress:
                 progress(counts.documents, counts.tokens)
         if counts.documents == 0:

@@ -220,12 +220,13 @@ def _tokenizer_config(directory: Path) -> dict:
 def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenizer=None) -> Path:
     """Writes `state` as an HF model directory (through transformers' class), files readable by others.
 
-    With a tokenizer (`tokenizer`: see `ExportTokenizer.find`), its full files are written through
+    With a tokenizer (`tokenizer`: an ExportTokenizer, or where `ExportTokenizer.find` looks), its full files are written through
     transformers' PreTrainedTokenizerFast (tokenizer.json, tokenizer_config.json with the special tokens),
     so `AutoTokenizer.from_pretrained(DIR)` needs no guessing, and config.json / generation_config.json carry
     its BOS, EOS and padding ids."""
     out_dir = Path(out_dir)
-    found = ExportTokenizer.find(tokenizer) if tokenizer is not None else None
+    found = (tokenizer if isinstance(tokenizer, ExportTokenizer) or tokenizer is None
+             else ExportTokenizer.find(tokenizer))
     hf_tokenizer = found.hf_tokenizer(spec.max_position_embeddings) if found else None
     special_ids = found.special_ids(hf_tokenizer) if found else None
     from transformers import GenerationConfig
