@@ -104,9 +104,8 @@ def train(cfg, profile, args) -> int:
     from utils.checkpoint.checkpointer import Checkpointer, find_checkpoint
     from utils.checkpoint.format import checkpoint_name
     from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
-    from utils.model.fp8 import after_optimizer_step as precompute_fp8_scales
-    from utils.model.fsdp import clip_grad_norm
     from utils.optim import schedule_from_config
+    from utils.parallel import make_parallelism
     from utils.sampling import Sampler
     from utils.signals import StopSignal
     from utils.state import RngState, TrainState
@@ -114,12 +113,13 @@ def train(cfg, profile, args) -> int:
     output_dir = Path(args.output_dir).resolve()
     accelerator = make_accelerator(cfg, output_dir / "logs")
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    parallel = make_parallelism(cfg, accelerator)
     stop = StopSignal(distributed=world > 1)
     RngState.seed(cfg.seed + rank)
     lock = lock_output_dir(output_dir, accelerator)
     log = RunLogger(output_dir / "logs", is_main=accelerator.is_main_process)
     remote_root = remote_checkpoint_root(cfg)
-    node_uploads = cfg.strategy == "fsdp" and not shared_output_dir(output_dir, accelerator, remote_root, log)
+    node_uploads = parallel.sharded and not shared_output_dir(output_dir, accelerator, remote_root, log)
     resume_path = (find_checkpoint(args.resume, accelerator, output_dir / "checkpoints", remote_root, log)
                    if args.resume else None)
     finished = resume_path and finished_run(resume_path, cfg, output_dir, accelerator, log)
@@ -133,7 +133,7 @@ def train(cfg, profile, args) -> int:
     loader, val_batches = build_data(cfg, spec, seq_len, accelerator, log)
     stop.end_setup_if_asked("data index")
     model, optimizer, scheduler = build_training(cfg, spec, init_weights if resume_path is None else None,
-                                                 accelerator, log)
+                                                 parallel, log)
     core = accelerator.unwrap_model(model)
     state = TrainState()
     stateful = {"scheduler": scheduler, "data": loader}
@@ -148,7 +148,7 @@ def train(cfg, profile, args) -> int:
                            cfg.mixed_precision, process_started=PROCESS_STARTED)
     ckpt = Checkpointer(accelerator, output_dir / "checkpoints", remote_root, keep=cfg.save_total_limit, log=log,
                         model=model, optimizer=optimizer, stateful=stateful, state=state, run=run_record,
-                        window=window, save_steps=cfg.save_steps, sharded=cfg.strategy == "fsdp",
+                        window=window, save_steps=cfg.save_steps, sharded=parallel.sharded,
                         name=lambda: checkpoint_name(loader.epoch, state.step, loader.files_consumed()),
                         background_upload=cfg.background_upload, upload_timeout_s=cfg.upload_timeout_s,
                         extra_files={"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"},
@@ -157,14 +157,12 @@ def train(cfg, profile, args) -> int:
         ckpt.restore(resume_path)
     stop.end_setup_if_asked("model build")
     params = list(model.parameters())  # walked once, not by every clip
-    clip = clip_grad_norm if cfg.strategy == "fsdp" else accelerator.clip_grad_norm_
-    fp8_scales = cfg.strategy == "fsdp" and cfg.mixed_precision == "fp8"  # float8 all-gather: scales once a step
     log.start_trackers(accelerator, cfg.effective_run_name, cfg.to_dict(), state.step if resume_path else None)
-    describe_run(cfg, profile, spec, core, global_batch, seq_len, loader, val_batches, state, remote_root,
+    describe_run(cfg, profile, spec, core, parallel, global_batch, seq_len, loader, val_batches, state, remote_root,
                  accelerator, log)
     lr_at = schedule_from_config(cfg)
     sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, cfg.data_dir, seq_len, cfg.seed,
-                      accelerator, log, sharded=cfg.strategy == "fsdp")
+                      accelerator, log, sharded=parallel.sharded)
     grad_norm = torch.zeros((), device=device)
     trace = BatchTrace(output_dir, accelerator) if os.environ.get("NEOX_TRACE_BATCHES") == "1" else None
     bar = progress_bar(cfg, state, accelerator)
@@ -192,10 +190,9 @@ def train(cfg, profile, args) -> int:
                     accelerator.backward(loss)
                     step_loss += loss.detach() / cfg.gradient_accumulation_steps
                     if accelerator.sync_gradients:
-                        grad_norm = clip(params, cfg.max_grad_norm)
+                        grad_norm = parallel.clip_grad_norm(params, cfg.max_grad_norm)
                         optimizer.step()
-                        if fp8_scales:
-                            precompute_fp8_scales(model)
+                        parallel.after_optimizer_step(model)
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
             state.advance(tokens_per_step)
@@ -224,7 +221,7 @@ def train(cfg, profile, args) -> int:
         bar.close()
         ckpt.wait()
         if stopped_by is None:
-            export_dir, in_sync = finish(model, spec, cfg, state, output_dir, accelerator, log)
+            export_dir, in_sync = finish(model, spec, cfg, state, output_dir, parallel, log)
             exit_code = 0 if in_sync else 1
         log.info(closing_summary(output_dir / "logs" / "metrics.jsonl", time.perf_counter() - PROCESS_STARTED,
                                  last_checkpoint, export_dir))
@@ -261,10 +258,6 @@ def make_accelerator(cfg, log_dir: Path):
     if accelerator.distributed_type.name == "FSDP":
         raise UserError("accelerate was launched with its own FSDP flags; launch plainly (start_training.sh "
                         "--strategy fsdp, or --set strategy=fsdp): the engine shards the model itself")
-    if cfg.strategy == "fsdp":
-        from utils.model.fsdp import ensure_process_group
-
-        ensure_process_group(accelerator.device)
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -416,55 +409,15 @@ def build_data(cfg, spec, seq_len, accelerator, log):
     return loader, EvalBatches(val_batches, {s.name: s.weight for s in sources})
 
 
-def build_training(cfg, spec, init_weights, accelerator, log):
-    """Model (from `init_weights` when given), AdamW and the LR schedule. DDP: the model is built whole and
-    prepared by accelerate; FSDP: built on the meta device, sharded (utils/model/fsdp.py) and given its
-    weights from rank 0. Compile (regional) comes before sharding. The scheduler is deliberately never
-    prepared (see utils/optim.py)."""
-    import torch
-
-    from utils.model import build_model
+def build_training(cfg, spec, init_weights, parallel, log):
+    """Model (from `init_weights` when given, built and wrapped by the parallelism seam), AdamW and the LR
+    schedule. The scheduler is deliberately never prepared (see utils/optim.py)."""
     from utils.optim import build_optimizer, build_scheduler
 
-    fsdp = cfg.strategy == "fsdp"
-    build = lambda: build_model(spec, seed=cfg.seed, impl=cfg.model_impl,  # noqa: E731
-                                gradient_checkpointing=cfg.gradient_checkpointing)
-    if fsdp:
-        with torch.device("meta"):
-            model = build()
-    else:
-        model = build()
-        if init_weights is not None:
-            model.load_state_dict(init_weights, strict=not spec.tie_word_embeddings)
-    if cfg.mixed_precision == "fp8":
-        from utils.model.fp8 import enable_fp8, fp8_supported
-
-        supported, why = fp8_supported(accelerator.device)
-        if not supported:
-            raise UserError(why)
-        log.info(f"fp8: {enable_fp8(model, fsdp=fsdp)} Linear layers run float8 matmuls (torchao, tensorwise "
-                 f"scaling{', float8 all-gather' if fsdp else ''})")
-    if cfg.compile_model:
-        model.compile_blocks()  # regional: each block compiled once, in place (under DDP's wrapper too)
-    if fsdp:
-        from utils.model.fsdp import materialize, shard_model
-
-        shard_model(model, accelerator.device, accelerator.num_processes, cfg.mixed_precision)
-        full = None
-        if accelerator.is_main_process:  # rank 0 alone holds the whole model: the seeded init or init_from's
-            full = init_weights if init_weights is not None else build().state_dict()
-        materialize(model, accelerator.device, full)
-        del full
-    optimizer = build_optimizer(model, cfg, fused=accelerator.device.type == "cuda")
+    model = parallel.build_model(spec, init_weights, log)
+    optimizer = build_optimizer(model, cfg, fused=parallel.device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg)
-    if fsdp:
-        return model, optimizer, scheduler
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if accelerator.scaler is None:
-        # AcceleratedOptimizer adds only the fp16 loss-scaler path to step/zero_grad, yet looks up an optional
-        # package (importlib find_spec, twice) and a signature on every call: without a scaler the loop
-        # drives torch's optimizer itself.
-        optimizer = optimizer.optimizer
+    model, optimizer = parallel.prepare(model, optimizer)
     return model, optimizer, scheduler
 
 
@@ -505,18 +458,17 @@ def shared_output_dir(output_dir: Path, accelerator, remote_root: str | None, lo
     return False
 
 
-def describe_run(cfg, profile, spec, core, global_batch, seq_len, loader, val_batches, state, remote_root,
+def describe_run(cfg, profile, spec, core, parallel, global_batch, seq_len, loader, val_batches, state, remote_root,
                  accelerator, log) -> None:
     from configs.profiles import GB
-    from utils.model.fsdp import parameter_bytes
 
     world = accelerator.num_processes
     log.info(f"Training {cfg.preset} ({cfg.effective_run_name}): model {spec.name} "
              f"({core.parameter_counts()[0] / 1e6:.1f}M params), {world} process(es) on {accelerator.device.type}, "
              f"{cfg.mixed_precision} precision, compile={'on' if cfg.compile_model else 'off'}")
-    weights = parameter_bytes(core)
+    weights = parallel.state_bytes(core)
     moments = 2 * weights // (2 if cfg.optimizer_state_dtype == "bf16" else 1)
-    log.info(f"  strategy {cfg.strategy}, world size {world}: per-rank state {(2 * weights + moments) / GB:.2f} GB "
+    log.info(f"  strategy {parallel.name}, world size {world}: per-rank state {(2 * weights + moments) / GB:.2f} GB "
              f"(parameters {weights} bytes, as many in gradients, {moments / GB:.2f} GB AdamW moments)")
     log.info(f"  batch {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps} x {world} "
              f"= {global_batch} sequences of {seq_len} tokens per step; {loader.num_samples:,} train sequences, "
@@ -525,7 +477,7 @@ def describe_run(cfg, profile, spec, core, global_batch, seq_len, loader, val_ba
         log.info(line)
     if profile is not None:
         log.info(f"  memory profile {profile.name}: micro-batch {cfg.per_device_train_batch_size}, activation "
-                 f"checkpointing {'on' if cfg.gradient_checkpointing else 'off'}, AdamW moments in "
+                 f"checkpointing {parallel.activation_checkpointing}, AdamW moments in "
                  f"{cfg.optimizer_state_dtype}")
     if remote_root:
         log.info(f"  checkpoints upload to {remote_root}/ ({'background' if cfg.background_upload else 'synchronous'})")
@@ -633,28 +585,17 @@ class BatchTrace:
                 f.write(json.dumps({"step": step, "ranks": traced}) + "\n")
 
 
-def finish(model, spec, cfg, state, output_dir: Path, accelerator, log):
-    """End of a completed run: check the ranks agree on the weights (DDP; FSDP holds one sharded copy),
-    export final_model/ (rank 0). Returns (export dir or None, weights in sync)."""
-    import torch
-
+def finish(model, spec, cfg, state, output_dir: Path, parallel, log):
+    """End of a completed run: check the ranks agree on the weights, export final_model/ (rank 0).
+    Returns (export dir or None, weights in sync)."""
     from utils import files
-    from utils.model.fsdp import full_model_state
     from utils.model.hf import export_hf
 
-    unwrapped = accelerator.unwrap_model(model)
-    if cfg.strategy == "fsdp":
-        weights = full_model_state(unwrapped, accelerator.process_index)  # collective; rank 0 gets it
-        all_sums = [float(sum(t.double().sum() for t in weights.values()))] if weights is not None else []
-        in_sync = True
-    else:
-        weights = unwrapped.state_dict()
-        sums = torch.stack([p.detach().double().sum() for p in unwrapped.parameters()]).sum()
-        all_sums = accelerator.gather(sums.reshape(1)).tolist()
-        in_sync = all(s == all_sums[0] for s in all_sums)
-        if not in_sync:
-            log.error(f"weights differ between ranks after training: {all_sums}")
-    if not accelerator.is_main_process:
+    weights = parallel.full_state_dict(model)  # collective; rank 0 gets it
+    in_sync, all_sums = parallel.weights_in_sync(model)
+    if not in_sync:
+        log.error(f"weights differ between ranks after training: {all_sums}")
+    if weights is None:
         return None, in_sync
     with files.write_guard(output_dir / "final_model", advice="the checkpoints are intact: export one with "
                            "scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into a folder you may write"):

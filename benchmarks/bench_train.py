@@ -169,10 +169,11 @@ def apply_engine_profile(s: dict, device_gib: float | None) -> None:
     checkpointing and optimizer-state precision the engine chose (train.py resolving it again is a no-op)."""
     from configs import get_training_config
     from configs.profiles import resolve_profile
+    from utils.model.activation_checkpointing import policy_from_config
 
     cfg, profile = resolve_profile(get_training_config("production", engine_overrides(s)), s["device"], device_gib)
     s.update(micro_batch=cfg.per_device_train_batch_size, accum=cfg.gradient_accumulation_steps,
-             gradient_checkpointing=cfg.gradient_checkpointing, optimizer_state_dtype=cfg.optimizer_state_dtype,
+             activation_checkpointing=policy_from_config(cfg)[0], optimizer_state_dtype=cfg.optimizer_state_dtype,
              profile_used=profile.name if profile else "none")
 
 
@@ -183,7 +184,8 @@ def training_config(s: dict):
     from configs import get_training_config
 
     return replace(get_training_config("production", engine_overrides(s)),
-                   gradient_checkpointing=s["gradient_checkpointing"], optimizer_state_dtype=s["optimizer_state_dtype"])
+                   activation_checkpointing=s["activation_checkpointing"], gradient_checkpointing=False,
+                   optimizer_state_dtype=s["optimizer_state_dtype"])
 
 
 def child_env(s: dict, repo: Path = REPO_ROOT) -> dict:
@@ -383,6 +385,7 @@ def worker_bare(s: dict) -> dict:
 
     from configs import get_model_spec
     from utils.model import build_model
+    from utils.model.activation_checkpointing import apply_activation_checkpointing
     from utils.optim import build_optimizer, build_scheduler
 
     cfg = training_config(s)
@@ -393,8 +396,9 @@ def worker_bare(s: dict) -> dict:
     dataset = train_split(s["data_dir"], s)
     count, b = min(64, s["max_steps"] * s["accum"]), s["micro_batch"]
     batches = [torch.from_numpy(dataset.get_batch(range(i * b, (i + 1) * b))).to(device) for i in range(count)]
-    model = build_model(get_model_spec(s["model"]), seed=cfg.seed, impl=s["impl"],
-                        gradient_checkpointing=cfg.gradient_checkpointing).to(device)
+    model = build_model(get_model_spec(s["model"]), seed=cfg.seed, impl=s["impl"])
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
+    model = model.to(device)
     if s["precision"] == "fp8":
         from utils.model.fp8 import enable_fp8
 
@@ -515,8 +519,9 @@ def worker_trainer(s: dict, naive: bool = False) -> dict:
             # Fused AdamW on CUDA (the documented fast choice); on the CPU the same foreach AdamW as the engine.
             # The Trainer has no bf16-moment AdamW: under the `conservative` profile it keeps fp32 moments.
             optim="adamw_torch_fused" if cuda else "adamw_torch",
-            gradient_checkpointing=cfg.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
+            # the Trainer knows whole-layer checkpointing only: any policy but none is `full` there
+            gradient_checkpointing=cfg.activation_checkpointing != "none",
+            gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.activation_checkpointing != "none" else None,
             dataloader_num_workers=workers, dataloader_prefetch_factor=s["prefetch"] if workers else None,
             dataloader_pin_memory=cuda,
             # The NaN filter only changes the logged loss and costs a host sync per micro-batch.
@@ -570,7 +575,7 @@ def render(summary: dict) -> str:
         f"precision {s['precision']}, "
         f"model_impl {s['impl']}, compile {'on' if s['compile'] else 'off'}, workers {s['workers']}, threads {s['threads'] or 'default'}, "
         f"memory profile {s['profile']} -> {s['profile_used']} (activation checkpointing "
-        f"{'on' if s['gradient_checkpointing'] else 'off'}, AdamW moments {s['optimizer_state_dtype']})",
+        f"{s['activation_checkpointing']}, AdamW moments {s['optimizer_state_dtype']})",
         f"timing: {s['warmup']} warm-up + {s['steps']} timed steps in windows of {s['log_every']}, median window "
         f"per run, median of {s['repeats']} round(s), schedule {s['schedule']}"
         + (f" ({s['slice_s']:g} s slices)" if s["schedule"] == "slices" else ""),

@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from configs import get_model_spec, get_training_config  # noqa: E402
 from utils.model import build_model  # noqa: E402
+from configs.training_config import ACTIVATION_CHECKPOINTING  # noqa: E402
+from utils.model.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 from utils.optim import build_optimizer  # noqa: E402
 
 
@@ -33,7 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=0, help="default: the model's positions")
     p.add_argument("--precision", choices=("bf16", "fp8", "no"), default="bf16" if cuda else "no")
     p.add_argument("--no-compile", action="store_true", help="eager blocks (default on CUDA: regional compile)")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="none",
+                   help="the policy (training config field activation_checkpointing)")
     p.add_argument("--warmup", type=int, default=3, help="steps before profiling (compile happens here)")
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--top", type=int, default=25)
@@ -43,7 +46,9 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     spec = get_model_spec(args.model)
     seq_len = args.seq_len or spec.max_position_embeddings
-    model = build_model(spec, seed=0, gradient_checkpointing=args.checkpointing).to(device)
+    model = build_model(spec, seed=0)
+    apply_activation_checkpointing(model, args.activation_checkpointing)
+    model = model.to(device)
     if args.precision == "fp8":
         from utils.model.fp8 import enable_fp8
 

@@ -6,6 +6,12 @@ from dataclasses import asdict, dataclass
 from utils.errors import UserError
 
 
+# Rows of the flattened [tokens, hidden] activations per chunk of the native model's LM-head loss
+# (utils/model/gpt_neox.py): bounds the logits alive at once to LOSS_CHUNK_ROWS x vocab (8192 x 50304 fp32 =
+# 1.6 GB, instead of 3.3 GB for a 8 x 2048 batch). Here because the memory plan (configs/profiles.py) counts it.
+LOSS_CHUNK_ROWS = 8192
+
+
 class ConfigError(UserError, ValueError):
     """A configuration problem the user can fix; the message says what and how."""
 

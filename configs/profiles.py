@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from configs.model_config import ConfigError, ModelSpec
+from configs.model_config import LOSS_CHUNK_ROWS, ConfigError, ModelSpec
 
 GB = 1e9
 USABLE_FRACTION = 0.9  # of the GPU's memory: the allocator's fragmentation and the CUDA context take the rest
@@ -26,16 +26,17 @@ class MemoryProfile:
     name: str
     min_device_gib: float  # auto picks the largest profile whose minimum the device meets
     micro_batch: int
-    gradient_checkpointing: bool
+    activation_checkpointing: str  # a policy of utils/model/activation_checkpointing.py
     optimizer_state_dtype: str  # "fp32" | "bf16"
 
 
 PROFILES = {
     p.name: p
     for p in (
-        MemoryProfile("aggressive", 70, micro_batch=8, gradient_checkpointing=False, optimizer_state_dtype="fp32"),
-        MemoryProfile("balanced", 36, micro_batch=4, gradient_checkpointing=True, optimizer_state_dtype="fp32"),
-        MemoryProfile("conservative", 0, micro_batch=2, gradient_checkpointing=True, optimizer_state_dtype="bf16"),
+        MemoryProfile("aggressive", 70, micro_batch=8, activation_checkpointing="none", optimizer_state_dtype="fp32"),
+        MemoryProfile("balanced", 36, micro_batch=4, activation_checkpointing="full", optimizer_state_dtype="fp32"),
+        MemoryProfile("conservative", 0, micro_batch=2, activation_checkpointing="full",
+                      optimizer_state_dtype="bf16"),
     )
 }
 
@@ -47,8 +48,7 @@ class MemoryPlan:
     gradients: float  # fp32
     optimizer: float  # AdamW's two moments, fp32 or bf16
     gathered: float  # FSDP: the bf16 units gathered at once (two blocks, the embedding, the head)
-    activations: float  # saved for backward: per layer 34·s·h bytes a sequence (bf16, fused attention), or
-    #                     with checkpointing each layer's input (2·s·h) plus one layer recomputed
+    activations: float  # saved for backward, by the activation checkpointing policy (ACTIVATION_BYTES)
     loss: float  # the chunked LM-head loss: two fp32 [chunk rows, vocab] buffers
     overhead: float = 2 * GB  # CUDA context, cuBLAS workspaces, allocator slack
 
@@ -71,17 +71,33 @@ class MemoryPlan:
         return [f"  {label:<22}{value / GB:8.2f} GB" for label, value in rows]
 
 
-def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
-                seq_len: int | None = None, checkpointing: bool = False, moments: str = "fp32") -> MemoryPlan:
-    from utils.model.gpt_neox import LOSS_CHUNK_ROWS
+# Bytes one block keeps for its backward pass, per token and hidden unit, in bf16 with fused attention:
+# everything (34: Korthikanti et al. 2022, without the attention matrix), with `selective` the outputs of the
+# matmuls and of attention (22), with a checkpointed block only its input (2). The ratios are what
+# `saved_activation_bytes` measures on the native model (CPU, fp32: 36, 22 and 2 per layer).
+ACTIVATION_BYTES = {"none": 34, "selective": 22, "full": 2}
 
+
+def activation_bytes(policy: str, layers: int, tokens: int, hidden: int, every: int = 2) -> float:
+    """What the blocks keep for backward under `policy`, plus the one block recomputed at a time."""
+    kept = {"none": [ACTIVATION_BYTES["none"]] * layers,
+            "selective": [ACTIVATION_BYTES["selective"]] * layers,
+            "full": [ACTIVATION_BYTES["full"]] * layers,
+            "every_k": [ACTIVATION_BYTES["full"] if i % every == 0 else ACTIVATION_BYTES["none"]
+                        for i in range(layers)]}[policy]
+    recomputed = ACTIVATION_BYTES["none"] if policy != "none" else 0
+    return (sum(kept) + recomputed) * tokens * hidden
+
+
+def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
+                seq_len: int | None = None, checkpointing: str = "none", checkpointing_every: int = 2,
+                moments: str = "fp32") -> MemoryPlan:
     s, h, layers = seq_len or spec.max_position_embeddings, spec.hidden_size, spec.num_hidden_layers
     embed = spec.padded_vocab_size * h
     block = 4 * h * h + 2 * h * spec.intermediate_size + 9 * h + spec.intermediate_size
     params = layers * block + 2 * h + embed * (1 if spec.tie_word_embeddings else 2)
     shards = world_size if strategy == "fsdp" else 1
-    per_layer = 34 * s * h * micro_batch
-    activations = layers * (2 * s * h * micro_batch) + per_layer if checkpointing else layers * per_layer
+    activations = activation_bytes(checkpointing, layers, s * micro_batch, h, checkpointing_every)
     rows = min(LOSS_CHUNK_ROWS, micro_batch * (s - 1))
     return MemoryPlan(weights=4 * params / shards, gradients=4 * params / shards,
                       optimizer=(4 if moments == "bf16" else 8) * params / shards,
@@ -92,7 +108,7 @@ def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, 
 def plan_for(profile: "MemoryProfile", spec: ModelSpec, strategy: str, world_size: int,
              seq_len: int | None = None) -> MemoryPlan:
     return memory_plan(spec, strategy=strategy, world_size=world_size, micro_batch=profile.micro_batch,
-                       seq_len=seq_len, checkpointing=profile.gradient_checkpointing,
+                       seq_len=seq_len, checkpointing=profile.activation_checkpointing,
                        moments=profile.optimizer_state_dtype)
 
 
@@ -118,7 +134,7 @@ def apply_profile(cfg, profile: MemoryProfile):
             f"{per_process} (per_device_train_batch_size x gradient_accumulation_steps); choose another "
             f"--set profile=... or set the batch sizes so it divides")
     return replace(cfg, per_device_train_batch_size=micro, gradient_accumulation_steps=per_process // micro,
-                   gradient_checkpointing=profile.gradient_checkpointing,
+                   activation_checkpointing=profile.activation_checkpointing, gradient_checkpointing=False,
                    optimizer_state_dtype=profile.optimizer_state_dtype)
 
 

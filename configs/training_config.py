@@ -18,7 +18,9 @@ MODEL_IMPLS = ("native", "hf")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp")  # utils/parallel.py: one class each
+# utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory
+ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -80,7 +82,11 @@ class TrainingConfig:
                                   "state sharded over the ranks (FSDP2), sharded checkpoints")
     mixed_precision: str = _field("bf16", "bf16 | fp16 (CUDA, with a grad scaler) | fp8 (Hopper/Ada, torchao) | no")
     compile_model: bool = _field(True, "torch.compile each transformer block (regional compile)")
-    gradient_checkpointing: bool = _field(False, "recompute activations in the backward pass (less memory)")
+    activation_checkpointing: str = _field("none", "what the backward pass recomputes instead of keeping: none | full "
+                                                   "(each block) | every_k (every k-th block) | selective (the "
+                                                   "element-wise ops; matmul and attention outputs are kept)")
+    activation_checkpointing_every: int = _field(2, "every_k: checkpoint blocks 0, k, 2k, ...")
+    gradient_checkpointing: bool = _field(False, "true: activation_checkpointing=full (the older switch)")
     profile: str = _field("auto", "memory profile: auto (by GPU memory) | off | conservative | balanced | aggressive")
     optimizer_state_dtype: str = _field("fp32", "AdamW moments in fp32 or bf16 (half the memory)")
     preflight_steps: int = _field(2, "forward/backward passes checked for a finite loss before step 1")
@@ -123,6 +129,12 @@ class TrainingConfig:
             )
         if self.model_impl not in MODEL_IMPLS:
             raise ConfigError(f"model_impl='{self.model_impl}' is not valid; use one of {', '.join(MODEL_IMPLS)}")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ConfigError(f"activation_checkpointing='{self.activation_checkpointing}' is not valid; use one of "
+                              f"{', '.join(ACTIVATION_CHECKPOINTING)}")
+        if self.activation_checkpointing_every < 1:
+            raise ConfigError(f"activation_checkpointing_every={self.activation_checkpointing_every}: must be at "
+                              f"least 1 (checkpoint every k-th block)")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy='{self.strategy}' is not valid; use one of {', '.join(STRATEGIES)}")
         if self.strategy == "fsdp" and self.model_impl != "native":

@@ -3,7 +3,7 @@
 activations, and whether it fits.
 
     python scripts/memory_plan.py --model pythia-6.9b --strategy fsdp --world-size 8 --micro-batch 2 \\
-        --checkpointing --device-gib 80
+        --activation-checkpointing selective --device-gib 80
 
 The figures are the estimate the memory profiles choose by (configs/profiles.py: `memory_plan`); the
 training log states the measured per-rank parameter bytes at start. Exit status 1 when it does not fit.
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from configs.model_config import MODELS, ConfigError, get_model_spec  # noqa: E402
 from configs.profiles import USABLE_FRACTION, memory_plan  # noqa: E402
-from configs.training_config import OPTIMIZER_STATE_DTYPES, STRATEGIES  # noqa: E402
+from configs.training_config import ACTIVATION_CHECKPOINTING, OPTIMIZER_STATE_DTYPES, STRATEGIES  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -28,7 +28,10 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=1, help="processes (GPUs) in all")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per GPU")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the model's positions)")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing on")
+    p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="none",
+                   help="the policy (training config field activation_checkpointing)")
+    p.add_argument("--every", type=int, default=2, help="every_k: checkpoint every k-th block")
+    p.add_argument("--checkpointing", action="store_true", help="the same as --activation-checkpointing full")
     p.add_argument("--moments", choices=OPTIMIZER_STATE_DTYPES, default="fp32", help="AdamW moment precision")
     p.add_argument("--device-gib", type=float, default=80.0, help="memory of one GPU, GiB (default 80)")
     args = p.parse_args(argv)
@@ -37,20 +40,23 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.world_size < 1 or args.micro_batch < 1 or args.seq_len < 0:
-        print("error: --world-size and --micro-batch must be at least 1, --seq-len not negative", file=sys.stderr)
+    if args.world_size < 1 or args.micro_batch < 1 or args.seq_len < 0 or args.every < 1:
+        print("error: --world-size, --micro-batch and --every must be at least 1, --seq-len not negative",
+              file=sys.stderr)
         return 2
+    policy = "full" if args.checkpointing else args.activation_checkpointing
     plan = memory_plan(spec, strategy=args.strategy, world_size=args.world_size, micro_batch=args.micro_batch,
-                       seq_len=args.seq_len or None, checkpointing=args.checkpointing, moments=args.moments)
+                       seq_len=args.seq_len or None, checkpointing=policy, checkpointing_every=args.every,
+                       moments=args.moments)
     print(f"{spec.name}, {args.strategy} over {args.world_size} GPU(s), micro-batch {args.micro_batch}, "
-          f"activation checkpointing {'on' if args.checkpointing else 'off'}, AdamW moments {args.moments}:")
+          f"activation checkpointing {policy}, AdamW moments {args.moments}:")
     print("\n".join(plan.lines()))
     usable = USABLE_FRACTION * args.device_gib * 2**30 / 1e9
     if plan.fits(args.device_gib):
         print(f"fits a {args.device_gib:g} GiB GPU ({usable:.1f} GB usable)")
         return 0
     print(f"does NOT fit a {args.device_gib:g} GiB GPU ({usable:.1f} GB usable): shard it (--strategy fsdp, more "
-          f"GPUs), turn on --checkpointing, lower --micro-batch or use --moments bf16")
+          f"GPUs), --activation-checkpointing selective or full, lower --micro-batch or use --moments bf16")
     return 1
 
 

@@ -79,11 +79,11 @@ def test_chunked_loss_equals_the_plain_one(monkeypatch):
     assert calls == []
 
 
-def test_gradient_checkpointing_and_regional_compile_change_nothing():
+def test_regional_compile_changes_nothing():  # activation checkpointing: tests/test_activation_checkpointing.py
     x = ids(batch=2, length=16)
     grads = []
-    for checkpointing, compiled in ((False, False), (True, False), (False, True)):
-        model = build_model(BASE, seed=4, gradient_checkpointing=checkpointing)
+    for compiled in (False, True):
+        model = build_model(BASE, seed=4)
         if compiled:
             model.compile_blocks()
         model(x).backward()

@@ -19,7 +19,7 @@ def test_profiles_keep_the_per_process_batch():
     for profile in PROFILES.values():
         out = apply_profile(cfg, profile)
         assert out.per_device_train_batch_size * out.gradient_accumulation_steps == 16
-        assert out.gradient_checkpointing == profile.gradient_checkpointing
+        assert out.activation_checkpointing == profile.activation_checkpointing
     assert apply_profile(cfg, PROFILES["conservative"]).optimizer_state_dtype == "bf16"
 
 

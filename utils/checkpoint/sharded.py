@@ -191,7 +191,9 @@ def load_full(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_s
 def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
     """torch's optimizer state dict (parameters numbered 0..N-1 across its groups) -> the same keyed by
     parameter name, using this optimizer's groups, which hold the same parameters in the same order."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    from utils.model.activation_checkpointing import parameter_fqn
+
+    names = {id(p): parameter_fqn(n) for n, p in model.named_parameters()}
     state, groups = {}, []
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"the saved optimizer has {len(saved['param_groups'])} parameter groups, this one "

@@ -15,24 +15,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs.model_config import ConfigError, ModelSpec
+from configs.training_config import MODEL_IMPLS
 
-IMPLEMENTATIONS = ("native", "hf")
 
-
-def build_model(spec: ModelSpec, seed: int, impl: str = "native", gradient_checkpointing: bool = False) -> nn.Module:
+def build_model(spec: ModelSpec, seed: int, impl: str = "native") -> nn.Module:
     """A freshly initialised model; the same seed gives the same weights on every rank."""
-    if impl not in IMPLEMENTATIONS:
-        raise ConfigError(f"model_impl='{impl}' is not valid; use one of {', '.join(IMPLEMENTATIONS)}")
+    if impl not in MODEL_IMPLS:
+        raise ConfigError(f"model_impl='{impl}' is not valid; use one of {', '.join(MODEL_IMPLS)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if impl == "native":
             from utils.model.gpt_neox import GPTNeoX
 
-            return GPTNeoX(spec, gradient_checkpointing=gradient_checkpointing)
+            return GPTNeoX(spec)
         model = hf_model_class()(spec.to_hf_config(attn_implementation="sdpa"))
     model.spec = spec
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -2,8 +2,8 @@
 
 Units, as torchtitan lays them out: one per transformer block, the input embedding, the final norm together
 with the LM head (not resharded after forward: backward needs them at once), then the root (the rest: the
-rotary tables are buffers, not sharded). Order: activation checkpointing (the model's own flag, applied
-in its forward), then per-block compile, then sharding. In bf16 runs parameters are gathered and computed
+rotary tables are buffers, not sharded). The parallelism seam (utils/parallel.py) calls these after
+activation checkpointing, fp8 and per-block compile, over the device mesh it built. In bf16 runs parameters are gathered and computed
 in bf16 and gradients reduce-scattered in fp32 (`MixedPrecisionPolicy`); fp32 runs keep fp32 throughout.
 
 Gradient accumulation reduce-scatters every micro-batch into the sharded fp32 gradients: each rank holds
@@ -55,12 +55,10 @@ def ensure_process_group(device: torch.device) -> None:
                             device_id=device if device.type == "cuda" else None)
 
 
-def shard_model(model: nn.Module, device: torch.device, world_size: int, precision: str) -> nn.Module:
-    """Applies fully_shard to the native model's units and the root, in place; returns the model."""
-    from torch.distributed.device_mesh import init_device_mesh
+def shard_model(model: nn.Module, mesh, precision: str) -> nn.Module:
+    """Applies fully_shard over `mesh` to the native model's units and the root, in place; returns the model."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
     kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(precision)}
     trunk = model.gpt_neox
     for block in trunk.layers:
@@ -100,8 +98,3 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
-
-
-def parameter_bytes(model: nn.Module) -> int:
-    """Bytes of parameters this rank holds (its shards under FSDP, everything under DDP)."""
-    return sum(local(p).numel() * local(p).element_size() for p in model.parameters())

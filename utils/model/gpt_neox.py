@@ -10,20 +10,17 @@ weights come in and go out with a key copy (utils/model/hf.py).
 Faster than transformers' class because it does less around the same matmuls: rotary from cos/sin tables
 computed once, `scaled_dot_product_attention(is_causal=True)` without a mask tensor, no output objects or
 cache plumbing, and a loss that never materialises the [tokens, vocab] fp32 logits (`ChunkedLMHeadLoss`).
-`compile_blocks()` compiles the transformer block once for all layers (regional compile).
+`compile_blocks()` compiles the transformer block once for all layers (regional compile). Activation
+checkpointing is not the model's concern: a policy wraps its blocks from outside
+(utils/model/activation_checkpointing.py).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from configs.model_config import ConfigError, ModelSpec
-
-# Rows of the flattened [tokens, hidden] activations per chunk of the LM-head loss: bounds the logits alive
-# at once to LOSS_CHUNK_ROWS x vocab (8192 x 50304 fp32 = 1.6 GB, instead of 3.3 GB for a 8 x 2048 batch).
-LOSS_CHUNK_ROWS = 8192
+from configs.model_config import LOSS_CHUNK_ROWS, ConfigError, ModelSpec
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -191,13 +188,12 @@ class FlopsMixin:
 class GPTNeoX(FlopsMixin, nn.Module):
     """`forward(input_ids) -> loss`: mean next-token cross-entropy over every position but the last."""
 
-    def __init__(self, spec: ModelSpec, gradient_checkpointing: bool = False):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
         if spec.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"hidden_act '{spec.hidden_act}' is not supported by the native model; use one of "
                               f"{', '.join(ACTIVATIONS)}, or model_impl=hf")
         self.spec = spec
-        self.gradient_checkpointing = gradient_checkpointing
         self.gpt_neox = _Trunk(spec)
         self.lm_head = LMHead(spec.hidden_size, spec.padded_vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -235,11 +231,8 @@ class GPTNeoX(FlopsMixin, nn.Module):
         T = input_ids.shape[1]
         cos, sin = self.rotary_cos[:T], self.rotary_sin[:T]
         x = self.gpt_neox.embed_in(input_ids)
-        for block in self.gpt_neox.layers:
-            if self.gradient_checkpointing and self.training:
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cos, sin)
+        for block in self.gpt_neox.layers:  # activation checkpointing wraps blocks from outside (utils/parallel.py)
+            x = block(x, cos, sin)
         return self.gpt_neox.final_layer_norm(x)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
