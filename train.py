@@ -279,7 +279,7 @@ def make_trackers(cfg, log_dir: Path) -> list:
 
 def lock_output_dir(output_dir: Path, accelerator):
     """Rank 0 takes the output dir's lock; every rank learns the outcome, so all stop together if busy."""
-    from utils.errors import main_process_only
+    from utils.distributed import main_process_only
     from utils.lock import OutputDirLock
 
     lock = OutputDirLock(output_dir)
@@ -368,7 +368,7 @@ def build_data(cfg, spec, seq_len, accelerator, log):
     from utils.data.index import ShardIndex
     from utils.data.loader import EvalBatches, MixtureSource, ResumableLoader, build_eval_batches
     from utils.data.mixture import check_tokenizers, sources_from_config
-    from utils.errors import main_process_first
+    from utils.distributed import main_process_first
 
     rank, world = accelerator.process_index, accelerator.num_processes
     sources = sources_from_config(cfg)

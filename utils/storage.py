@@ -16,8 +16,7 @@ import re
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -67,11 +66,11 @@ def gs_url(bucket: str, name: str = "") -> str:
     return f"gs://{bucket}/{name}" if name else f"gs://{bucket}"
 
 
-def _join(prefix: str, rel: str) -> str:
+def join_name(prefix: str, rel: str) -> str:
     return f"{prefix}/{rel}" if prefix else rel
 
 
-def _folder(prefix: str) -> str:
+def folder_prefix(prefix: str) -> str:
     """A prefix as a folder: "a/b" -> "a/b/" so that "a/bc/..." is not listed; "" stays ""."""
     return f"{prefix}/" if prefix else ""
 
@@ -258,14 +257,14 @@ def _retry_call(fn: Callable, what: str, retries: int, base_delay: float):
             if attempt >= retries:
                 tries = f"{attempt + 1} attempt" + ("s" if attempt else "")
                 raise StorageError(
-                    f"{what} failed after {tries}: {_short(exc)}; "
+                    f"{what} failed after {tries}: {short_error(exc)}; "
                     "check the network / GCS status and run again"
                 ) from exc
             time.sleep(_backoff(attempt, base_delay))
             attempt += 1
 
 
-def _short(exc: BaseException, limit: int = 300) -> str:
+def short_error(exc: BaseException, limit: int = 300) -> str:
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -283,7 +282,7 @@ def _explain(exc: BaseException, url: str) -> StorageError:
             f"access denied to {url} (HTTP {exc.code}): the credentials in use lack permission on this "
             "bucket; grant the service account Storage Object Admin (or Viewer for reads) on it"
         )
-    return StorageError(f"{url}: {_short(exc)}")
+    return StorageError(f"{url}: {short_error(exc)}")
 
 
 # ---------------------------------------------------------------------------------------------- checksums
@@ -348,7 +347,7 @@ def list_objects(client, bucket: str, prefix: str, suffix: str | None = ".npz") 
     """Every object under the folder `prefix` (recursive) whose name ends in `suffix` (None: all), by name."""
 
     def fetch():
-        blobs = client.list_blobs(bucket, prefix=_folder(prefix.strip("/")), retry=None)
+        blobs = client.list_blobs(bucket, prefix=folder_prefix(prefix.strip("/")), retry=None)
         return [
             RemoteObject(b.name, int(b.size or 0), b.crc32c or "")
             for b in blobs
@@ -366,7 +365,7 @@ def list_objects(client, bucket: str, prefix: str, suffix: str | None = ".npz") 
 def list_subdirectories(client, gs_url_: str) -> list[str]:
     """Immediate "folder" names under a prefix (e.g. checkpoint names under .../checkpoints/RUN), sorted."""
     bucket, prefix = parse_gs_url(gs_url_)
-    folder = _folder(prefix)
+    folder = folder_prefix(prefix)
 
     def fetch():
         iterator = client.list_blobs(bucket, prefix=folder, delimiter="/", retry=None)
@@ -459,144 +458,6 @@ DOWNLOAD_DISK_FULL_ADVICE = ("free space there, then run the same command again:
                              "not downloaded again")
 
 
-def check_destination(dest_dir) -> None:
-    """One StorageError, before any download, when `dest_dir` cannot hold files: it is a file, or this
-    user may not create it or write in it (rather than one FAILED line per object)."""
-    dest_dir = Path(dest_dir)
-    try:
-        if dest_dir.exists() and not dest_dir.is_dir():
-            raise StorageError(f"--dest {dest_dir} is a file; give a folder")
-        dest_dir.mkdir(parents=True, exist_ok=True)
-        probe = files.temp_path(dest_dir / "write-check")
-        try:
-            probe.write_bytes(b"")
-        finally:
-            probe.unlink(missing_ok=True)
-            files.release_temp(probe)
-    except StorageError:
-        raise
-    except OSError as exc:
-        raise StorageError(f"--dest {dest_dir}: cannot write there ({exc.strerror}){files.owner_of(dest_dir)}; "
-                           f"choose a folder you may write, or fix its permissions") from None
-
-
-@dataclass
-class SyncReport:
-    downloaded: int = 0
-    skipped: int = 0
-    failed: list[str] = field(default_factory=list)  # gs:// urls
-    bytes: int = 0
-    seconds: float = 0.0
-    dry_run: bool = False
-
-    def summary(self) -> str:
-        mb = self.bytes / 1e6
-        rate = mb / self.seconds if self.seconds > 0 else 0.0
-        if self.dry_run:
-            return (f"dry run: would download {self.downloaded} ({mb:.1f} MB), skip {self.skipped}; "
-                    f"nothing was transferred")
-        return (f"downloaded {self.downloaded}, skipped {self.skipped}, failed {len(self.failed)}, "
-                f"{mb:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s)")
-
-
-def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max_files: int = -1,
-                dry_run: bool = False, suffix: str = ".npz", progress: bool = True,
-                with_root_files: tuple[str, ...] = ("dataset.json", "tokenizer.json")) -> SyncReport:
-    """Mirror every object ending in `suffix` under `source_url` into `dest_dir` (same relative paths), and
-    the `with_root_files` found directly under it (prepare_data.py's dataset description and tokenizer).
-    A local file is skipped only when its size and crc32c match; everything else is downloaded, verified
-    and renamed into place. `max_files` >= 0 takes the first N shards by name. Clients are created here,
-    one per worker thread, so this is safe to call after a fork."""
-    from tqdm import tqdm
-
-    started = time.monotonic()
-    bucket, prefix = parse_gs_url(source_url)
-    dest_dir = Path(dest_dir)
-    listed = list_objects(client_factory(), bucket, prefix, None)
-    objects = [o for o in listed if o.name.endswith(suffix)]
-    if not objects:
-        raise StorageError(f"no objects ending in {suffix!r} under {source_url}: check --source")
-    if max_files is not None and max_files >= 0:
-        objects = objects[:max_files]
-    if not dry_run:
-        check_destination(dest_dir)
-    root_files = {_join(prefix, name) for name in with_root_files}
-    objects += [o for o in listed if o.name in root_files]
-    report = SyncReport(dry_run=dry_run)
-    root = dest_dir.resolve()
-    targets: list[tuple[RemoteObject, Path]] = []
-    folder = _folder(prefix)
-    for obj in objects:
-        target = (root / obj.name[len(folder):]).resolve()
-        if root not in target.parents:  # an object name with ".." must not escape dest_dir
-            print(f"refusing {gs_url(bucket, obj.name)}: its name leaves {dest_dir}", file=sys.stderr)
-            report.failed.append(gs_url(bucket, obj.name))
-            continue
-        targets.append((obj, target))
-    if not dry_run:
-        clean_stale_partials(root)
-
-    workers = max(1, workers)
-    local = threading.local()
-
-    def client():
-        if getattr(local, "client", None) is None:
-            local.client = client_factory()
-        return local.client
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-check") as pool:
-        matches = list(pool.map(lambda t: local_matches(t[1], t[0]), targets))
-    todo = [t for t, ok in zip(targets, matches) if not ok]
-    report.skipped = len(targets) - len(todo)
-    if dry_run:
-        for obj, target in todo:
-            print(f"would download {gs_url(bucket, obj.name)} ({obj.size} bytes) -> {target}")
-        report.downloaded = len(todo)
-        report.bytes = sum(o.size for o, _ in todo)
-        report.seconds = time.monotonic() - started
-        return report
-
-    lock = threading.Lock()
-    bar = tqdm(total=sum(o.size for o, _ in todo), unit="B", unit_scale=True, desc="download",
-               disable=not progress or not todo, mininterval=0.5)
-
-    def on_bytes(n: int):
-        with lock:
-            bar.update(n)
-
-    full: list[DiskFullError] = []  # the first full-disk error: said once, and the other downloads stop
-
-    def fetch(item: tuple[RemoteObject, Path]):
-        obj, target = item
-        if full:
-            return
-        try:
-            n = download_verified(client(), bucket, obj, target, on_bytes=on_bytes)
-        except DiskFullError as exc:
-            with lock:
-                full.append(exc)
-            return
-        except Exception as exc:
-            with lock:
-                report.failed.append(gs_url(bucket, obj.name))
-                tqdm.write(f"FAILED {gs_url(bucket, obj.name)}: {_short(exc, 500)}", file=sys.stderr)
-            return
-        with lock:
-            report.downloaded += 1
-            report.bytes += n
-
-    try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-download") as pool:
-            list(pool.map(fetch, todo))
-    finally:
-        bar.close()
-    if full:
-        raise full[0]
-    report.failed.sort()
-    report.seconds = time.monotonic() - started
-    return report
-
-
 def download_directory(client, gs_url_: str, dest_dir, retries: int = 5) -> int:
     """Download every object under `gs_url_` (e.g. a checkpoint) into a temporary sibling of `dest_dir`,
     verified, then rename it to `dest_dir` in one step. `dest_dir` must not exist yet. Returns bytes."""
@@ -609,7 +470,7 @@ def download_directory(client, gs_url_: str, dest_dir, retries: int = 5) -> int:
         raise StorageError(f"nothing to download: no objects under {gs_url_}; check the url")
     dest_dir.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_partials(dest_dir.parent)
-    folder = _folder(prefix)
+    folder = folder_prefix(prefix)
     total = 0
     with files.atomic_directory(dest_dir, replace=False) as temp:
         for obj in objects:
@@ -662,7 +523,7 @@ def check_writable(client, gs_url_: str, timeout: float = 10.0) -> str | None:
     from google.api_core import exceptions as api
 
     bucket, prefix = parse_gs_url(gs_url_)
-    name = _join(prefix, f".write-check-{files.host_tag()}-{os.getpid()}")
+    name = join_name(prefix, f".write-check-{files.host_tag()}-{os.getpid()}")
     blob = client.bucket(bucket).blob(name)
     try:
         blob.upload_from_string(b"", retry=None, timeout=timeout)
@@ -677,7 +538,7 @@ def check_writable(client, gs_url_: str, timeout: float = 10.0) -> str | None:
     except Exception as exc:
         if not is_transient(exc):
             raise _explain(exc, gs_url_) from exc
-        return (f"warning: could not reach GCS within {timeout:.0f} s to check {gs_url_} ({_short(exc, 200)}); "
+        return (f"warning: could not reach GCS within {timeout:.0f} s to check {gs_url_} ({short_error(exc, 200)}); "
                 f"training goes on and each checkpoint's upload retries")
     try:
         blob.delete(retry=None, timeout=timeout)
@@ -706,7 +567,7 @@ def upload_directory(client, local_dir, gs_url_: str, last: tuple[str, ...] = ("
         raise StorageError(f"cannot upload {local_dir} to {gs_url_}: not a directory")
     names = []
     for path in _upload_order(local_dir, last):
-        name = _join(prefix, path.relative_to(local_dir).as_posix())
+        name = join_name(prefix, path.relative_to(local_dir).as_posix())
         upload_verified(client, bucket, path, name, retries=retries)
         names.append(name)
     return names

@@ -36,7 +36,8 @@ from utils.checkpoint.format import (CheckpointError, CheckpointPayload, HostBuf
 from utils.checkpoint.resume import resolve_resume
 from utils.checkpoint.upload import BackgroundUploader
 from utils.checkpoint.writer import AsyncCheckpointWriter
-from utils.errors import DiskFullError, UserError, main_process_first, main_process_only
+from utils.distributed import main_process_first, main_process_only
+from utils.errors import DiskFullError, UserError
 from utils.state import RngState, TrainState
 from utils.storage import make_client
 

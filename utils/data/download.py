@@ -1,0 +1,155 @@
+"""The download workflow of `download_training_data.py`: mirror a dataset's shards (and its dataset.json and
+tokenizer.json) from GCS into a local folder, skipping files whose size and crc32c already match, in
+parallel threads, each file verified and renamed into place (utils/storage.py's `download_verified`).
+The GCS primitives stay in utils/storage.py; this is what a user's download does with them."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from utils import files
+from utils.errors import DiskFullError
+from utils.storage import (RemoteObject, StorageError, clean_stale_partials, download_verified, folder_prefix, gs_url,
+                           join_name, list_objects, local_matches, parse_gs_url, short_error)
+
+
+def check_destination(dest_dir) -> None:
+    """One StorageError, before any download, when `dest_dir` cannot hold files: it is a file, or this
+    user may not create it or write in it (rather than one FAILED line per object)."""
+    dest_dir = Path(dest_dir)
+    try:
+        if dest_dir.exists() and not dest_dir.is_dir():
+            raise StorageError(f"--dest {dest_dir} is a file; give a folder")
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        probe = files.temp_path(dest_dir / "write-check")
+        try:
+            probe.write_bytes(b"")
+        finally:
+            probe.unlink(missing_ok=True)
+            files.release_temp(probe)
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"--dest {dest_dir}: cannot write there ({exc.strerror}){files.owner_of(dest_dir)}; "
+                           f"choose a folder you may write, or fix its permissions") from None
+
+
+@dataclass
+class SyncReport:
+    downloaded: int = 0
+    skipped: int = 0
+    failed: list[str] = field(default_factory=list)  # gs:// urls
+    bytes: int = 0
+    seconds: float = 0.0
+    dry_run: bool = False
+
+    def summary(self) -> str:
+        mb = self.bytes / 1e6
+        rate = mb / self.seconds if self.seconds > 0 else 0.0
+        if self.dry_run:
+            return (f"dry run: would download {self.downloaded} ({mb:.1f} MB), skip {self.skipped}; "
+                    f"nothing was transferred")
+        return (f"downloaded {self.downloaded}, skipped {self.skipped}, failed {len(self.failed)}, "
+                f"{mb:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s)")
+
+
+def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max_files: int = -1,
+                dry_run: bool = False, suffix: str = ".npz", progress: bool = True,
+                with_root_files: tuple[str, ...] = ("dataset.json", "tokenizer.json")) -> SyncReport:
+    """Mirror every object ending in `suffix` under `source_url` into `dest_dir` (same relative paths), and
+    the `with_root_files` found directly under it (prepare_data.py's dataset description and tokenizer).
+    A local file is skipped only when its size and crc32c match; everything else is downloaded, verified
+    and renamed into place. `max_files` >= 0 takes the first N shards by name. Clients are created here,
+    one per worker thread, so this is safe to call after a fork."""
+    from tqdm import tqdm
+
+    started = time.monotonic()
+    bucket, prefix = parse_gs_url(source_url)
+    dest_dir = Path(dest_dir)
+    listed = list_objects(client_factory(), bucket, prefix, None)
+    objects = [o for o in listed if o.name.endswith(suffix)]
+    if not objects:
+        raise StorageError(f"no objects ending in {suffix!r} under {source_url}: check --source")
+    if max_files is not None and max_files >= 0:
+        objects = objects[:max_files]
+    if not dry_run:
+        check_destination(dest_dir)
+    root_files = {join_name(prefix, name) for name in with_root_files}
+    objects += [o for o in listed if o.name in root_files]
+    report = SyncReport(dry_run=dry_run)
+    root = dest_dir.resolve()
+    targets: list[tuple[RemoteObject, Path]] = []
+    folder = folder_prefix(prefix)
+    for obj in objects:
+        target = (root / obj.name[len(folder):]).resolve()
+        if root not in target.parents:  # an object name with ".." must not escape dest_dir
+            print(f"refusing {gs_url(bucket, obj.name)}: its name leaves {dest_dir}", file=sys.stderr)
+            report.failed.append(gs_url(bucket, obj.name))
+            continue
+        targets.append((obj, target))
+    if not dry_run:
+        clean_stale_partials(root)
+
+    workers = max(1, workers)
+    local = threading.local()
+
+    def client():
+        if getattr(local, "client", None) is None:
+            local.client = client_factory()
+        return local.client
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-check") as pool:
+        matches = list(pool.map(lambda t: local_matches(t[1], t[0]), targets))
+    todo = [t for t, ok in zip(targets, matches) if not ok]
+    report.skipped = len(targets) - len(todo)
+    if dry_run:
+        for obj, target in todo:
+            print(f"would download {gs_url(bucket, obj.name)} ({obj.size} bytes) -> {target}")
+        report.downloaded = len(todo)
+        report.bytes = sum(o.size for o, _ in todo)
+        report.seconds = time.monotonic() - started
+        return report
+
+    lock = threading.Lock()
+    bar = tqdm(total=sum(o.size for o, _ in todo), unit="B", unit_scale=True, desc="download",
+               disable=not progress or not todo, mininterval=0.5)
+
+    def on_bytes(n: int):
+        with lock:
+            bar.update(n)
+
+    full: list[DiskFullError] = []  # the first full-disk error: said once, and the other downloads stop
+
+    def fetch(item: tuple[RemoteObject, Path]):
+        obj, target = item
+        if full:
+            return
+        try:
+            n = download_verified(client(), bucket, obj, target, on_bytes=on_bytes)
+        except DiskFullError as exc:
+            with lock:
+                full.append(exc)
+            return
+        except Exception as exc:
+            with lock:
+                report.failed.append(gs_url(bucket, obj.name))
+                tqdm.write(f"FAILED {gs_url(bucket, obj.name)}: {short_error(exc, 500)}", file=sys.stderr)
+            return
+        with lock:
+            report.downloaded += 1
+            report.bytes += n
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-download") as pool:
+            list(pool.map(fetch, todo))
+    finally:
+        bar.close()
+    if full:
+        raise full[0]
+    report.failed.sort()
+    report.seconds = time.monotonic() - started
+    return report
