@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import time
-import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -102,6 +101,7 @@ def train(cfg, profile, args) -> int:
     import torch
 
     from utils.checkpoint.checkpointer import Checkpointer, find_checkpoint
+    from utils.debug import BatchTrace
     from utils.checkpoint.format import checkpoint_name
     from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
     from utils.optim import schedule_from_config
@@ -164,7 +164,7 @@ def train(cfg, profile, args) -> int:
     sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, cfg.data_dir, seq_len, cfg.seed,
                       accelerator, log, sharded=parallel.sharded)
     grad_norm = torch.zeros((), device=device)
-    trace = BatchTrace(output_dir, accelerator) if os.environ.get("NEOX_TRACE_BATCHES") == "1" else None
+    trace = BatchTrace.if_asked(output_dir, accelerator)
     bar = progress_bar(cfg, state, accelerator)
     exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
     try:
@@ -566,23 +566,6 @@ def preflight(model, batches, cfg, accelerator, log, stop) -> None:
                         f"{cfg.mixed_precision} precision before training; try --mixed-precision {' or '.join(others)}")
     log.info(f"Preflight: {len(checks)} forward/backward pass(es) in {cfg.mixed_precision} precision gave a "
              f"finite loss and gradients")
-
-
-class BatchTrace:
-    """`NEOX_TRACE_BATCHES=1`: rank 0 records a checksum of every sequence each rank trained on, per step,
-    in logs/batch_trace.jsonl (slow: one gather per micro-batch; for debugging data sharding)."""
-
-    def __init__(self, output_dir: Path, accelerator):
-        self.path, self.accelerator = output_dir / "logs" / "batch_trace.jsonl", accelerator
-
-    def record(self, step: int, input_ids) -> None:
-        from accelerate.utils import gather_object
-
-        rows = [zlib.crc32(r.numpy().tobytes()) for r in input_ids.cpu()]
-        traced = gather_object([rows]) if self.accelerator.num_processes > 1 else [rows]
-        if self.accelerator.is_main_process:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, "ranks": traced}) + "\n")
 
 
 def finish(model, spec, cfg, state, output_dir: Path, parallel, log):

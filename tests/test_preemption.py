@@ -163,7 +163,7 @@ def test_slurm_signal_requeue_and_a_checkpoint_slower_than_torchruns_30_s(tmp_pa
     env = dict(subprocess_env, PATH=f"{tmp_path / 'bin'}:{subprocess_env['PATH']}", SLURM_JOB_ID="4242",
                SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(REPO_ROOT),
                CONFIG="demo", GPUS_PER_NODE="2", MAIN_PORT=str(_free_port()), LAUNCH_ARGS=f"--cpu {sets}",
-               TRAIN_ARGS=f"--output-dir {out} --data-dir {data}", NEOX_TEST_CHECKPOINT_DELAY_S="35")
+               TRAIN_ARGS=f"--output-dir {out} --data-dir {data}", NEOX_DEBUG_CHECKPOINT_DELAY_S="35")
     batch = ["bash", str(REPO_ROOT / "scripts" / "slurm_train.sbatch")]
     proc = start(batch, env, out, start_new_session=True)
     wait_for_steps(out, proc, timeout=240)

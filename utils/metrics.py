@@ -234,13 +234,11 @@ class RunLogger:
 
 def _quiet_tensorboard_thread(args, _previous=threading.excepthook) -> None:
     """TensorBoard's writer thread re-raises its write error (a full disk) in its own thread, then again in
-    the next `add_scalar` on ours, where it becomes the one-line DiskFullError: print it once, there."""
+    the next `add_scalar` on ours, where it becomes the one-line DiskFullError: print it once, there.
+    Installed by `tensorboard_tracker` (a run that writes TensorBoard files), not by importing this module."""
     if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
         return
     _previous(args)
-
-
-threading.excepthook = _quiet_tensorboard_thread
 
 
 def tensorboard_tracker(log_dir: Path):
@@ -248,6 +246,8 @@ def tensorboard_tracker(log_dir: Path):
     same run: accelerate's own stores them through `add_hparams`, which opens a second run named by the
     time, and `hparams.yml` in a third (TensorBoard then lists two stray runs)."""
     from accelerate.tracking import TensorBoardTracker, on_main_process
+
+    threading.excepthook = _quiet_tensorboard_thread
 
     class OneRunTensorBoard(TensorBoardTracker):
         @on_main_process

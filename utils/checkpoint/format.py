@@ -37,6 +37,7 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 
 from utils import files
+from utils.debug import checkpoint_write_delay_s
 from utils.errors import UserError
 from utils.storage import file_crc32c
 
@@ -44,8 +45,6 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
-# Tests only: seconds each checkpoint write sleeps before its manifest, to stand in for a slow disk.
-_TEST_WRITE_DELAY_S = float(os.environ.get("NEOX_TEST_CHECKPOINT_DELAY_S", "0") or 0)
 
 _NAME_RE = re.compile(r"checkpoint-epoch(\d+)-step(\d+)-files(\d+)")
 _OBJECT_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -275,8 +274,9 @@ def _write_contents(tmp: Path, name: str, payload: CheckpointPayload, extra_file
         shutil.copyfile(src, dest)
         files.fsync_file(dest)
 
-    if _TEST_WRITE_DELAY_S:  # fault injection for the preemption tests: a slow disk
-        time.sleep(_TEST_WRITE_DELAY_S)
+    delay = checkpoint_write_delay_s()  # fault injection for the preemption tests: a slow disk
+    if delay:
+        time.sleep(delay)
     remote = None
     if sharded is not None:
         remote = sharded.wait()  # every rank's shards are on disk (or in GCS) before the manifest lists them

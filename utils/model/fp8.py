@@ -8,18 +8,15 @@ work unchanged. Everything else runs under bf16 autocast.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-# Tests only: torchao's emulation runs the float8 casts in plain PyTorch on any device (slowly).
-EMULATE = os.environ.get("NEOX_FP8_EMULATE") == "1"
+from utils.debug import fp8_emulated
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:
     """(True, "") on CUDA devices with float8 tensor cores (compute capability >= 8.9), else why not."""
-    if EMULATE:
+    if fp8_emulated():
         return True, ""
     if device.type != "cuda":
         return False, (f"mixed_precision=fp8 needs an NVIDIA Hopper or Ada GPU (float8 tensor cores); this run is on "
@@ -44,7 +41,7 @@ def enable_fp8(model: nn.Module, fsdp: bool = False) -> int:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     count = sum(_eligible(m, name) for name, m in model.named_modules())
-    config = Float8LinearConfig(emulate=EMULATE, enable_fsdp_float8_all_gather=fsdp)
+    config = Float8LinearConfig(emulate=fp8_emulated(), enable_fsdp_float8_all_gather=fsdp)
     convert_to_float8_training(model, config=config, module_filter_fn=_eligible)
     return count
 

@@ -1,0 +1,47 @@
+"""Debugging and fault-injection switches, read from the environment in one place (never set in a normal run).
+
+    NEOX_TRACE_BATCHES=1            rank 0 records a checksum of every sequence each rank trained on, per step,
+                                    in logs/batch_trace.jsonl (slow: one gather per micro-batch; for checking
+                                    data sharding)
+    NEOX_FP8_EMULATE=1              torchao's float8 emulation: fp8 runs in plain PyTorch on any device, slowly
+                                    (tests of the fp8 path on a CPU)
+    NEOX_DEBUG_CHECKPOINT_DELAY_S=S each checkpoint write sleeps S seconds before its manifest: a slow disk, for
+                                    the preemption tests
+
+Production modules ask these functions rather than reading the variables themselves, so every switch that
+changes behaviour for a test is listed here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+
+def fp8_emulated() -> bool:
+    return os.environ.get("NEOX_FP8_EMULATE") == "1"
+
+
+def checkpoint_write_delay_s() -> float:
+    return float(os.environ.get("NEOX_DEBUG_CHECKPOINT_DELAY_S", "0") or 0)
+
+
+class BatchTrace:
+    """`NEOX_TRACE_BATCHES=1` (see the module docstring)."""
+
+    def __init__(self, output_dir: Path, accelerator):
+        self.path, self.accelerator = Path(output_dir) / "logs" / "batch_trace.jsonl", accelerator
+
+    @classmethod
+    def if_asked(cls, output_dir: Path, accelerator) -> "BatchTrace | None":
+        return cls(output_dir, accelerator) if os.environ.get("NEOX_TRACE_BATCHES") == "1" else None
+
+    def record(self, step: int, input_ids) -> None:
+        from accelerate.utils import gather_object
+
+        rows = [zlib.crc32(r.numpy().tobytes()) for r in input_ids.cpu()]
+        traced = gather_object([rows]) if self.accelerator.num_processes > 1 else [rows]
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, "ranks": traced}) + "\n")
