@@ -414,11 +414,23 @@ def build_training(cfg, spec, init_weights, parallel, log):
     schedule. The scheduler is deliberately never prepared (see utils/optim.py)."""
     from utils.optim import build_optimizer, build_scheduler
 
-    model = parallel.build_model(spec, init_weights, log)
+    model = parallel.build_model(spec, init_weights, log, document_eos(cfg) if cfg.attention == "document" else None)
     optimizer = build_optimizer(model, cfg, fused=parallel.device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = parallel.prepare(model, optimizer)
     return model, optimizer, scheduler
+
+
+def document_eos(cfg) -> int:
+    """attention=document: the id documents end with, from `eos_id` or the data."""
+    from utils.data.dataset_info import end_of_document_id
+    from utils.data.mixture import sources_from_config
+
+    eos = cfg.eos_id if cfg.eos_id >= 0 else end_of_document_id(s.path for s in sources_from_config(cfg))
+    if eos is None:
+        raise UserError(f"attention=document needs the id documents end with, and {cfg.data_dir} has no dataset.json "
+                        f"(prepare_data.py writes one): set it with --set eos_id=N")
+    return eos
 
 
 def shared_output_dir(output_dir: Path, accelerator, remote_root: str | None, log) -> bool:

@@ -21,6 +21,7 @@ OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 STRATEGIES = ("ddp", "fsdp")  # utils/parallel.py: one class each
 # utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
+ATTENTION = ("causal", "document")  # utils/model/gpt_neox.py: use_document_masking
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -82,6 +83,10 @@ class TrainingConfig:
                                   "state sharded over the ranks (FSDP2), sharded checkpoints")
     mixed_precision: str = _field("bf16", "bf16 | fp16 (CUDA, with a grad scaler) | fp8 (Hopper/Ada, torchao) | no")
     compile_model: bool = _field(True, "torch.compile each transformer block (regional compile)")
+    attention: str = _field("causal", "causal: every token sees all before it in its sequence; document: only those "
+                                      "of its own document (packed documents end at the data's EOS id)")
+    position_reset: bool = _field(False, "attention=document: rotary positions restart at every document")
+    eos_id: int = _field(-1, "attention=document: the end-of-document id; -1: from the data's dataset.json")
     activation_checkpointing: str = _field("none", "what the backward pass recomputes instead of keeping: none | full "
                                                    "(each block) | every_k (every k-th block) | selective (the "
                                                    "element-wise ops; matmul and attention outputs are kept)")
@@ -129,6 +134,10 @@ class TrainingConfig:
             )
         if self.model_impl not in MODEL_IMPLS:
             raise ConfigError(f"model_impl='{self.model_impl}' is not valid; use one of {', '.join(MODEL_IMPLS)}")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention='{self.attention}' is not valid; use one of {', '.join(ATTENTION)}")
+        if self.attention == "document" and self.model_impl != "native":
+            raise ConfigError("attention=document masks the native model's attention; use model_impl=native")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ConfigError(f"activation_checkpointing='{self.activation_checkpointing}' is not valid; use one of "
                               f"{', '.join(ACTIVATION_CHECKPOINTING)}")

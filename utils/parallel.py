@@ -64,9 +64,15 @@ class DataParallel:
 
     # ------------------------------------------------------------------------------------------- build
 
-    def build_model(self, spec, init_weights: dict | None, log) -> nn.Module:
-        """The model, wrapped in the order of the module docstring, with `init_weights` (or the seeded init)."""
+    def build_model(self, spec, init_weights: dict | None, log, document_eos: int | None = None) -> nn.Module:
+        """The model, wrapped in the order of the module docstring, with `init_weights` (or the seeded init);
+        with attention=document, masked at `document_eos`."""
         model = self._new_model(spec, init_weights)
+        if self.cfg.attention == "document":
+            model.use_document_masking(document_eos, self.cfg.position_reset)
+            log.info(f"attention: document (tokens attend within their own document; EOS id {document_eos}"
+                     f"{', rotary positions restart at each document' if self.cfg.position_reset else ''}; "
+                     f"{'FlexAttention block mask' if model.flex_attention else 'SDPA with a dense mask'})")
         policy = self.activation_checkpointing
         if policy != "none":
             count = apply_activation_checkpointing(model, policy, self.every_k)

@@ -70,3 +70,17 @@ class DatasetInfo:
         if info.vocab_size < 1 or not 0 <= info.eos_id < info.vocab_size:
             raise DatasetInfoError(f"{path}: vocab_size {info.vocab_size} and eos_id {info.eos_id} do not fit together")
         return info
+
+
+def end_of_document_id(data_dirs) -> int | None:
+    """The EOS id the data's documents end with: the first data directory's dataset.json (prepare_data.py),
+    or the demo build's record; None where neither says."""
+    from utils.data import demo
+
+    for data_dir in data_dirs:
+        info = DatasetInfo.load(data_dir)
+        if info is not None:
+            return info.eos_id
+        if demo.is_built(data_dir):
+            return json.loads((Path(data_dir) / demo.MANIFEST).read_text())["eos_id"]
+    return None

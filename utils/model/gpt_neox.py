@@ -57,13 +57,62 @@ class Attention(nn.Module):
         self.query_key_value = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=spec.attention_bias)
         self.dense = nn.Linear(spec.hidden_size, spec.hidden_size, bias=spec.attention_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        """`mask`: None (causal), a boolean [B, 1, T, T] tensor (True: may attend) or a FlexAttention BlockMask."""
         B, T, C = x.shape
         # HF's fused layout: per head, [q | k | v] of head_dim each
         q, k, v = self.query_key_value(x).view(B, T, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif isinstance(mask, torch.Tensor):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = _flex_attention()(q, k, v, block_mask=mask)
         return self.dense(y.transpose(1, 2).reshape(B, T, C))
+
+
+def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[B, T] -> the document each token belongs to (0, 1, ... within its row): an EOS ends its document,
+    so the token after it starts the next one."""
+    is_eos = (input_ids == eos_id).to(torch.int32)
+    return torch.cumsum(is_eos, dim=1) - is_eos
+
+
+def positions_in_documents(docs: torch.Tensor) -> torch.Tensor:
+    """[B, T] document ids -> each token's position within its document (0 at every document's start)."""
+    idx = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+
+
+def document_mask(docs: torch.Tensor, flex: bool):
+    """Block-causal attention within documents: a boolean [B, 1, T, T] mask for SDPA, or (flex) a
+    FlexAttention BlockMask built once per batch, whose kernels skip the blocks no query attends to."""
+    B, T = docs.shape
+    if not flex:
+        causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
+        return (docs[:, None, :, None] == docs[:, None, None, :]) & causal
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q, kv):
+        return (docs[b, q] == docs[b, kv]) & (q >= kv)
+
+    return create_block_mask(same_document_causal, B, None, T, T, device=docs.device)
+
+
+_FLEX = None
+
+
+def _flex_attention():
+    """FlexAttention, compiled once (eager FlexAttention materialises the scores: a reference, not a kernel)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
+    return _FLEX
 
 
 class MLP(nn.Module):
@@ -87,8 +136,8 @@ class Block(nn.Module):
         self.attention = Attention(spec)
         self.mlp = MLP(spec)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        attn = self.attention(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        attn = self.attention(self.input_layernorm(x), cos, sin, mask)
         if self.parallel:
             return x + attn + self.mlp(self.post_attention_layernorm(x))
         x = x + attn
@@ -194,6 +243,9 @@ class GPTNeoX(FlopsMixin, nn.Module):
             raise ConfigError(f"hidden_act '{spec.hidden_act}' is not supported by the native model; use one of "
                               f"{', '.join(ACTIVATIONS)}, or model_impl=hf")
         self.spec = spec
+        self.document_eos: int | None = None  # use_document_masking
+        self.position_reset = False
+        self.flex_attention = False
         self.gpt_neox = _Trunk(spec)
         self.lm_head = LMHead(spec.hidden_size, spec.padded_vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -227,12 +279,26 @@ class GPTNeoX(FlopsMixin, nn.Module):
                 module.weight.fill_(1.0)
                 module.bias.zero_()
 
+    def use_document_masking(self, eos_id: int, position_reset: bool = False, flex: bool | None = None) -> None:
+        """`attention=document`: each token attends only within its own document of a packed sequence
+        (documents end at `eos_id`); `position_reset`: rotary positions restart at every document. `flex`:
+        FlexAttention with a block mask (default on CUDA) rather than SDPA with a dense boolean mask (CPU).
+        A training-time choice: the weights and the exported model are the standard GPT-NeoX."""
+        self.document_eos, self.position_reset = int(eos_id), position_reset
+        self.flex_attention = torch.cuda.is_available() if flex is None else flex
+
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         T = input_ids.shape[1]
-        cos, sin = self.rotary_cos[:T], self.rotary_sin[:T]
+        cos, sin, mask = self.rotary_cos[:T], self.rotary_sin[:T], None
+        if self.document_eos is not None:
+            docs = document_ids(input_ids, self.document_eos)
+            mask = document_mask(docs, self.flex_attention)
+            if self.position_reset:
+                positions = positions_in_documents(docs)
+                cos, sin = self.rotary_cos[positions][:, None], self.rotary_sin[positions][:, None]
         x = self.gpt_neox.embed_in(input_ids)
         for block in self.gpt_neox.layers:  # activation checkpointing wraps blocks from outside (utils/parallel.py)
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask)
         return self.gpt_neox.final_layer_norm(x)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
