@@ -374,22 +374,24 @@ def build_data(cfg, spec, seq_len, accelerator, log):
     from utils.data.demo import is_built as is_demo_build
     from utils.data.index import ShardIndex
     from utils.data.loader import EvalBatches, MixtureSource, ResumableLoader, build_eval_batches
-    from utils.data.mixture import check_tokenizers, sources_from_config
+    from utils.data.mixture import check_sources, sources_from_config
     from utils.errors import main_process_first
 
     rank, world = accelerator.process_index, accelerator.num_processes
     sources = sources_from_config(cfg)
     infos = {s.name: DatasetInfo.load(s.path) for s in sources}
-    check_tokenizers(infos)
+    if cfg.data_mix:
+        check_sources(sources, infos, log.warning if accelerator.is_main_process else lambda _line: None,
+                      demo_data=cfg.demo_data)
     # prepare_data.py's validation split by documents, where a source has one (val_files then does not apply)
     val_paths = {name: info.val_paths if info is not None else [] for name, info in infos.items()}
 
     def indexes():
-        # Build demo data into an empty folder; re-check an existing demo build (it refuses another vocab or
-        # seq_len); a folder of the user's own shards is used as it is.
+        # Build demo data into an empty data_dir (never into a data_mix source); re-check an existing demo build
+        # (it refuses another vocab or seq_len); a folder of the user's own shards is used as it is.
         built = {}
         for s in sources:
-            if cfg.demo_data and (is_demo_build(s.path) or not any(s.path.rglob("*.npz"))):
+            if cfg.demo_data and not cfg.data_mix and (is_demo_build(s.path) or not any(s.path.rglob("*.npz"))):
                 build_demo_data(s.path, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
             built[s.name] = ShardIndex.build(s.path, seq_len=seq_len, vocab_size=spec.vocab_size,
                                              max_files=-1 if val_paths[s.name] else cfg.max_files, log=log.info)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+
+import yaml
 
 from configs.model_config import ConfigError, get_model_spec
 
@@ -250,6 +253,23 @@ def _coerce(name: str, raw, where: str):
         raise ConfigError(f"{where}: expected a value of type {kind} for {name}, got {raw!r}") from None
 
 
+def _source_from_text(text: str) -> dict | None:
+    """"PATH:WEIGHT[:EPOCHS]" -> {path, weight[, epochs]} (strings), or None when no number follows the path.
+    Numbers are taken from the right, so a path may hold ':' itself (C:\\data, a drive letter)."""
+    def number(value: str) -> bool:
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+
+    parts = text.rsplit(":", 2)
+    if len(parts) == 3 and number(parts[1]) and number(parts[2]):
+        return {"path": parts[0], "weight": parts[1], "epochs": parts[2]}
+    path, sep, weight = text.rpartition(":")
+    return {"path": path, "weight": weight} if sep and number(weight) else None
+
+
 def parse_data_mix(raw, where: str) -> dict:
     """`data_mix` from a config file ({name: {path, weight, epochs?, val_files?}}) or `--set`
     ("name=PATH:WEIGHT[:EPOCHS],...") -> {name: {"path": str, "weight": float, ...}} (weights as given;
@@ -261,12 +281,13 @@ def parse_data_mix(raw, where: str) -> dict:
         out = {}
         for item in raw.split(","):
             name, sep, rest = item.strip().partition("=")
-            parts = rest.rsplit(":", 2) if rest.count(":") >= 2 else rest.rsplit(":", 1)
-            if not sep or len(parts) < 2:
-                raise ConfigError(f"{where}: data_mix item '{item.strip()}': {usage}")
-            entry = {"path": parts[0], "weight": parts[1]}
-            if len(parts) == 3:
-                entry["epochs"] = parts[2]
+            entry = _source_from_text(rest)
+            if not sep or entry is None:
+                raise ConfigError(f"{where}: data_mix item '{item.strip()}': the weight must be a number after the "
+                                  f"path's last ':'; {usage}")
+            if name.strip() in out:
+                raise ConfigError(f"{where}: data_mix names source '{name.strip()}' twice; give each source its own "
+                                  f"name")
             out[name.strip()] = entry
         raw = out
     if not isinstance(raw, dict):
@@ -297,13 +318,45 @@ def parse_data_mix(raw, where: str) -> dict:
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 
+class DuplicateKey(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML itself keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKey(f"line {key_node.start_mark.line + 1}: key '{key}' appears twice in one mapping; "
+                                   f"give each key once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_json_object(pairs: list) -> dict:
+    keys = [key for key, _ in pairs]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        raise DuplicateKey(f"key '{twice}' appears twice in one object; give each key once")
+    return dict(pairs)
+
+
+def load_settings_text(text: str, json_format: bool = False):
+    """A preset's or config file's YAML (or JSON) text -> its data. A key given twice in one mapping (a field,
+    a data_mix source) is refused, naming it: both formats would silently keep the last."""
+    if json_format:
+        return json.loads(text, object_pairs_hook=_unique_json_object)
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def _load_presets() -> dict[str, "TrainingConfig"]:
     """configs/presets/NAME.yaml -> the preset NAME: the fields it sets over the defaults."""
-    import yaml
-
     presets = {}
     for path in sorted(PRESET_DIR.glob("*.yaml")):
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_settings_text(path.read_text()) or {}
         for key in raw:
             if key not in _SETTABLE:
                 raise _unknown_field(str(key), str(path))
@@ -344,18 +397,16 @@ def read_config_file(path) -> tuple[str | None, dict]:
     except OSError as exc:
         raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
     try:
-        if path.suffix.lower() == ".json":
-            raw = json.loads(text)
-        else:
-            import yaml
-
-            raw = yaml.safe_load(text)
+        raw = load_settings_text(text, json_format=path.suffix.lower() == ".json")
+    except DuplicateKey as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
     except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError: both say where
         first = str(exc).replace("\n", " ")
         raise ConfigError(f"--config {path}: not valid {path.suffix.lstrip('.').upper()} ({first})") from None
     if raw is None:  # an empty file (or only comments) would silently train the default 1.2B model
-        raise ConfigError(f"--config {path}: the file is empty; give at least one field (e.g. 'base: tiny'), "
-                          f"or drop --config to use a preset")
+        raise ConfigError(f"--config {path}: the file is empty; give at least one field (e.g. 'base: demo' "
+                          f"starts from the demo preset), or name a preset instead: --config demo "
+                          f"(presets: {', '.join(PRESETS)})")
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field: value, found a {type(raw).__name__}")
     base = raw.pop("base", None)

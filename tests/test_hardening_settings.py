@@ -103,3 +103,133 @@ def test_a_resume_applies_a_changed_learning_rate_and_refuses_another_seed(tmp_p
     after = load_file(str(final / "model.safetensors"))
     moved = max((after[k] - before[k]).abs().max().item() for k in before)
     assert 0 < moved < 1e-6  # two AdamW steps at ~1e-9 (at 3e-3 they move weights by ~1e-3)
+
+
+# ----------------------------------------------------------------- 7, 8, 15: mixtures, config files
+
+def write_dataset_json(folder: Path, vocab: int = 512, eos: int = 0, tokenizer_sha256: str = "a" * 64) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "dataset.json").write_text(json.dumps({
+        "format": "gpt-neox-shards", "version": 1, "tokenizer": {"file": "tokenizer.json", "vocab_size": vocab,
+                                                                 "eos_id": eos, "sha256": tokenizer_sha256},
+        "dtype": "uint16", "documents": 1, "tokens": 1, "shards": []}))
+    return folder
+
+
+def test_sources_with_different_tokenizers_of_one_size_are_refused_and_one_without_dataset_json_is_named(tmp_path):
+    from utils.data.dataset_info import DatasetInfo
+    from utils.data.mixture import MixtureError, check_tokenizers
+
+    web = DatasetInfo.load(write_dataset_json(tmp_path / "web"))
+    code = DatasetInfo.load(write_dataset_json(tmp_path / "code", tokenizer_sha256="b" * 64))
+    same = DatasetInfo.load(write_dataset_json(tmp_path / "same"))
+    warned = []
+    with pytest.raises(MixtureError) as e:
+        check_tokenizers({"web": web, "code": code}, warned.append)
+    assert "sources web and code were prepared with different tokenizers" in str(e.value)
+    assert str(web.path) in str(e.value) and str(code.path) in str(e.value) and "\n" not in str(e.value)
+    check_tokenizers({"web": web, "plain": None, "same": same, "raw": None}, warned.append)
+    assert len(warned) == 1 and "plain, raw have no dataset.json" in warned[0] and str(web.path) in warned[0]
+    check_tokenizers({"web": web, "same": same}, warned.append)
+    check_tokenizers({"plain": None, "raw": None}, warned.append)  # nothing to check against: nothing said
+    assert len(warned) == 1
+
+
+def test_a_source_named_twice_is_refused_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match="data_mix names source 'a' twice"):
+        parse_overrides(["data_mix=a=/x:1,a=/y:1"])
+    path = tmp_path / "mix.yaml"
+    path.write_text("base: demo\ndata_mix:\n  a: {path: /x, weight: 1}\n  a: {path: /y, weight: 1}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"--config {path}: line 4: key 'a' appears twice")):
+        read_config_file(path)
+    path.write_text("base: demo\nlearning_rate: 1.0e-3\nlearning_rate: 2.0e-3\n")
+    with pytest.raises(ConfigError, match="key 'learning_rate' appears twice"):
+        read_config_file(path)
+    json_path = tmp_path / "mix.json"
+    json_path.write_text('{"model": "tiny", "model": "demo"}')
+    with pytest.raises(ConfigError, match="key 'model' appears twice"):
+        read_config_file(json_path)
+
+
+def test_a_windows_path_keeps_its_drive_colon():
+    mix = parse_overrides([r"data_mix=web=C:\data\web:0.7,code=D:\code:0.3:2"])["data_mix"]
+    assert mix == {"web": {"path": r"C:\data\web", "weight": 0.7},
+                   "code": {"path": r"D:\code", "weight": 0.3, "epochs": 2}}
+    with pytest.raises(ConfigError, match=re.escape(r"data_mix item 'web=C:\data': the weight must be a number "
+                                                    r"after the path's last ':'")):
+        parse_overrides([r"data_mix=web=C:\data"])
+
+
+def test_the_demo_never_fills_an_empty_source_folder(tmp_path, subprocess_env, shards):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run(train_cmd(tmp_path / "out", shards, f"data_mix=mine={shards}:1,extra={empty}:1", "max_steps=1"),
+               subprocess_env, check=False)
+    line = one_error_line(proc)
+    assert f"data_mix source extra: {empty} holds no .npz shards" in line and "data_dir only" in line
+    assert not any(empty.iterdir())
+
+
+def test_a_deleted_source_can_be_dropped_on_resume(tmp_path):
+    """A mixture checkpoint resumed without one of its sources: the source is dropped (said in the log line
+    that lists the changes), the kept one continues from its saved position. A missing folder says what to
+    do, pointing at the drop; a mixture keeping none of the checkpoint's sources is refused."""
+    from utils.data.dataset import TokenSequenceDataset
+    from utils.data.index import ShardIndex
+    from utils.data.loader import MixtureSource, ResumableLoader
+    from utils.data.mixture import MixtureError, check_sources, sources_from_config
+
+    def dataset(name: str) -> TokenSequenceDataset:
+        return TokenSequenceDataset(ShardIndex.build(make_shards(tmp_path / name, n_files=2, rows=8), 64, 512,
+                                                     log=lambda _m: None))
+
+    web, code = dataset("web"), dataset("code")
+    both = ResumableLoader([MixtureSource("web", web, 0.5), MixtureSource("code", code, 0.5)], 2, 0, 1, 3)
+    for _ in range(3):
+        next(both)
+    state = both.state_dict()
+    said = []
+    alone = ResumableLoader([MixtureSource("web", web, 1.0)], 2, 0, 1, 3, log=said.append)
+    alone.load_state_dict(state)
+    assert alone.consumed == {"web": state["sources"]["web"]["consumed"]}
+    assert len(said) == 1 and "web 0.5 -> 1, dropped code" in said[0]
+    with pytest.raises(MixtureError, match=r"none of the checkpoint's sources \(web, code\) is in this run's"):
+        ResumableLoader([MixtureSource("books", dataset("books"), 1.0)], 2, 0, 1, 3).load_state_dict(state)
+
+    shutil.rmtree(tmp_path / "code")
+    cfg = get_training_config("demo", parse_overrides([f"data_mix=web={tmp_path / 'web'}:1,code={tmp_path / 'code'}:0"]))
+    with pytest.raises(MixtureError, match=r"data_mix source code: .*code does not exist; .*remove the source from "
+                                           r"data_mix \(on a resume, the log then says it was dropped\)"):
+        check_sources(sources_from_config(cfg), {"web": None, "code": None}, said.append)
+
+
+@pytest.mark.slow
+def test_train_py_resumes_a_mixture_whose_source_folder_was_deleted(tmp_path, subprocess_env):
+    """End to end: weight 0 on a deleted folder says to remove the source; removing it resumes (11 s)."""
+    web = make_shards(tmp_path / "web", ids=(0, 256))
+    code = make_shards(tmp_path / "code", ids=(256, 512), seed=1)
+    out = tmp_path / "out"
+    sets = ("max_steps=4", "save_steps=100", "per_device_train_batch_size=4")
+    run(train_cmd(out, web, f"data_mix=web={web}:0.5,code={code}:0.5", *sets, "stop_at_step=2"), subprocess_env)
+    shutil.rmtree(code)
+    proc = run(train_cmd(out, web, f"data_mix=web={web}:1,code={code}:0", *sets, extra=("--resume", "latest")),
+               subprocess_env, check=False)
+    assert "remove the source from data_mix" in one_error_line(proc)
+    proc = run(train_cmd(out, web, f"data_mix=web={web}:1", *sets, extra=("--resume", "latest")), subprocess_env)
+    assert "Resumed from" in proc.stdout and "dropped code" in proc.stdout
+    rows = train_rows(out)
+    assert rows[4]["tokens/web"] == rows[2]["tokens/web"] + 2 * 4 * 64 and "tokens/code" not in rows[4]
+
+
+def test_following_the_empty_config_files_advice_works(tmp_path, capsys):
+    import train
+
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing yet\n")
+    assert train.main(["--config", str(path), "--print-config"]) == 2
+    advice = capsys.readouterr().err
+    field = re.search(r"e\.g\. '([^']+)'", advice).group(1)
+    preset = re.search(r"--config (\w+)", advice).group(1)
+    path.write_text(field + "\n")
+    assert train.main(["--config", str(path), "--print-config"]) == 0
+    assert train.main(["--config", preset, "--print-config"]) == 0
