@@ -35,6 +35,72 @@ def shards(tmp_path_factory) -> Path:
     return make_shards(tmp_path_factory.mktemp("settings") / "data", n_files=3, rows=16)
 
 
+# ------------------------------------------------------------------------- 5: numbers that cannot train
+
+@pytest.mark.parametrize("setting, rule", [
+    ("learning_rate=nan", "learning_rate=nan must be a finite number greater than 0"),
+    ("adam_beta2=1.5", "adam_beta2=1.5 must be a finite number within [0, 1)"),
+    ("adam_eps=-1", "adam_eps=-1.0 must be a finite number greater than 0"),
+    ("max_grad_norm=-1", "max_grad_norm=-1.0 must be a finite number at least 0"),
+])
+def test_numbers_that_cannot_train_are_one_line_through_train_py(tmp_path, subprocess_env, shards, setting, rule):
+    proc = run(train_cmd(tmp_path / "out", shards, setting, "max_steps=2"), subprocess_env, check=False)
+    assert one_error_line(proc) == f"error: {rule}"
+    assert not (tmp_path / "out" / "final_model").exists()
+
+
+def test_every_number_has_a_declared_range_and_each_bound_is_enforced():
+    """The one loop in validate() checks each numeric field against the range declared beside it: a value
+    past either end (and nan, and inf for a float) is refused naming the field; the bounds themselves pass."""
+    numeric = [f for f in fields(TrainingConfig) if f.type in ("int", "float")]
+    assert len(numeric) > 25
+    for f in numeric:
+        bounds = f.metadata.get("bounds")
+        assert bounds is not None, f"{f.name} declares no range"
+        outside = [bounds.low - 1 if bounds.low_closed else bounds.low]
+        if bounds.high != math.inf:
+            outside.append(bounds.high + 1 if bounds.high_closed else bounds.high)
+        if f.type == "float":
+            outside += [math.nan, math.inf]
+        for value in outside:
+            if value in bounds.special:
+                continue
+            value = int(value) if f.type == "int" else value
+            with pytest.raises(ConfigError, match=rf"^{f.name}=\S+ must be ") as e:
+                get_training_config("demo", {f.name: value})
+            assert "\n" not in str(e.value)
+        if f.name in ("seq_len", "sample_every"):
+            continue  # limited by the model's positions / needs sample_prompts
+        inside = bounds.low if bounds.low_closed else bounds.low + (1 if f.type == "int" else 0.5)
+        get_training_config("demo", {f.name: int(inside) if f.type == "int" else inside})
+    assert get_training_config("demo", {"max_files": -1}).max_files == -1  # a meaning of its own
+
+
+@pytest.mark.slow
+def test_max_grad_norm_zero_is_no_clipping_and_the_norm_is_still_logged(tmp_path, subprocess_env, shards):
+    """max_grad_norm=0 trains exactly as a norm too large to clip (it zeroed every gradient before); the
+    norm is logged either way (two runs, 10 s)."""
+    sets = ("max_steps=3", "save_steps=100")
+    runs = {}
+    for norm in ("0", "1e30"):
+        out = tmp_path / norm
+        run(train_cmd(out, shards, *sets, f"max_grad_norm={norm}"), subprocess_env)
+        runs[norm] = (train_rows(out), load_weights(out / "final_model" / "model.safetensors"))
+    (zero, w0), (huge, w1) = runs["0"], runs["1e30"]
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert [zero[s]["loss"] for s in (1, 2, 3)] == [huge[s]["loss"] for s in (1, 2, 3)]
+    assert zero[3]["loss"] < zero[1]["loss"] - 0.05 and all(zero[s]["grad_norm"] > 0 for s in (1, 2, 3))
+
+
+def test_a_non_finite_loss_in_fp32_says_fp32_and_does_not_advise_fp32(tmp_path, subprocess_env, shards):
+    proc = run(train_cmd(tmp_path / "out", shards, "learning_rate=1e12", "warmup_steps=0", "max_grad_norm=1e30",
+                         "max_steps=6", "logging_steps=3", "save_steps=100"), subprocess_env, check=False)
+    line = one_error_line(proc)
+    assert "non-finite loss at step" in line and "(fp32 precision)" in line and "learning_rate" in line
+    assert "--mixed-precision" not in line
+    assert "fp32 precision, compile=off" in proc.stdout and "no precision" not in proc.stdout + proc.stderr
+
+
 # ------------------------------------------------------------------------------ 6: settings on resume
 
 def test_a_restored_scheduler_and_optimizer_follow_this_runs_config():
@@ -233,3 +299,21 @@ def test_following_the_empty_config_files_advice_works(tmp_path, capsys):
     path.write_text(field + "\n")
     assert train.main(["--config", str(path), "--print-config"]) == 0
     assert train.main(["--config", preset, "--print-config"]) == 0
+
+
+# ------------------------------------------------------------------------- 18: names and advice
+
+def test_a_config_files_run_name_is_its_name():
+    cfg = TrainingConfig(preset="/runs/configs/my-run.yaml")
+    assert cfg.effective_run_name == "my-run"
+    assert TrainingConfig(preset="demo").effective_run_name == "demo"
+    assert TrainingConfig(preset="/x/my-run.yaml", run_name="named").effective_run_name == "named"
+
+
+def test_a_missing_data_dir_under_the_cpu_preset_names_prepare_data(tmp_path, subprocess_env):
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "cpu", "--output-dir", str(tmp_path / "out"),
+           "--data-dir", str(tmp_path / "mine")]
+    proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=120)
+    line = one_error_line(proc)
+    assert f"--output {tmp_path / 'mine'}" in line and "prepare_data.py" in line
+    assert "download_training_data.py" in line
