@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -23,7 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from configs.settle import settle_config  # noqa: E402
-from configs.training_config import MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields, to_yaml  # noqa: E402
+from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields,  # noqa: E402
+                                     precision_name, to_yaml)
 from utils.errors import UserError  # noqa: E402
 from utils.signals import StoppedInSetup  # noqa: E402
 
@@ -145,7 +147,7 @@ def train(cfg, profile, args) -> int:
                   "data": loader.fingerprint(), "max_steps": cfg.max_steps}
     tokens_per_step = global_batch * seq_len
     window = MetricsWindow(accelerator, tokens_per_step, core.flops_per_token(seq_len), peak_flops(device),
-                           cfg.mixed_precision, process_started=PROCESS_STARTED)
+                           precision_name(cfg.mixed_precision), process_started=PROCESS_STARTED)
     ckpt = Checkpointer(accelerator, output_dir / "checkpoints", remote_root, keep=cfg.save_total_limit, log=log,
                         model=model, optimizer=optimizer, stateful=stateful, state=state, run=run_record,
                         window=window, save_steps=cfg.save_steps, sharded=parallel.sharded,
@@ -157,6 +159,7 @@ def train(cfg, profile, args) -> int:
         ckpt.restore(resume_path)
     stop.end_setup_if_asked("model build")
     params = list(model.parameters())  # walked once, not by every clip
+    max_grad_norm = cfg.max_grad_norm or math.inf  # 0: no clipping; the norm is still measured and logged
     log.start_trackers(accelerator, cfg.effective_run_name, cfg.to_dict(), state.step if resume_path else None)
     describe_run(cfg, profile, spec, core, parallel, global_batch, seq_len, loader, val_batches, state, remote_root,
                  accelerator, log)
@@ -190,7 +193,7 @@ def train(cfg, profile, args) -> int:
                     accelerator.backward(loss)
                     step_loss += loss.detach() / cfg.gradient_accumulation_steps
                     if accelerator.sync_gradients:
-                        grad_norm = parallel.clip_grad_norm(params, cfg.max_grad_norm)
+                        grad_norm = parallel.clip_grad_norm(params, max_grad_norm)
                         optimizer.step()
                         parallel.after_optimizer_step(model)
                         scheduler.step()
@@ -367,22 +370,24 @@ def build_data(cfg, spec, seq_len, accelerator, log):
     from utils.data.demo import is_built as is_demo_build
     from utils.data.index import ShardIndex
     from utils.data.loader import EvalBatches, MixtureSource, ResumableLoader, build_eval_batches
-    from utils.data.mixture import check_tokenizers, sources_from_config
+    from utils.data.mixture import check_sources, sources_from_config
     from utils.distributed import main_process_first
 
     rank, world = accelerator.process_index, accelerator.num_processes
     sources = sources_from_config(cfg)
     infos = {s.name: DatasetInfo.load(s.path) for s in sources}
-    check_tokenizers(infos)
+    if cfg.data_mix:
+        check_sources(sources, infos, log.warning if accelerator.is_main_process else lambda _line: None,
+                      demo_data=cfg.demo_data)
     # prepare_data.py's validation split by documents, where a source has one (val_files then does not apply)
     val_paths = {name: info.val_paths if info is not None else [] for name, info in infos.items()}
 
     def indexes():
-        # Build demo data into an empty folder; re-check an existing demo build (it refuses another vocab or
-        # seq_len); a folder of the user's own shards is used as it is.
+        # Build demo data into an empty data_dir (never into a data_mix source); re-check an existing demo build
+        # (it refuses another vocab or seq_len); a folder of the user's own shards is used as it is.
         built = {}
         for s in sources:
-            if cfg.demo_data and (is_demo_build(s.path) or not any(s.path.rglob("*.npz"))):
+            if cfg.demo_data and not cfg.data_mix and (is_demo_build(s.path) or not any(s.path.rglob("*.npz"))):
                 build_demo_data(s.path, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
             built[s.name] = ShardIndex.build(s.path, seq_len=seq_len, vocab_size=spec.vocab_size,
                                              max_files=-1 if val_paths[s.name] else cfg.max_files, log=log.info)
@@ -477,7 +482,7 @@ def describe_run(cfg, profile, spec, core, parallel, global_batch, seq_len, load
     world = accelerator.num_processes
     log.info(f"Training {cfg.preset} ({cfg.effective_run_name}): model {spec.name} "
              f"({core.parameter_counts()[0] / 1e6:.1f}M params), {world} process(es) on {accelerator.device.type}, "
-             f"{cfg.mixed_precision} precision, compile={'on' if cfg.compile_model else 'off'}")
+             f"{precision_name(cfg.mixed_precision)} precision, compile={'on' if cfg.compile_model else 'off'}")
     weights = parallel.state_bytes(core)
     moments = 2 * weights // (2 if cfg.optimizer_state_dtype == "bf16" else 1)
     log.info(f"  strategy {parallel.name}, world size {world}: per-rank state {(2 * weights + moments) / GB:.2f} GB "
@@ -572,12 +577,16 @@ def preflight(model, batches, cfg, accelerator, log, stop) -> None:
     between = (lambda: stop.end_setup_if_asked("preflight")) if accelerator.num_processes == 1 else None
     problem = preflight_problem(model, checks, between)
     failed = accelerator.reduce(torch.tensor(float(problem is not None), device=accelerator.device), reduction="sum")
+    precision = precision_name(cfg.mixed_precision)
     if failed.item():
+        what = f"preflight: {problem or 'another rank saw a non-finite loss or gradient'} in {precision} precision"
+        if cfg.mixed_precision == "no":  # no optimizer step has run: no setting of the schedule or AdamW is involved
+            start = f"init_from {cfg.init_from}'s weights" if cfg.init_from else "the starting weights"
+            raise UserError(f"{what} before any optimizer step: {start} or the data give it; check them")
         others = [m for m in ("bf16", "no") if m != cfg.mixed_precision]
-        raise UserError(f"preflight: {problem or 'another rank saw a non-finite loss or gradient'} in "
-                        f"{cfg.mixed_precision} precision before training; try --mixed-precision {' or '.join(others)}")
-    log.info(f"Preflight: {len(checks)} forward/backward pass(es) in {cfg.mixed_precision} precision gave a "
-             f"finite loss and gradients")
+        raise UserError(f"{what} before training; try --mixed-precision {' or '.join(others)}")
+    log.info(f"Preflight: {len(checks)} forward/backward pass(es) in {precision} precision gave a finite loss and "
+             f"gradients")
 
 
 def finish(model, spec, cfg, state, output_dir: Path, parallel, log):

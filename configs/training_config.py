@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+
+import yaml
 
 from configs.model_config import ConfigError, get_model_spec
 
@@ -30,14 +33,55 @@ SOURCE_KEYS = ("path", "weight", "epochs", "val_files")
 RESUME_FORMS = ("auto", "latest", "a checkpoint name", "a local path", "a gs:// URL")
 
 
+def precision_name(mode: str) -> str:
+    """A `mixed_precision` mode as logs say it: `no` is fp32."""
+    return "fp32" if mode == "no" else mode
+
+
 def check_seq_len(seq_len: int, spec) -> None:
     if seq_len > spec.max_position_embeddings:
         raise ConfigError(f"seq_len={seq_len} exceeds model '{spec.name}' max_position_embeddings="
                           f"{spec.max_position_embeddings}")
 
 
-def _field(default, help: str):
-    return field(default=default, metadata={"help": help})
+class Bounds:
+    """A numeric field's range, written as an interval ("[0, 1)", "(0, inf)", "[1, inf)"), and values outside
+    it that mean something of their own ({-1: "all files"}). A float must also be finite: nan fails every
+    comparison, and an open "inf)" refuses inf."""
+
+    def __init__(self, interval: str, special: dict | None = None):
+        match = re.fullmatch(r"([\[(])\s*([^,\s]+)\s*,\s*([^\])\s]+)\s*([\])])", interval)
+        if match is None:
+            raise ValueError(f"bounds {interval!r}: expected an interval such as '[0, 1)'")
+        self.interval, self.special = interval, dict(special or {})
+        self.low_closed, self.low, self.high, self.high_closed = (
+            match[1] == "[", float(match[2]), float(match[3]), match[4] == "]")
+
+    def admits(self, value) -> bool:
+        if value in self.special:
+            return True
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return above and below
+
+    def rule(self, kind: str) -> str:
+        """What a value must be, in words: 'at least 1', 'a finite number greater than 0', ..."""
+        if self.high == math.inf:
+            words = f"{'at least' if self.low_closed else 'greater than'} {self.low:g}"
+        else:
+            words = f"within {self.interval}"
+        if kind == "float":
+            words = f"a finite number {words}"
+        return words + "".join(f", or {value} ({meaning})" for value, meaning in self.special.items())
+
+
+def _field(default, help: str, bounds: str | None = None, special: dict | None = None):
+    """A field with its `--help` text and, for a number, its range (an interval, see Bounds; validate()
+    checks every field's)."""
+    metadata = {"help": help}
+    if bounds is not None:
+        metadata["bounds"] = Bounds(bounds, special)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -49,35 +93,39 @@ class TrainingConfig:
     model: str = _field("gpt-neox-1.2b", "architecture by name (configs/model_config.py); ignored with init_from")
     model_impl: str = _field("native", "native: the project's GPT-NeoX; hf: transformers' GPTNeoXForCausalLM")
     init_from: str = _field("", "an HF GPT-NeoX directory (config.json + safetensors): start from its weights")
-    seq_len: int = _field(0, "tokens per training sequence; 0: the model's max_position_embeddings")
+    seq_len: int = _field(0, "tokens per training sequence; 0: the model's max_position_embeddings", "[0, inf)")
     # data
     data_dir: str = _field("data/training", "local shard directory (a dataset.json there sets the vocabulary)")
-    max_files: int = _field(-1, "use the first N shard files (by path); -1: all")
-    val_files: int = _field(1, "shard files held out (the last by path) for validation")
+    max_files: int = _field(-1, "use the first N shard files (by path); -1: all", "[1, inf)", {-1: "all files"})
+    val_files: int = _field(1, "shard files held out (the last by path) for validation", "[0, inf)")
     demo_data: bool = _field(False, "build the demo corpus into data_dir when it has no shards")
-    dataloader_num_workers: int = _field(4, "DataLoader worker processes per rank (0: read in the main process)")
-    prefetch_factor: int = _field(4, "batches each worker prepares ahead")
+    dataloader_num_workers: int = _field(4, "DataLoader worker processes per rank (0: read in the main process)",
+                                         "[0, inf)")
+    prefetch_factor: int = _field(4, "batches each worker prepares ahead", "[1, inf)")
     data_mix: dict = field(default_factory=dict, metadata={
         "help": "weighted sources {name: {path, weight, epochs?, val_files?}}, or on the command line "
                 "name=PATH:WEIGHT[:EPOCHS],...; data_dir becomes the first source's folder; empty: data_dir alone"})
     # optimisation
-    max_steps: int = _field(10000, "optimizer steps: the LR schedule's horizon and where training ends")
-    stop_at_step: int = _field(0, ">0: save and exit 0 after this step, schedule unchanged (time-limited jobs)")
-    per_device_train_batch_size: int = _field(4, "sequences per micro-batch per process")
-    gradient_accumulation_steps: int = _field(4, "micro-batches per optimizer step")
-    learning_rate: float = _field(3e-4, "peak learning rate")
-    min_lr_ratio: float = _field(0.1, "the schedule decays to learning_rate * min_lr_ratio at max_steps")
-    warmup_steps: int = _field(500, "linear warmup steps")
+    max_steps: int = _field(10000, "optimizer steps: the LR schedule's horizon and where training ends", "[1, inf)")
+    stop_at_step: int = _field(0, ">0: save and exit 0 after this step, schedule unchanged (time-limited jobs)",
+                               "[0, inf)")
+    per_device_train_batch_size: int = _field(4, "sequences per micro-batch per process", "[1, inf)")
+    gradient_accumulation_steps: int = _field(4, "micro-batches per optimizer step", "[1, inf)")
+    learning_rate: float = _field(3e-4, "peak learning rate", "(0, inf)")
+    min_lr_ratio: float = _field(0.1, "the schedule decays to learning_rate * min_lr_ratio at max_steps", "[0, 1]")
+    warmup_steps: int = _field(500, "linear warmup steps", "[0, inf)")
     lr_schedule: str = _field("cosine", "after warmup: cosine | wsd (stable, then decay at the end) | linear | constant")
-    decay_steps: int = _field(0, "wsd: decay over the last N steps (0: decay_fraction of max_steps)")
-    decay_fraction: float = _field(0.2, "wsd: the share of max_steps the decay takes when decay_steps is 0")
+    decay_steps: int = _field(0, "wsd: decay over the last N steps (0: decay_fraction of max_steps)", "[0, inf)")
+    decay_fraction: float = _field(0.2, "wsd: the share of max_steps the decay takes when decay_steps is 0",
+                                   "[0, 1]")
     decay_shape: str = _field("linear", "wsd: the decay's shape, linear | cosine | sqrt")
-    weight_decay: float = _field(0.1, "AdamW weight decay (matrices only)")
-    adam_beta1: float = _field(0.9, "AdamW beta1")
-    adam_beta2: float = _field(0.95, "AdamW beta2")
-    adam_eps: float = _field(1e-8, "AdamW epsilon")
-    max_grad_norm: float = _field(1.0, "gradient clipping norm")
-    seed: int = _field(42, "seed of the weights, the data order and every RNG")
+    weight_decay: float = _field(0.1, "AdamW weight decay (matrices only)", "[0, inf)")
+    adam_beta1: float = _field(0.9, "AdamW beta1", "[0, 1)")
+    adam_beta2: float = _field(0.95, "AdamW beta2", "[0, 1)")
+    adam_eps: float = _field(1e-8, "AdamW epsilon", "(0, inf)")
+    max_grad_norm: float = _field(1.0, "clip gradients to this global norm; 0: no clipping (the norm is still "
+                                       "measured and logged, as grad_norm)", "[0, inf)")
+    seed: int = _field(42, "seed of the weights, the data order and every RNG", "[0, 4294967295]")
     # speed and memory
     strategy: str = _field("ddp", "ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
                                   "state sharded over the ranks (FSDP2), sharded checkpoints")
@@ -86,45 +134,55 @@ class TrainingConfig:
     attention: str = _field("causal", "causal: every token sees all before it in its sequence; document: only those "
                                       "of its own document (packed documents end at the data's EOS id)")
     position_reset: bool = _field(False, "attention=document: rotary positions restart at every document")
-    eos_id: int = _field(-1, "attention=document: the end-of-document id; -1: from the data's dataset.json")
+    eos_id: int = _field(-1, "attention=document: the end-of-document id; -1: from the data's dataset.json",
+                         "[0, inf)", {-1: "from the data"})
     activation_checkpointing: str = _field("none", "what the backward pass recomputes instead of keeping: none | full "
                                                    "(each block) | every_k (every k-th block) | selective (the "
                                                    "element-wise ops; matmul and attention outputs are kept)")
-    activation_checkpointing_every: int = _field(2, "every_k: checkpoint blocks 0, k, 2k, ...")
+    activation_checkpointing_every: int = _field(2, "every_k: checkpoint blocks 0, k, 2k, ...", "[1, inf)")
     gradient_checkpointing: bool = _field(False, "true: activation_checkpointing=full (the older switch)")
     profile: str = _field("auto", "memory profile: auto (by GPU memory) | off | conservative | balanced | aggressive")
     optimizer_state_dtype: str = _field("fp32", "AdamW moments in fp32 or bf16 (half the memory)")
-    preflight_steps: int = _field(2, "forward/backward passes checked for a finite loss before step 1")
+    preflight_steps: int = _field(2, "forward/backward passes checked for a finite loss before step 1", "[0, inf)")
     # logging, eval, checkpoints
-    logging_steps: int = _field(100, "optimizer steps per log line and metrics row")
-    eval_interval: int = _field(500, "optimizer steps between validation runs")
-    eval_batches: int = _field(20, "validation batches per evaluation")
+    logging_steps: int = _field(100, "optimizer steps per log line and metrics row", "[1, inf)")
+    eval_interval: int = _field(500, "optimizer steps between validation runs", "[1, inf)")
+    eval_batches: int = _field(20, "validation batches per evaluation", "[1, inf)")
     # samples during training (utils/sampling.py)
     sample_every: int = _field(0, "every N optimizer steps, continue sample_prompts into logs/samples.jsonl, the log "
-                                  "and TensorBoard's text tab; 0: off")
+                                  "and TensorBoard's text tab; 0: off", "[0, inf)")
     sample_prompts: list[str] = field(default_factory=list, metadata={
         "help": "prompts for sample_every (a YAML list; --set sample_prompts='[\"a\", \"b\"]' or one prompt)"})
-    sample_max_new_tokens: int = _field(32, "tokens each sample continues for")
+    sample_max_new_tokens: int = _field(32, "tokens each sample continues for", "[1, inf)")
     report_to: str = _field("tensorboard", "trackers: tensorboard, wandb, mlflow, a comma-separated list, or none")
-    save_steps: int = _field(500, "optimizer steps between checkpoints")
-    save_total_limit: int = _field(3, "local checkpoints kept (the newest); one not yet in GCS is never deleted")
+    save_steps: int = _field(500, "optimizer steps between checkpoints", "[1, inf)")
+    save_total_limit: int = _field(3, "local checkpoints kept (the newest); one not yet in GCS is never deleted",
+                                   "[1, inf)")
     run_name: str = _field("", "names the run's checkpoint folder in GCS and its trackers; default: the preset")
     gcs_bucket: str = _field("", "bucket for checkpoints (empty: they stay local)")
     gcs_prefix: str = _field("", "checkpoints go to gs://BUCKET/PREFIX/checkpoints/RUN/NAME/")
     background_upload: bool = _field(True, "upload checkpoints in a background thread")
-    upload_timeout_s: int = _field(600, "at exit, wait at most this long for uploads still running")
-    process_group_timeout_s: int = _field(3600, "collective timeout: long enough for rank 0's checkpoint I/O")
+    upload_timeout_s: int = _field(600, "at exit, wait at most this long for uploads still running", "[0, inf)")
+    process_group_timeout_s: int = _field(3600, "collective timeout: long enough for rank 0's checkpoint I/O",
+                                          "[1, inf)")
 
     @property
     def effective_run_name(self) -> str:
-        return self.run_name or self.preset
+        """`run_name`, else the preset's name, or a config file's name without its folder and suffix."""
+        return self.run_name or (Path(self.preset).stem if is_config_file(self.preset) else self.preset)
 
     def seq_len_for(self, spec) -> int:
         return self.seq_len or spec.max_position_embeddings
 
     def validate(self) -> "TrainingConfig":
         """Checks each field on its own. What depends on the model actually built (seq_len against its
-        positions, vocabulary against the data) is checked once the model is known (see train.py)."""
+        positions, vocabulary against the data) is checked once the model is known (see train.py). Every
+        number is checked against the range declared beside its field."""
+        for f in fields(self):
+            bounds = f.metadata.get("bounds")
+            value = getattr(self, f.name)
+            if bounds is not None and not bounds.admits(value):
+                raise ConfigError(f"{f.name}={value} must be {bounds.rule(f.type)}")
         if not self.init_from:  # with init_from, the model comes from its config.json (checked when loaded)
             check_seq_len(self.seq_len, get_model_spec(self.model))  # an unknown model raises too
         if self.mixed_precision not in MIXED_PRECISION_MODES:
@@ -141,9 +199,6 @@ class TrainingConfig:
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ConfigError(f"activation_checkpointing='{self.activation_checkpointing}' is not valid; use one of "
                               f"{', '.join(ACTIVATION_CHECKPOINTING)}")
-        if self.activation_checkpointing_every < 1:
-            raise ConfigError(f"activation_checkpointing_every={self.activation_checkpointing_every}: must be at "
-                              f"least 1 (checkpoint every k-th block)")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy='{self.strategy}' is not valid; use one of {', '.join(STRATEGIES)}")
         if self.strategy == "fsdp" and self.model_impl != "native":
@@ -164,32 +219,12 @@ class TrainingConfig:
         if self.optimizer_state_dtype not in OPTIMIZER_STATE_DTYPES:
             raise ConfigError(f"optimizer_state_dtype='{self.optimizer_state_dtype}' is not valid; use one of "
                               f"{', '.join(OPTIMIZER_STATE_DTYPES)}")
-        positive = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
-                    "logging_steps", "eval_interval", "save_steps", "save_total_limit", "eval_batches",
-                    "process_group_timeout_s")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
-        for name in ("warmup_steps", "dataloader_num_workers", "val_files", "seq_len", "stop_at_step",
-                     "preflight_steps", "upload_timeout_s", "sample_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must not be negative")
-        if self.sample_every and not (self.sample_prompts and self.sample_max_new_tokens >= 1):
-            raise ConfigError(f"sample_every={self.sample_every} needs sample_prompts (a list of prompts) and "
-                              f"sample_max_new_tokens >= 1")
-        if self.prefetch_factor < 1:
-            raise ConfigError(f"prefetch_factor={self.prefetch_factor} must be at least 1")
-        if self.max_files == 0 or self.max_files < -1:
-            raise ConfigError(f"max_files={self.max_files} must be -1 (all files) or a positive count")
-        if self.learning_rate <= 0 or not (0 <= self.min_lr_ratio <= 1):
-            raise ConfigError("learning_rate must be > 0 and min_lr_ratio within [0, 1]")
+        if self.sample_every and not self.sample_prompts:
+            raise ConfigError(f"sample_every={self.sample_every} needs sample_prompts (a list of prompts)")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"lr_schedule='{self.lr_schedule}' is not valid; use one of {', '.join(LR_SCHEDULES)}")
         if self.decay_shape not in DECAY_SHAPES:
             raise ConfigError(f"decay_shape='{self.decay_shape}' is not valid; use one of {', '.join(DECAY_SHAPES)}")
-        if self.decay_steps < 0 or not (0 <= self.decay_fraction <= 1):
-            raise ConfigError(f"decay_steps={self.decay_steps} must not be negative and decay_fraction="
-                              f"{self.decay_fraction} must be within [0, 1]")
         self._validate_data_mix()
         if self.gcs_bucket.startswith("gs://") or "/" in self.gcs_bucket:
             raise ConfigError(
@@ -271,6 +306,23 @@ def _coerce(name: str, raw, where: str):
         raise ConfigError(f"{where}: expected a value of type {kind} for {name}, got {raw!r}") from None
 
 
+def _source_from_text(text: str) -> dict | None:
+    """"PATH:WEIGHT[:EPOCHS]" -> {path, weight[, epochs]} (strings), or None when no number follows the path.
+    Numbers are taken from the right, so a path may hold ':' itself (C:\\data, a drive letter)."""
+    def number(value: str) -> bool:
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+
+    parts = text.rsplit(":", 2)
+    if len(parts) == 3 and number(parts[1]) and number(parts[2]):
+        return {"path": parts[0], "weight": parts[1], "epochs": parts[2]}
+    path, sep, weight = text.rpartition(":")
+    return {"path": path, "weight": weight} if sep and number(weight) else None
+
+
 def parse_data_mix(raw, where: str) -> dict:
     """`data_mix` from a config file ({name: {path, weight, epochs?, val_files?}}) or `--set`
     ("name=PATH:WEIGHT[:EPOCHS],...") -> {name: {"path": str, "weight": float, ...}} (weights as given;
@@ -282,12 +334,13 @@ def parse_data_mix(raw, where: str) -> dict:
         out = {}
         for item in raw.split(","):
             name, sep, rest = item.strip().partition("=")
-            parts = rest.rsplit(":", 2) if rest.count(":") >= 2 else rest.rsplit(":", 1)
-            if not sep or len(parts) < 2:
-                raise ConfigError(f"{where}: data_mix item '{item.strip()}': {usage}")
-            entry = {"path": parts[0], "weight": parts[1]}
-            if len(parts) == 3:
-                entry["epochs"] = parts[2]
+            entry = _source_from_text(rest)
+            if not sep or entry is None:
+                raise ConfigError(f"{where}: data_mix item '{item.strip()}': the weight must be a number after the "
+                                  f"path's last ':'; {usage}")
+            if name.strip() in out:
+                raise ConfigError(f"{where}: data_mix names source '{name.strip()}' twice; give each source its own "
+                                  f"name")
             out[name.strip()] = entry
         raw = out
     if not isinstance(raw, dict):
@@ -318,13 +371,45 @@ def parse_data_mix(raw, where: str) -> dict:
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 
+class DuplicateKey(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML itself keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKey(f"line {key_node.start_mark.line + 1}: key '{key}' appears twice in one mapping; "
+                                   f"give each key once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_json_object(pairs: list) -> dict:
+    keys = [key for key, _ in pairs]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        raise DuplicateKey(f"key '{twice}' appears twice in one object; give each key once")
+    return dict(pairs)
+
+
+def load_settings_text(text: str, json_format: bool = False):
+    """A preset's or config file's YAML (or JSON) text -> its data. A key given twice in one mapping (a field,
+    a data_mix source) is refused, naming it: both formats would silently keep the last."""
+    if json_format:
+        return json.loads(text, object_pairs_hook=_unique_json_object)
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def _load_presets() -> dict[str, "TrainingConfig"]:
     """configs/presets/NAME.yaml -> the preset NAME: the fields it sets over the defaults."""
-    import yaml
-
     presets = {}
     for path in sorted(PRESET_DIR.glob("*.yaml")):
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_settings_text(path.read_text()) or {}
         for key in raw:
             if key not in _SETTABLE:
                 raise _unknown_field(str(key), str(path))
@@ -365,18 +450,16 @@ def read_config_file(path) -> tuple[str | None, dict]:
     except OSError as exc:
         raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
     try:
-        if path.suffix.lower() == ".json":
-            raw = json.loads(text)
-        else:
-            import yaml
-
-            raw = yaml.safe_load(text)
+        raw = load_settings_text(text, json_format=path.suffix.lower() == ".json")
+    except DuplicateKey as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
     except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError: both say where
         first = str(exc).replace("\n", " ")
         raise ConfigError(f"--config {path}: not valid {path.suffix.lstrip('.').upper()} ({first})") from None
     if raw is None:  # an empty file (or only comments) would silently train the default 1.2B model
-        raise ConfigError(f"--config {path}: the file is empty; give at least one field (e.g. 'base: tiny'), "
-                          f"or drop --config to use a preset")
+        raise ConfigError(f"--config {path}: the file is empty; give at least one field (e.g. 'base: demo' "
+                          f"starts from the demo preset), or name a preset instead: --config demo "
+                          f"(presets: {', '.join(PRESETS)})")
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field: value, found a {type(raw).__name__}")
     base = raw.pop("base", None)
@@ -412,12 +495,12 @@ def describe_fields() -> str:
     lines = []
     for name, f in _SETTABLE.items():
         default = getattr(defaults, name)
-        lines.append(f"  {name:<{width}}  {f.type:<5} {default!r:<16} {f.metadata.get('help', '')}")
+        bounds = f.metadata.get("bounds")
+        meaning = f.metadata.get("help", "") + (f"; range {bounds.interval}" if bounds else "")
+        lines.append(f"  {name:<{width}}  {f.type:<5} {default!r:<16} {meaning}")
     return "\n".join(lines)
 
 
 def to_yaml(cfg: TrainingConfig) -> str:
     """Every field, `preset` first: as a `--config` file it resolves to the same config (and the same text)."""
-    import yaml
-
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

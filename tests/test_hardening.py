@@ -402,6 +402,23 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
         ("export: not a checkpoint", export + [str(tmp / "not_a_checkpoint"), str(tmp / "e")]),
         ("export: output is a file", export + [str(tmp / "not_a_checkpoint"), str(tmp / "a_file")]),
     ]
+    (tmp / "empty.yaml").write_text("# nothing\n")
+    (tmp / "twice.yaml").write_text("base: demo\nlearning_rate: 1.0e-3\nlearning_rate: 2.0e-3\n")
+    (tmp / "empty_source").mkdir()
+    cases += [  # issue 26: settings that cannot train, mixtures that cannot be mixed, config files
+        ("train: learning_rate=nan", train + ["--set", "learning_rate=nan"]),
+        ("train: adam_beta2=1.5", train + ["--set", "adam_beta2=1.5"]),
+        ("train: adam_eps=-1", train + ["--set", "adam_eps=-1"]),
+        ("train: max_grad_norm=-1", train + ["--set", "max_grad_norm=-1"]),
+        ("train: a data_mix source named twice", train + ["--set", f"data_mix=a={data}:1,a={data}:1"]),
+        ("train: a Windows path without a weight", train + ["--set", r"data_mix=a=C:\data"]),
+        ("train: an empty data_mix source under the demo",
+         train + ["--set", f"data_mix=a={data}:1,b={tmp / 'empty_source'}:1"]),
+        ("train: an empty config file", [py, "train.py", "--config", str(tmp / "empty.yaml")]),
+        ("train: a config file with a key twice", [py, "train.py", "--config", str(tmp / "twice.yaml")]),
+        ("train: cpu preset without its data", [py, "train.py", "--config", "cpu", "--output-dir", str(tmp / "out"),
+                                                "--data-dir", str(tmp / "nope")]),
+    ]
     if (REPO_ROOT / "generate.py").is_file():
         cases += [("generate: missing model", [py, "generate.py", str(tmp / "nope")])]
     return cases

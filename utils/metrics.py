@@ -308,9 +308,10 @@ class MetricsWindow:
         losses = self.accelerator.reduce(torch.stack(self.losses), reduction="mean").float().cpu()
         bad = (~torch.isfinite(losses)).nonzero()
         if bad.numel():
+            fp32 = "" if self.precision == "fp32" else " with --mixed-precision no"
             raise NonFiniteLoss(f"non-finite loss at step {self.first_step + int(bad[0])} ({self.precision} "
                                 f"precision); no checkpoint was written for it. Lower learning_rate, or resume "
-                                f"from the last checkpoint with --mixed-precision no")
+                                f"from the last checkpoint{fp32}")
         return losses
 
     def row(self, step: int, tokens: int, lr: float, grad_norm: torch.Tensor) -> dict:

@@ -4,15 +4,17 @@ warmup-stable-decay (`wsd`), linear or constant.
 The schedule is a plain function of the optimizer step (`lr_at`), and the scheduler is never passed to
 `accelerator.prepare`: a prepared scheduler steps once per process per call, which would make the LR at
 step k depend on the number of processes. Here the loop steps it once per optimizer step, on every rank.
-WSD holds the peak until the last `decay_steps` before `max_steps`: a resume with a larger `max_steps`
-moves the decay later and so extends the stable phase (StepSchedule re-applies this run's schedule).
+A resume applies *this* run's schedule at the restored step (StepSchedule keeps only the step): changed
+schedule settings apply from there. WSD holds the peak until the last `decay_steps` before `max_steps`, so a
+resume with a larger `max_steps` moves the decay later and extends the stable phase.
 """
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LRScheduler
 
 DECAY_SHAPES = {
     "linear": lambda progress: 1.0 - progress,
@@ -67,6 +69,15 @@ class BF16MomentAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts restored moments to the parameters' dtype (fp32): they go back to bfloat16 here, so a
+        resume keeps half the memory, also from a checkpoint of torch's AdamW (fp32 moments)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(torch.bfloat16)
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
@@ -104,19 +115,31 @@ def build_optimizer(model: torch.nn.Module, cfg, fused: bool) -> torch.optim.Opt
     return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
 
 
-class StepSchedule(LambdaLR):
-    """LambdaLR whose restore re-applies *this* run's schedule at the restored step. The optimizer's saved
-    param groups hold the LR the checkpointed run computed for its next step; a resume that changes
-    max_steps (or the warmup, or the peak) must not take one step at that stale rate."""
+class StepSchedule(LRScheduler):
+    """Sets every param group's LR to `schedule(step)` for the optimizer step about to run (step =
+    last_epoch + 1): the function the log reads, so the logged LR is the LR applied. Its state is the step
+    alone: a restore applies *this* run's schedule at the restored step, so a resume that changes
+    learning_rate, the warmup, min_lr_ratio, the decay or max_steps follows the new schedule from there (the
+    base LRs and the optimizer's LR saved in the checkpoint are not used)."""
 
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
-        for group, base_lr, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
-            group["lr"] = base_lr * factor(self.last_epoch)
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Callable[[int], float]):
+        self.schedule = schedule
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [self.schedule(self.last_epoch + 1)] * len(self.optimizer.param_groups)
+
+    def state_dict(self) -> dict:
+        return {key: value for key, value in super().state_dict().items() if key != "schedule"}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = int(state_dict.get("_step_count", self.last_epoch + 1))
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg) -> LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg) -> StepSchedule:
     """After construction the optimizer holds lr_at(1); each `scheduler.step()` moves to the next step."""
-    schedule = schedule_from_config(cfg)
-    return StepSchedule(optimizer, lambda index: schedule(index + 1) / cfg.learning_rate)
+    return StepSchedule(optimizer, schedule_from_config(cfg))

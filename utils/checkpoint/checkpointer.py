@@ -44,6 +44,19 @@ from utils.storage import make_client
 # The model record and run facts a checkpoint must share with the run that resumes it.
 _MUST_MATCH = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "padded_vocab_size")
 
+# Settings a checkpoint records (trainer_state.json's config) whose effect a resume would otherwise take from the
+# checkpoint's state (the scheduler's, the optimizer's param groups and moments) rather than from the config:
+# each follows this run's config from the resumed step on, and a change is said in one line. The README
+# ("Settings on resume") lists these and the refused ones.
+FOLLOW_CONFIG_ON_RESUME = {
+    **dict.fromkeys(("learning_rate", "warmup_steps", "min_lr_ratio", "lr_schedule", "decay_steps", "decay_fraction",
+                     "decay_shape", "max_steps"), "the LR schedule"),
+    **dict.fromkeys(("adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "optimizer_state_dtype"), "AdamW"),
+}
+# Settings a resume cannot change (it continues the checkpoint's data order and random generators): refused
+# in one line, as are another model, seq_len or data (_check_fits).
+KEEP_ON_RESUME = ("seed",)
+
 
 class NonFiniteWeights(UserError):
     pass
@@ -140,6 +153,10 @@ class Checkpointer:
         _check_fits(path, saved, run)
         core = self.accelerator.unwrap_model(self.model)
         objects = dict(payload.objects)
+        # the optimizer's hyperparameters are this run's config (the restore would put back the checkpoint's);
+        # its LR is the scheduler's, set when the scheduler is restored
+        own_settings = [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                        for group in self.optimizer.param_groups]
         try:
             if is_sharded(path):
                 load_sharded(core, self.optimizer, path)
@@ -157,6 +174,8 @@ class Checkpointer:
                 obj.load_state_dict(objects[key])
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise CheckpointError(f"checkpoint {path}: cannot restore its {key} state: {exc}") from None
+        for group, own in zip(self.optimizer.param_groups, own_settings):
+            group.update(own)
         rank, saved_rngs = self.accelerator.process_index, objects["rng"]
         if rank < len(saved_rngs):
             RngState.load_state_dict(saved_rngs[rank])
@@ -165,6 +184,8 @@ class Checkpointer:
         self.state.load_state_dict(saved)
         saved_strategy = "fsdp" if is_sharded(path) else "ddp"
         self.log.info(f"Resumed from {path} at step {self.state.step} ({self.state.tokens:,} tokens)")
+        for line in _followed_changes(saved.get("config") or {}, run["config"], self.state.step):
+            self.log.info(line)
         if saved["world_size"] != run["world_size"] or saved_strategy != run.get("strategy", "ddp"):
             self.log.info(f"  checkpoint written by {saved['world_size']} processes ({saved_strategy}), now "
                           f"{run['world_size']} ({run.get('strategy', 'ddp')}): model and optimizer state are "
@@ -340,6 +361,13 @@ def _check_fits(path: Path, saved: dict, run: dict) -> None:
         raise CheckpointError(f"checkpoint {path} was written for model '{old.get('name')}' but this run builds "
                               f"'{new.get('name')}' ({', '.join(diff)}); resume with --set model={old.get('name')} "
                               f"or start a fresh run in another --output-dir")
+    old_config = saved.get("config") or {}
+    for key in KEEP_ON_RESUME:
+        if key in old_config and old_config[key] != run["config"][key]:
+            raise CheckpointError(f"checkpoint {path} was trained with {key}={old_config[key]} but this run has "
+                                  f"{key}={run['config'][key]}: a resume continues the checkpoint's data order and "
+                                  f"random generators; resume with --set {key}={old_config[key]} or start a fresh "
+                                  f"run in another --output-dir")
     if saved.get("seq_len") not in (None, run["seq_len"]):
         raise CheckpointError(f"checkpoint {path} was trained with seq_len={saved['seq_len']} but this run has "
                               f"seq_len={run['seq_len']}; resume with --set seq_len={saved['seq_len']} or start a "
@@ -351,3 +379,13 @@ def _check_fits(path: Path, saved: dict, run: dict) -> None:
     if saved["step"] > run["max_steps"]:
         raise CheckpointError(f"checkpoint {path} is at step {saved['step']}, and max_steps is {run['max_steps']}: "
                               f"nothing left to train; raise --max-steps to continue the run")
+
+
+def _followed_changes(old_config: dict, config: dict, step: int) -> list[str]:
+    """One line per FOLLOW_CONFIG_ON_RESUME setting this run changes: what now follows the new value."""
+    def shown(value) -> str:
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    return [f"resume: {key} changed {shown(old_config[key])} -> {shown(config[key])}: {what} follows the new value "
+            f"from step {step + 1}" for key, what in FOLLOW_CONFIG_ON_RESUME.items()
+            if key in old_config and old_config[key] != config[key]]

@@ -49,6 +49,11 @@ class DatasetInfo:
         """The validation split's shard files (relative paths); empty without one."""
         return [s["path"] for s in (self.raw.get("validation") or {}).get("shards", [])]
 
+    @property
+    def tokenizer_sha256(self) -> str | None:
+        """The sha256 of the tokenizer file the shards were made with (prepare_data.py records it)."""
+        return self.raw["tokenizer"].get("sha256")
+
     @classmethod
     def load(cls, data_dir) -> "DatasetInfo | None":
         """The dataset.json in `data_dir`, or None when there is none."""

@@ -201,8 +201,9 @@ class ShardIndex:
 
 
 def _select(root: Path, all_files: list[str], max_files: int) -> list[str]:
-    advice = (f"download shards with `python download_training_data.py --source gs://BUCKET/PREFIX "
-              f"--dest {root}` or point --data-dir at a folder of .npz shards")
+    advice = (f"make shards from your text with `python prepare_data.py --input CORPUS --tokenizer TOKENIZER "
+              f"--output {root}`, download them with `python download_training_data.py --source gs://BUCKET/PREFIX "
+              f"--dest {root}`, or point --data-dir at a folder of .npz shards")
     if not root.is_dir():
         raise DataDirError(f"data directory {root} does not exist; {advice}")
     if not all_files:

@@ -269,9 +269,9 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved cursor (this format, or the single-source {"position", "num_samples",
-        "seed", ...} of a data_dir run). The saved seed is adopted (each source keeps its order). Every saved
-        source must still be in the mixture with the same sequences; new sources start at 0; different
-        effective weights start a new phase (logged)."""
+        "seed", ...} of a data_dir run). The saved seed is adopted (each source keeps its order). A kept source
+        must have the same sequences; new sources start at 0; a saved source this mixture lacks is dropped (at
+        least one must be kept); different effective weights start a new phase (logged, drops included)."""
         try:
             seed = int(state["seed"])
             if "sources" in state:
@@ -287,11 +287,9 @@ class ResumableLoader:
                              "ResumableLoader.state_dict()") from None
         if seed < 0 or any(c < 0 for c, _, _ in saved.values()):
             raise ValueError(f"data cursor state has negative counts or seed={seed}; all must be >= 0")
-        removed = [n for n in saved if n not in self.names]
-        if removed:
-            raise MixtureError(f"data_mix: the checkpoint's data included source(s) {', '.join(removed)}, which this "
-                               f"run's mixture lacks; keep every source (weight 0 stops sampling one) or start a "
-                               f"fresh run")
+        if not any(n in saved for n in self.names):
+            raise MixtureError(f"data_mix: none of the checkpoint's sources ({', '.join(saved)}) is in this run's "
+                               f"mixture ({', '.join(self.names)}); keep at least one, or start a fresh run")
         if state.get("seq_len") not in (None, self.dataset.seq_len):
             raise MixtureError(f"the checkpoint's data cursor was saved with seq_len={state['seq_len']} but this run "
                                f"has seq_len={self.dataset.seq_len}; resume with --set seq_len={state['seq_len']}")
@@ -317,9 +315,12 @@ class ResumableLoader:
             plan.new_phase()
             if len(self.names) > 1 or len(saved) > 1:
                 old = phase[1] if phase is not None else {n: 1.0 / len(saved) for n in saved}
+                dropped = [n for n in saved if n not in self.names]
+                note = (f"; a dropped source's position is forgotten (added again later, it starts at its "
+                        f"beginning)" if dropped else "")
                 self.log(f"data_mix: the mixture changed since the checkpoint ({describe_change(old, weights)}); "
                          f"each kept source continues from its saved position, the new weights apply from the "
-                         f"next step")
+                         f"next step{note}")
         self._plan = plan
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -187,24 +188,56 @@ class MixturePlan:
 
 
 def describe_change(old_weights: dict, new_weights: dict) -> str:
-    """'web 0.75 -> 0.25, code 0.25 -> 0.75, added books 0.2': the effective weights that changed."""
+    """'web 0.75 -> 0.25, code 0.25 -> 0.75, added books 0.2, dropped news': the effective weights that
+    changed."""
     parts = []
     for name, w in new_weights.items():
         if name not in old_weights:
             parts.append(f"added {name} {w:.4g}")
         elif abs(old_weights[name] - w) > 0:
             parts.append(f"{name} {old_weights[name]:.4g} -> {w:.4g}")
+    parts += [f"dropped {name}" for name in old_weights if name not in new_weights]
     return ", ".join(parts)
 
 
-def check_tokenizers(infos: dict) -> None:
-    """`infos`: source name -> its DatasetInfo or None. Every dataset.json present must agree on the
-    vocabulary and the EOS id, else one line naming both files."""
+def check_sources(sources: list[SourceConfig], infos: dict, warn: Callable[[str], None],
+                  demo_data: bool = False) -> None:
+    """Before a mixture is indexed: every source's folder holds shards (the demo's data is built for a
+    `data_dir` run only, never into a source), and its tokenizer is the others' (see check_tokenizers)."""
+    for s in sources:
+        missing = "does not exist" if not s.path.is_dir() else (
+            "holds no .npz shards" if not any(s.path.rglob("*.npz")) else None)
+        if missing:
+            demo = " (the demo builds its data into data_dir only, never into a data_mix source)" if demo_data else ""
+            raise MixtureError(f"data_mix source {s.name}: {s.path} {missing}{demo}; prepare or download its shards "
+                               f"there (prepare_data.py, download_training_data.py), fix its path, or remove the "
+                               f"source from data_mix (on a resume, the log then says it was dropped)")
+    check_tokenizers(infos, warn)
+
+
+def check_tokenizers(infos: dict, warn: Callable[[str], None]) -> None:
+    """`infos`: source name -> its DatasetInfo or None. Every dataset.json present must name the same
+    tokenizer: the same vocabulary and EOS id, and the same tokenizer file (its sha256), else one line naming
+    both files. A source without a dataset.json cannot be checked: `warn` says so once, naming it."""
     present = [(name, info) for name, info in infos.items() if info is not None]
+    if not present:
+        return
+    first_name, first = present[0]
     for name, info in present[1:]:
-        first_name, first = present[0]
         if (info.vocab_size, info.eos_id) != (first.vocab_size, first.eos_id):
             raise MixtureError(
                 f"data_mix: sources {first_name} and {name} have different tokenizers ({first.path}: vocab "
                 f"{first.vocab_size}, eos {first.eos_id}; {info.path}: vocab {info.vocab_size}, eos "
                 f"{info.eos_id}); prepare every source with the same tokenizer")
+        digests = (first.tokenizer_sha256, info.tokenizer_sha256)
+        if None not in digests and digests[0] != digests[1]:
+            raise MixtureError(
+                f"data_mix: sources {first_name} and {name} were prepared with different tokenizers of the same "
+                f"size ({first.path}: tokenizer sha256 {digests[0][:12]}...; {info.path}: "
+                f"{digests[1][:12]}...): the same ids mean different text; prepare every source with "
+                f"the same tokenizer")
+    unchecked = [name for name, info in infos.items() if info is None]
+    if unchecked:
+        warn(f"warning: data_mix source(s) {', '.join(unchecked)} have no dataset.json, so their tokenizer cannot be "
+             f"checked against {first_name}'s ({first.path}); prepare them with prepare_data.py and the same "
+             f"tokenizer, or make sure their ids are that tokenizer's")
