@@ -15,6 +15,8 @@ from pathlib import Path
 import yaml
 
 from configs.model_config import ConfigError, get_model_spec
+from utils.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
+from utils.schedules import SCHEDULES
 
 MIXED_PRECISION_MODES = ("bf16", "fp16", "fp8", "no")
 MODEL_IMPLS = ("native", "hf")
@@ -25,8 +27,8 @@ STRATEGIES = ("ddp", "fsdp")  # utils/parallel.py: one class each
 # utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
 ATTENTION = ("causal", "document")  # utils/model/gpt_neox.py: use_document_masking
-LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
-DECAY_SHAPES = ("linear", "cosine", "sqrt")
+LR_SCHEDULES = tuple(SCHEDULES)  # utils/schedules.py: the registry
+DECAY_SHAPES = tuple(SCHEDULE_DECAY_SHAPES)
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 SOURCE_KEYS = ("path", "weight", "epochs", "val_files")
 # what `--resume` takes (train.py and the launcher's help both show this list)

@@ -6,7 +6,7 @@ import torch
 
 from configs import get_training_config, training_config
 from configs.model_config import ConfigError
-from utils import optim
+from utils import schedules
 from utils.model import build_model
 from configs import get_model_spec
 from utils.optim import build_optimizer, build_scheduler, lr_at, schedule_from_config
@@ -85,7 +85,7 @@ def test_wsd_decay_fraction_and_config_checks():
         get_training_config("demo", {"lr_schedule": "wsdd"})
     with pytest.raises(ConfigError, match="decay_shape='exp' is not valid"):
         get_training_config("demo", {"decay_shape": "exp"})
-    assert set(training_config.DECAY_SHAPES) == set(optim.DECAY_SHAPES)
+    assert training_config.LR_SCHEDULES == tuple(schedules.SCHEDULES)  # the config's choices are the registry
 
 
 def test_wsd_resume_with_more_steps_extends_the_stable_phase():

@@ -1,5 +1,5 @@
-"""AdamW with decay on matrices only, and the learning-rate schedules: warmup, then cosine (the default),
-warmup-stable-decay (`wsd`), linear or constant.
+"""AdamW with decay on matrices only, and the scheduler that applies the learning-rate schedules
+(utils/schedules.py: warmup, then cosine, the default, warmup-stable-decay `wsd`, linear or constant).
 
 The schedule is a plain function of the optimizer step (`lr_at`), and the scheduler is never passed to
 `accelerator.prepare`: a prepared scheduler steps once per process per call, which would make the LR at
@@ -16,38 +16,7 @@ from typing import Callable
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-DECAY_SHAPES = {
-    "linear": lambda progress: 1.0 - progress,
-    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
-    "sqrt": lambda progress: 1.0 - math.sqrt(progress),
-}
-
-
-def lr_at(step: int, *, peak_lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float,
-          schedule: str = "cosine", decay_steps: int = 0, decay_shape: str = "linear") -> float:
-    """Learning rate used by optimizer step `step` (1-based: step 1 is the first update).
-
-    Linear warmup from peak/warmup to peak over `warmup_steps`, then to `peak * min_lr_ratio` at
-    `max_steps` (flat after it): `cosine` decays along a half cosine, `linear` along a line, `constant`
-    stays at the peak; `wsd` stays at the peak until `max_steps - decay_steps` (never before the warmup
-    ends) and decays over the rest with `decay_shape` (linear | cosine | sqrt).
-    """
-    if step <= warmup_steps:
-        return peak_lr * step / max(1, warmup_steps)
-    if schedule == "constant":
-        return peak_lr
-    min_lr = peak_lr * min_lr_ratio
-    if schedule == "wsd":
-        decay_start = max(warmup_steps, max_steps - decay_steps)
-        if step <= decay_start:
-            return peak_lr
-        progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
-        return min_lr + (peak_lr - min_lr) * DECAY_SHAPES[decay_shape](progress)
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    if schedule == "linear":
-        return min_lr + (peak_lr - min_lr) * (1.0 - progress)
-    return min_lr + (peak_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
+from utils.schedules import lr_at
 
 def wsd_decay_steps(cfg) -> int:
     """The WSD decay's length: `decay_steps`, or `decay_fraction` of `max_steps` when that is 0."""
