@@ -425,13 +425,10 @@ def crafted_sharded_checkpoint(root: Path) -> Path:
     """A sharded checkpoint (the tiny model's record, no weights) whose dcp/.metadata is a pickle that would
     create `root/code-ran`."""
     from configs.model_config import get_model_spec
-
-    class RunsCode:
-        def __reduce__(self):
-            return exec, (f"open({str(root / 'code-ran')!r}, 'w').close()",)
+    from tests.test_hardening_files import RunsCode
 
     root.mkdir(parents=True)
-    (root / "metadata").write_bytes(pickle.dumps(RunsCode()))
+    (root / "metadata").write_bytes(pickle.dumps(RunsCode(root / "code-ran")))
     payload = CheckpointPayload(None, {"rng": [{}]}, {"step": 1, "epoch": 0, "tokens": 8, "world_size": 1,
                                                      "model": get_model_spec("tiny").to_dict()})
     return write_checkpoint(root, checkpoint_name(0, 1, 1), payload, {"dcp/.metadata": root / "metadata"})

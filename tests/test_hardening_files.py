@@ -1,5 +1,5 @@
 """Hardening, third pass (issue 26), what a file can make the engine do: a crafted sharded checkpoint runs no
-code (resume, local and gs://, generate.py, export_hf.py), paths a manifest or dataset.json names stay in
+code (resume from a path or gs://, generate.py, export_hf.py), paths a manifest or dataset.json names stay in
 their folder, a data dir's symlink loops and nested datasets add nothing, a key other users can read is
 said, and a full disk during a sharded save is one line with the earlier checkpoint intact (real processes,
 a small tmpfs)."""
