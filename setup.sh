@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fresh machine -> .venv with the pinned dependencies, then a sanity check of what was installed.
+# Fresh machine -> .venv with the pinned dependencies, then a sanity check of what was installed; a key in
+# credentials/ that other users may read is made private (chmod 600).
 #   torch (CUDA build where `nvidia-smi` finds a GPU, CPU build otherwise), requirements.txt,
 #   requirements-dev.txt (unless --no-dev). A second run with nothing changed installs nothing.
 set -euo pipefail
@@ -44,6 +45,17 @@ for arg in "$@"; do
         -h|--help) usage; exit 0 ;;
         *) echo "setup.sh: unknown option '$arg'" >&2; usage >&2; exit 2 ;;
     esac
+done
+
+# --- credentials -------------------------------------------------------------------------------------
+# A service-account key other users may read is theirs too: only its owner keeps read access.
+for key in credentials/*.json; do
+    [[ -f "$key" ]] || continue
+    perms="$(ls -l "$key")"
+    if [[ "${perms:4:1}" == "r" || "${perms:7:1}" == "r" ]]; then
+        chmod 600 "$key"
+        step "$key was readable by other users: chmod 600 (now only its owner can read it)"
+    fi
 done
 
 # --- Python ------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -419,9 +420,35 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
         ("train: cpu preset without its data", [py, "train.py", "--config", "cpu", "--output-dir", str(tmp / "out"),
                                                 "--data-dir", str(tmp / "nope")]),
     ]
+    crafted = crafted_sharded_checkpoint(tmp / "crafted")
+    outside_tokenizer = make_shards(tmp / "outside_tokenizer", n_files=2, rows=8)
+    (outside_tokenizer / "dataset.json").write_text(json.dumps({
+        "format": "gpt-neox-shards", "version": 1, "dtype": "uint16", "documents": 1, "tokens": 1,
+        "tokenizer": {"file": str(tmp / "corpus.txt"), "vocab_size": 512, "eos_id": 0}, "shards": []}))
+    cases += [
+        ("train: resume from a checkpoint whose dcp/.metadata runs code",
+         train + ["--set", "val_files=1", "--resume", str(crafted)]),
+        ("export: a checkpoint whose dcp/.metadata runs code", export + [str(crafted), str(tmp / "e3")]),
+        ("train: dataset.json's tokenizer outside the data dir", train[:-1] + [str(outside_tokenizer)]),
+    ]
     if (REPO_ROOT / "generate.py").is_file():
-        cases += [("generate: missing model", [py, "generate.py", str(tmp / "nope")])]
+        cases += [("generate: missing model", [py, "generate.py", str(tmp / "nope")]),
+                  ("generate: a checkpoint whose dcp/.metadata runs code",
+                   [py, "generate.py", str(crafted), "--prompt", "x"])]
     return cases
+
+
+def crafted_sharded_checkpoint(root: Path) -> Path:
+    """A sharded checkpoint (the tiny model's record, no weights) whose dcp/.metadata is a pickle that would
+    create `root/code-ran`."""
+    from configs.model_config import get_model_spec
+    from tests.test_hardening_files import RunsCode
+
+    root.mkdir(parents=True)
+    (root / "metadata").write_bytes(pickle.dumps(RunsCode(root / "code-ran")))
+    payload = CheckpointPayload(None, {"rng": [{}]}, {"step": 1, "epoch": 0, "tokens": 8, "world_size": 1,
+                                                     "model": get_model_spec("tiny").to_dict()})
+    return write_checkpoint(root, checkpoint_name(0, 1, 1), payload, {"dcp/.metadata": root / "metadata"})
 
 
 @pytest.mark.slow
@@ -445,6 +472,7 @@ def test_no_entry_point_shows_a_traceback_for_bad_input(tmp_path):
     bad = [f"{what} (exit {p.returncode}):\n{p.stderr[-1500:]}" for what, p in results
            if "Traceback" in p.stderr or p.returncode == 0 or not p.stderr.strip()]
     assert not bad, "\n\n".join(bad)
+    assert not (tmp_path / "crafted" / "code-ran").exists(), "a crafted checkpoint ran its code"
 
 
 # ------------------------------------------------------------------------------------------------ data

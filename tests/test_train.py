@@ -67,7 +67,7 @@ def test_logged_lr_equals_lr_at(tmp_path, subprocess_env, accum):
         assert math.isclose(row["lr"], schedule(step), rel_tol=1e-12), (step, row["lr"], schedule(step))
     # and the optimizer really used it: the scheduler state in the final checkpoint is at step 8
     ckpt = next((out / "checkpoints").glob("checkpoint-*-step8-*"))
-    sched = torch.load(ckpt / "scheduler.pt", weights_only=False)
+    sched = torch.load(ckpt / "scheduler.pt", weights_only=True)
     assert sched["last_epoch"] == 8 and math.isclose(sched["_last_lr"][0], schedule(9), rel_tol=1e-12)
 
 

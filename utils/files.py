@@ -7,6 +7,9 @@ file or directory, fsyncs it, and renames it into place; a reader never sees a h
 any untouched for an hour (a live writer keeps touching its file; hostnames change when a container
 restarts). Temporaries this process is writing are registered, so a cleanup pass in another thread, or in
 a later process that reuses this pid (PID 1 in a container, every time), never deletes a live one.
+
+Also the one walk over a directory tree (`walk_once`) and the one test that a path a file names (a
+checkpoint's manifest, a dataset.json) stays inside its folder (`inside`).
 """
 from __future__ import annotations
 
@@ -301,3 +304,37 @@ def is_disk_full(exc: BaseException) -> bool:
             return True  # e.g. safetensors' SafetensorError, which chains nothing
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+# ------------------------------------------------------------------------------------------------- paths
+
+def inside(root, rel) -> bool:
+    """Whether `rel`, a path a file in `root` names (a manifest entry, dataset.json's tokenizer), stays in
+    `root`: relative, no `..`, and no symlink on the way that leads out."""
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        return False
+    real_root = Path(root).resolve()
+    return (real_root / rel).resolve().is_relative_to(real_root)
+
+
+def walk_once(root) -> Iterator[tuple[str, list[str], list[str]]]:
+    """`os.walk(root)`, top-down and sorted, following symlinked folders but walking each real directory
+    once, under its own name: a link to a folder inside `root` (a symlink loop, a second name for a folder)
+    is left out, since the folder is walked where it is (followed blindly, a loop repeats every file 40
+    levels deep); a link to a folder outside is walked, once. Prune `dirnames` in place to skip folders."""
+    real_root = Path(root).resolve()
+    seen: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        try:
+            st = os.stat(dirpath)
+        except OSError:
+            dirnames[:] = []
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirnames[:] = sorted(d for d in dirnames if not (os.path.islink(os.path.join(dirpath, d)) and
+                                                         Path(dirpath, d).resolve().is_relative_to(real_root)))
+        filenames.sort()
+        yield dirpath, dirnames, filenames

@@ -151,7 +151,23 @@ def _load_service_account(path: Path, source: str):
             f"credentials file {path} (from {source}) is not a usable service-account key "
             f"({type(exc).__name__}: missing fields or an unparsable private key); {fix}"
         ) from None
+    _warn_if_readable_by_others(path)
     return credentials, info.get("project_id")
+
+
+_WARNED_KEYS: set[Path] = set()
+
+
+def _warn_if_readable_by_others(path: Path) -> None:
+    """A key other users may read is someone else's key too: said once per file and process (the key is
+    used all the same: refusing would stop a run over a file mode)."""
+    mode = path.stat().st_mode
+    real = path.resolve()
+    if not mode & 0o044 or real in _WARNED_KEYS:
+        return
+    _WARNED_KEYS.add(real)
+    print(f"warning: credentials file {path} is readable by other users (mode {mode & 0o777:03o}); run "
+          f"`chmod 600 {path}` so that only you can read it", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------- retries

@@ -164,6 +164,8 @@ class Checkpointer:
                 load_full(core, self.optimizer, payload.model_state, objects.pop("optimizer", None))
             else:
                 core.load_state_dict(payload.model_state)
+        except UserError:  # e.g. a sharded checkpoint refused as unsafe: its own message
+            raise
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"checkpoint {path}: its weights or optimizer state do not fit this model "
                                   f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
@@ -257,7 +259,7 @@ class Checkpointer:
 
         from utils.checkpoint.sharded import SHARDED_DIR
 
-        self.shard_saver.wait()  # this rank's previous shards are on disk (the writer may still finish it)
+        self._wait_shards()  # this rank's previous shards are on disk (the writer may still finish it)
         tmp = files.temp_path(path).name if self.is_main else None
         if self.accelerator.num_processes > 1:
             tmp = broadcast_object_list([tmp])[0]  # a name: each node's own output dir holds it
@@ -289,8 +291,19 @@ class Checkpointer:
     def wait(self) -> Path | None:
         """Blocks until the last save is on disk (rank 0's files; every rank's shards); raises its error."""
         if self.shard_saver is not None:
-            self.shard_saver.wait()
+            self._wait_shards()
         return self._wait_writer() if self.writer else None
+
+    def _wait_shards(self) -> None:
+        """This rank's shards of the last save are written, or their write failed: DCP fails it on every rank
+        at once, and rank 0's writer, which waits for the same save, raises it in one line (a full disk as
+        the DiskFullError the README promises). So rank 0 leaves it to its writer, and every other rank stops
+        quietly (exit 2), at the same save as rank 0, instead of saying it again."""
+        try:
+            self.shard_saver.wait()
+        except UserError:
+            if not self.is_main:
+                raise SystemExit(2) from None
 
     def _check_free_space(self, path: Path) -> None:
         """Warns before a save that would not fit: the previous checkpoint's size against the free space."""
@@ -319,6 +332,8 @@ class Checkpointer:
         if self.shard_saver is not None:
             try:
                 self.shard_saver.wait()
+            except UserError:  # rank 0's writer reports it, below
+                code = 1
             except Exception as exc:  # noqa: BLE001 - rank 0's writer reports the failed checkpoint
                 self.log.warning(f"warning: writing this rank's checkpoint shards failed: {exc}")
                 code = 1

@@ -10,6 +10,9 @@ A checkpoint is a directory `checkpoint-epoch{E}-step{S}-files{F}/` holding
     <extra files>         copied in as given (e.g. tokenizer.json)
     manifest.json         written last: size and crc32c of every other file
 
+Every name the manifest holds (`files`, `objects`) stays inside the checkpoint: a relative path, no `..`,
+no symlink out; an object is one of the listed files.
+
 On several nodes without a shared filesystem, rank 0's copy holds only its node's shards: the manifest
 lists the other nodes' files too, marked `remote` (they went to GCS from their nodes), and names the GCS
 copy, which alone is complete (`complete_at`). Such a local copy is partial: resume downloads the whole one.
@@ -317,8 +320,16 @@ def _read_manifest(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path} has format version {version}; this code reads up to "
                               f"{FORMAT_VERSION}: update the code")
     for rel in listed:
-        if Path(rel).is_absolute() or ".." in Path(rel).parts:
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists '{rel}', outside the checkpoint")
+        if not files.inside(path, rel):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists '{rel}', outside the checkpoint (an absolute "
+                                  f"path, '..' or a symlink out); refused: delete it or resume from another")
+    objects = manifest.get("objects", [])
+    if not isinstance(objects, list):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST}'s 'objects' is not a list; the checkpoint is corrupt")
+    for key in objects:
+        if not (isinstance(key, str) and _OBJECT_KEY_RE.fullmatch(key) and f"{key}.pt" in listed):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} names object {key!r} in 'objects', which is not a "
+                                  f"file it lists; refused: delete the checkpoint or resume from another")
     return manifest
 
 

@@ -17,6 +17,15 @@ checkpoint becomes complete in GCS only after every node's files are there. A no
 leaves this checkpoint incomplete (rank 0 says so; the next checkpoint tries again, the previous one is
 intact). `--resume` downloads the whole checkpoint on every node.
 
+Nothing read from `dcp/` runs code. DCP's own reader unpickles `.metadata` and its planner unpickles the
+non-tensor values (the optimizer's hyperparameters) with `weights_only=False`; here `.metadata` goes through
+an unpickler that admits only DCP's metadata classes and the torch types they hold (`MetadataReader`), the
+files it names must lie in `dcp/`, and non-tensor values load with `weights_only=True`
+(`WeightsOnlyLoadPlanner`). Anything else is refused in one line naming the file. DCP reports a failure on
+any rank as a `CheckpointException` (a BaseException, with every rank's traceback); loads and saves turn it
+into one CheckpointError (a DiskFullError when the disk is full), so a bad checkpoint or a full disk is one
+line, never a traceback.
+
 Resume reshards: a DCP checkpoint loads into any world size and either strategy (DCP plans the reads
 from each rank's current shapes), and an unsharded checkpoint (model.safetensors + optimizer.pt, written
 by DDP runs, also before sharding existed) loads into an FSDP model as full state that each rank cuts to
@@ -25,22 +34,39 @@ whatever the layout.
 """
 from __future__ import annotations
 
+import pickle
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
+from utils import files
 from utils.checkpoint.format import CheckpointError
+from utils.errors import UserError
 
 SHARDED_DIR = "dcp"  # inside a checkpoint directory
 METADATA = ".metadata"
 # The saver's gloo group also waits for the nodes' uploads (NodeUploads): far longer than a collective.
 SAVER_GROUP_TIMEOUT = timedelta(hours=3)
+# What `.metadata` may name: found by unpickling the metadata of our FSDP checkpoints (model and AdamW state,
+# fp32 and bf16 runs, 1 and 2 ranks) while recording each global; torch dtypes (torch.float32, ...) besides.
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # StorageMeta.checkpoint_id (3.13 moved it)
+}
 
 
 class NodeUploadFailed(CheckpointError):
@@ -85,6 +111,136 @@ def is_sharded(directory) -> bool:
     return (Path(directory) / SHARDED_DIR / METADATA).is_file()
 
 
+class UnsafeCheckpoint(CheckpointError):
+    """A file in `dcp/` holds more than data (a pickle that would import or call something else)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS or module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(f"names {module}.{name}, which DCP's metadata never holds: refused (a checkpoint "
+                               f"holds data, never code); delete this checkpoint or use another")
+
+
+class MetadataReader(FileSystemReader):
+    """DCP's FileSystemReader, reading `.metadata` through _MetadataUnpickler (DCP's own unpickles anything)
+    and refusing a shard file it names outside `dcp/`. `checked(checkpoint)` reads it before DCP runs: DCP
+    catches a reader's error, logs its traceback and falls back to other files, so it is raised here first."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.metadata = None
+
+    @classmethod
+    def checked(cls, checkpoint) -> "MetadataReader":
+        reader = cls(Path(checkpoint) / SHARDED_DIR)
+        reader.read_metadata()
+        return reader
+
+    def read_metadata(self, *args, **kwargs):
+        if self.metadata is None:
+            self.metadata = self._read_safely(Path(self._get_metadata_path()))
+        self.metadata.storage_meta.load_id = self.load_id  # as DCP's own reader does
+        return self.metadata
+
+    def _read_safely(self, path: Path):
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except UnsafeCheckpoint as exc:
+            raise UnsafeCheckpoint(f"{path} {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever a damaged pickle raises
+            raise CheckpointError(f"{path} is unreadable ({_one_line(exc)}); the checkpoint is corrupt") from None
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP's metadata; the checkpoint "
+                                  f"is corrupt")
+        for item in metadata.storage_data.values():
+            rel = getattr(item, "relative_path", None)
+            if not (files.inside(self.path, rel) and "/" not in rel):
+                raise UnsafeCheckpoint(f"{path} names the shard file {rel!r}, outside {self.path}: refused; delete "
+                                       f"this checkpoint or use another")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+
+class _WeightsOnlyBytes:
+    """DCP's planners unpickle a state's non-tensor values (the optimizer's hyperparameters) with
+    `weights_only=False`; this loads them with `weights_only=True`."""
+
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpoint(f"{SHARDED_DIR}/ holds {fqn} as more than data ({str(exc).splitlines()[0]}): "
+                                   f"refused (a checkpoint holds data, never code); delete this checkpoint or use "
+                                   f"another") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class WeightsOnlyLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    pass
+
+
+class _WeightsOnlyEmptyPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    """Fills an empty state from the metadata (as torch's dcp_to_torch_save does), values with weights_only."""
+
+
+def _first_failure(exc: BaseException) -> tuple[int | None, BaseException]:
+    """(rank, exception) of the first rank's failure inside DCP's CheckpointException (which may nest)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    rank = None
+    while isinstance(exc, CheckpointException) and exc.failures:
+        rank, (exc, _trace) = min(exc.failures.items(), key=lambda item: item[0])
+    return rank, exc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+@contextmanager
+def _dcp_errors(checkpoint: Path) -> Iterator[None]:
+    """A DCP load's CheckpointException -> one UserError (`_dcp_failure`)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        raise _dcp_failure(exc, checkpoint, "reading") from None
+
+
+def _dcp_failure(exc: BaseException, checkpoint: Path, doing: str, needed: int | None = None) -> UserError:
+    """DCP's failure of a load or save on any rank, in one line: our own error raised inside DCP (a refused
+    value) as it is, a full disk while writing as the DiskFullError the README promises, anything else as a
+    CheckpointError naming the rank. torch's zip writer reports a full disk as a short write ("unexpected
+    pos"), without the errno, so a write that leaves less free space than this rank's shards need (`needed`)
+    counts as one too."""
+    rank, cause = _first_failure(exc)
+    if isinstance(cause, CheckpointError):
+        return type(cause)(f"checkpoint {checkpoint}: {cause}")
+    if needed is not None:
+        try:
+            full = files.is_disk_full(cause) or files.free_bytes(checkpoint.parent) < needed
+        except OSError:
+            full = False
+        if full:
+            return files.disk_full_error(checkpoint, needed)
+    on = f" on rank {rank}" if rank is not None else ""
+    return CheckpointError(f"checkpoint {checkpoint}: {doing} {SHARDED_DIR}/ failed{on} ({_one_line(cause)})")
+
+
 def _dist() -> bool:
     import torch.distributed as dist
 
@@ -94,7 +250,8 @@ def _dist() -> bool:
 class ShardedSaver:
     """One rank's side of sharded saves: `start(model, optimizer, dest, name)` stages and returns a future
     for the write (with `nodes`, for the nodes' uploads too; on rank 0 its result is the files the other
-    nodes uploaded); at most one is in flight (the next start waits for the previous one)."""
+    nodes uploaded; a failure is one UserError, on every rank); at most one is in flight (the next start
+    waits for the previous one)."""
 
     def __init__(self, nodes: NodeUploads | None = None):
         import torch.distributed as dist
@@ -114,8 +271,11 @@ class ShardedSaver:
 
         self.wait()
         model_state, optim_state = get_state_dict(model, optimizer)
-        written = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=str(dest),
-                                 storage_writer=self.writer, process_group=self.group, no_dist=self.group is None)
+        state = {"model": model_state, "optim": optim_state}
+        written = _failing_in_one_line(
+            dcp.async_save(state, checkpoint_id=str(dest), storage_writer=self.writer, process_group=self.group,
+                           no_dist=self.group is None),
+            Path(dest).parent.parent / name, _tensor_bytes(state))
         self.pending = written if self.after is None else self.after.submit(self._gather_nodes, written,
                                                                             Path(dest).parent, name)
         return self.pending
@@ -147,6 +307,40 @@ class ShardedSaver:
                 pass  # rank 0's writer waits on the same future and reports it
 
 
+def _tensor_bytes(state) -> int:
+    """Bytes of this rank's tensors in a (nested) state dict: what its shards of a save take on disk."""
+    from utils.model.fsdp import local
+
+    if isinstance(state, torch.Tensor):
+        return local(state).numel() * local(state).element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    return 0
+
+
+def _failing_in_one_line(written: Future, checkpoint: Path, needed: int) -> Future:
+    """DCP's future for a sharded write -> one whose failure is a single UserError (`_dcp_failure`)."""
+    result: Future = Future()
+
+    def done(future: Future) -> None:
+        # DCP's thread, before whoever waits on `result` goes on (rank 0's writer then removes the partial
+        # files): the free space is still what the failed write left
+        exc = future.exception()
+        if exc is None:
+            result.set_result(future.result())
+            return
+        try:
+            result.set_exception(_dcp_failure(exc, checkpoint, "writing", needed))
+        except Exception as unexpected:  # noqa: BLE001 - the waiter must get an error, whatever happens here
+            result.set_exception(CheckpointError(f"checkpoint {checkpoint}: writing {SHARDED_DIR}/ failed "
+                                                 f"({_one_line(exc)}; {_one_line(unexpected)})"))
+
+    written.add_done_callback(done)
+    return result
+
+
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
     """Loads a DCP checkpoint's model (and optimizer) state into this rank's model, sharded or not.
     Collective when a process group is up: every rank calls it."""
@@ -167,9 +361,10 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, dire
 
 
 def _dcp_load(dcp, state: dict, directory: Path) -> None:
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _dcp_errors(directory):
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-        dcp.load(state, checkpoint_id=str(Path(directory) / SHARDED_DIR), no_dist=not _dist())
+        dcp.load(state, storage_reader=MetadataReader.checked(directory), planner=WeightsOnlyLoadPlanner(),
+                 no_dist=not _dist())
 
 
 def load_full(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: dict,
@@ -212,12 +407,11 @@ def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, 
 def read_full_model_state(directory) -> dict[str, torch.Tensor]:
     """The whole model's weights from a sharded checkpoint, in one process (for export): DCP reassembles
     every rank's shards; the optimizer state is not read."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict = {}  # filled from the metadata (what torch's own dcp_to_torch_save does)
-    _load_state_dict(state, storage_reader=FileSystemReader(str(Path(directory) / SHARDED_DIR)),
-                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    with _dcp_errors(directory):
+        _load_state_dict(state, storage_reader=MetadataReader.checked(directory),
+                         planner=_WeightsOnlyEmptyPlanner(keys={"model"}), no_dist=True)
     model = state["model"]
     return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}

@@ -13,7 +13,8 @@ data directory to size the model's vocabulary by the tokenizer (and check ids ag
 
 `documents` and `tokens` count the whole corpus, both splits; `shards` are the training split's and
 `validation` (absent in datasets prepared before it existed) the held-out documents'. It carries no
-timestamp, so the same corpus prepared twice gives the same bytes.
+timestamp, so the same corpus prepared twice gives the same bytes. Every path it names (shards, the
+tokenizer) is relative and stays inside its folder, symlinks followed; `load` refuses one that leaves it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from utils import files
 from utils.errors import UserError
 
 FILE = "dataset.json"
@@ -45,6 +47,11 @@ class DatasetInfo:
     raw: dict
 
     @property
+    def train_paths(self) -> list[str]:
+        """The training split's shard files (relative paths)."""
+        return [s["path"] for s in self.shards]
+
+    @property
     def val_paths(self) -> list[str]:
         """The validation split's shard files (relative paths); empty without one."""
         return [s["path"] for s in (self.raw.get("validation") or {}).get("shards", [])]
@@ -53,6 +60,10 @@ class DatasetInfo:
     def tokenizer_sha256(self) -> str | None:
         """The sha256 of the tokenizer file the shards were made with (prepare_data.py records it)."""
         return self.raw["tokenizer"].get("sha256")
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return self.path.parent / self.raw["tokenizer"].get("file", "tokenizer.json")
 
     @classmethod
     def load(cls, data_dir) -> "DatasetInfo | None":
@@ -74,7 +85,23 @@ class DatasetInfo:
                                    f"{FORMAT!r} up to version {VERSION}; update the code or rerun prepare_data.py")
         if info.vocab_size < 1 or not 0 <= info.eos_id < info.vocab_size:
             raise DatasetInfoError(f"{path}: vocab_size {info.vocab_size} and eos_id {info.eos_id} do not fit together")
+        info._check_paths()
         return info
+
+    def _check_paths(self) -> None:
+        """Every path this file names stays in its folder (a crafted one could name any file on the machine,
+        and the tokenizer is copied into final_model/)."""
+        try:
+            named = [("tokenizer.file", self.raw["tokenizer"].get("file", "tokenizer.json"))]
+            named += [("shards", p) for p in self.train_paths] + [("validation.shards", p) for p in self.val_paths]
+        except (AttributeError, KeyError, TypeError) as exc:
+            raise DatasetInfoError(f"{self.path}: a shard entry has no path ({type(exc).__name__}: {exc}); rerun "
+                                   f"prepare_data.py or remove the file") from None
+        for entry, rel in named:
+            if not files.inside(self.path.parent, rel):
+                raise DatasetInfoError(f"{self.path}: {entry} names {rel!r}, which leaves {self.path.parent} (an "
+                                       f"absolute path, '..' or a symlink out); a dataset names only files inside "
+                                       f"its folder: fix the entry or rerun prepare_data.py")
 
 
 def end_of_document_id(data_dirs) -> int | None:

@@ -1,10 +1,11 @@
 """The validated shard index: every `*.npz` under a data directory, ordered, checked once, cached.
 
-`ShardIndex.build(data_dir, seq_len, vocab_size)` finds every `*.npz` under `data_dir` (recursively, sorted
-by relative posix path; hidden files and folders are ignored, and counted), checks each against the shard format (utils/data/shards.py) and records how many
-`seq_len` sequences it holds. The id scan is done once per file: results are cached in
-`data_dir/.shard_index.json`, keyed by relative path, size and mtime, and reused while the file is
-unchanged. Any bad file stops the build with a `ShardError` naming the file and the rule.
+`ShardIndex.build(data_dir, seq_len, vocab_size)` finds every `*.npz` under `data_dir` (recursively, each
+real folder once, sorted by relative posix path; hidden files and folders are ignored, and counted; a
+folder with a dataset.json holds exactly the shards it lists), checks each against the shard format
+(utils/data/shards.py) and records how many `seq_len` sequences it holds. The id scan is done once per
+file: results are cached in `data_dir/.shard_index.json`, keyed by relative path, size and mtime, and reused
+while the file is unchanged. Any bad file stops the build with a `ShardError` naming the file and the rule.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +22,8 @@ import numpy as np
 
 from utils import files
 from utils.errors import UserError
+from utils.data.dataset_info import FILE as DATASET_FILE
+from utils.data.dataset_info import DatasetInfo
 from utils.data.shards import ShardError, ShardInfo, ShardLayout, check_header, check_vocab, inspect_shard, shard_error
 
 CACHE_NAME = ".shard_index.json"
@@ -71,21 +75,65 @@ def _write_cache(path: Path, entries: dict, log: Callable) -> None:
 # The index
 
 
-def _find_shards(root: Path) -> tuple[list[str], list[str]]:
-    """(the `.npz` files under root, those ignored because they or a folder above them is hidden).
+@dataclass
+class FoundShards:
+    """What a walk of a data directory found: `files` to index, those `hidden` (they or a folder above them
+    hidden), and `notes` on what dataset.json files decided."""
+    files: list[str] = field(default_factory=list)
+    hidden: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _find_shards(root: Path) -> FoundShards:
+    """The `.npz` files under root, each real folder walked once (files.walk_once: a symlink loop adds
+    nothing).
 
     Hidden names are never data: a killed prepare_data's `.NAME.partial-*` output, editors' and sync
-    tools' files, this module's own cache."""
-    found, hidden = [], []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames.sort()
+    tools' files, this module's own cache. A folder holding a dataset.json holds exactly the shards it
+    lists: its other `.npz` files and sub-folders are not indexed. At the root both of its splits are
+    indexed (train.py splits them by dataset.json); a dataset nested deeper adds its training shards only,
+    so its validation split never becomes training data."""
+    found = FoundShards()
+    for dirpath, dirnames, filenames in files.walk_once(root):
         rel_dir = Path(dirpath).relative_to(root)
+        if DATASET_FILE in filenames:
+            _add_listed(found, root, rel_dir)
+            dirnames[:] = []
+            continue
         in_hidden = any(part.startswith(".") for part in rel_dir.parts)
         for name in filenames:
             if name.endswith(".npz") or (files.is_temp_name(name) and ".npz" in name):
                 rel = (rel_dir / name).as_posix()
-                (hidden if in_hidden or name.startswith(".") else found).append(rel)
-    return sorted(found), sorted(hidden)
+                (found.hidden if in_hidden or name.startswith(".") else found.files).append(rel)
+    found.files.sort()
+    found.hidden.sort()
+    return found
+
+
+def _add_listed(found: FoundShards, root: Path, rel_dir: Path) -> None:
+    """The shards a dataset.json in root/rel_dir lists (see _find_shards) that are there: a partial download
+    (`--max-files`) holds the first ones; a missing validation shard is ShardIndex.split_paths' error."""
+    folder = root / rel_dir
+    info = DatasetInfo.load(folder)
+    nested = rel_dir != Path(".")
+    listed = info.train_paths + ([] if nested else info.val_paths)
+    present = [rel for rel in listed if (folder / rel).is_file()]
+    found.files += [(rel_dir / rel).as_posix() for rel in present]
+    absent = [rel for rel in info.train_paths if rel not in present]
+    if absent:
+        found.notes.append(f"data: {len(absent)} of the {len(info.train_paths)} training shards {info.path} lists "
+                           f"are not in {folder} (e.g. {absent[0]}; a partial download?); the others are used")
+    if nested and info.val_paths:
+        found.notes.append(f"data: {rel_dir.as_posix()}/ holds its own {DATASET_FILE}: its {len(info.train_paths)} "
+                           f"training shard(s) are used, its validation split ({len(info.val_paths)} shard(s)) is not")
+    named = set(info.train_paths) | set(info.val_paths)
+    unlisted = sorted(rel for rel in (Path(d, name).relative_to(folder).as_posix()
+                                      for d, _, names in files.walk_once(folder) for name in names
+                                      if name.endswith(".npz") and not name.startswith("."))
+                      if rel not in named)
+    if unlisted:
+        found.notes.append(f"data: {len(unlisted)} .npz file(s) under {folder} are not listed in its {DATASET_FILE} "
+                           f"and are not used (e.g. {unlisted[0]})")
 
 
 class ShardIndex:
@@ -109,10 +157,13 @@ class ShardIndex:
         if seq_len < 1 or vocab_size < 1:
             raise ValueError(f"seq_len={seq_len} and vocab_size={vocab_size} must be positive")
         root = Path(data_dir)
-        all_files, hidden = _find_shards(root) if root.is_dir() else ([], [])
+        found = _find_shards(root) if root.is_dir() else FoundShards()
+        all_files, hidden = found.files, found.hidden
         if hidden:
             log(f"data: ignoring {len(hidden)} .npz file(s) under hidden names in {root} (e.g. {hidden[0]}: "
                 f"names starting with '.', such as a killed prepare_data's .NAME.partial-* folder)")
+        for note in found.notes:
+            log(note)
         files = _select(root, all_files, max_files)
         layouts, errors = _layouts(root, files, all_files, seq_len, log)
         shards = []

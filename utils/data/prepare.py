@@ -73,7 +73,7 @@ class PrepareError(UserError):
 # ------------------------------------------------------------------------------------------------ inputs
 
 def find_inputs(paths: list[str]) -> list[Path]:
-    """Files, folders (recursive) and globs -> the supported files, sorted, each once."""
+    """Files, folders (recursive, each real folder once) and globs -> the supported files, sorted, each once."""
     found: set[Path] = set()
     for given in paths:
         matches = [Path(m) for m in sorted(glob.glob(given, recursive=True))] if glob.has_magic(given) else [Path(given)]
@@ -81,7 +81,8 @@ def find_inputs(paths: list[str]) -> list[Path]:
             raise PrepareError(f"--input {given}: matches no file")
         for path in matches:
             if path.is_dir():
-                found |= {p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES)}
+                found |= {Path(folder, name) for folder, _, names in files.walk_once(path) for name in names
+                          if name.endswith(SUFFIXES) and Path(folder, name).is_file()}
             elif path.is_file():
                 if not path.name.endswith(SUFFIXES):
                     raise PrepareError(f"{path}: not a supported input ({', '.join(SUFFIXES)})")

@@ -168,7 +168,7 @@ class ExportTokenizer:
             info = DatasetInfo.load(source)
             if info is not None:
                 eos = info.eos_token
-                source = source / info.raw["tokenizer"].get("file", "tokenizer.json")
+                source = info.tokenizer_file
             else:
                 source = source / "tokenizer.json"
         if not source.is_file():

@@ -1,0 +1,400 @@
+"""Hardening, third pass (issue 26), what a file can make the engine do: a crafted sharded checkpoint runs no
+code (resume from a path or gs://, generate.py, export_hf.py), paths a manifest or dataset.json names stay in
+their folder, a data dir's symlink loops and nested datasets add nothing, a key other users can read is
+said, and a full disk during a sharded save is one line with the earlier checkpoint intact (real processes,
+a small tmpfs)."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.trainkit import REPO_ROOT, TINY, make_shards, run, train_cmd
+from utils.storage import file_crc32c
+
+
+def env_for_runs() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    return env
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+# ----------------------------------------------------------------------- 1: a crafted sharded checkpoint
+
+class RunsCode:
+    """Unpickled, it creates `marker`: a stand-in for whatever code a crafted pickle could run."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def refresh_manifest(checkpoint: Path, rel: str) -> None:
+    """The manifest's size and crc32c for a file changed on purpose (whoever crafts a checkpoint writes its
+    manifest too)."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][rel] = {"size": (checkpoint / rel).stat().st_size, "crc32c": file_crc32c(checkpoint / rel)}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def craft_metadata(checkpoint: Path, marker: Path) -> None:
+    """dcp/.metadata stays valid DCP metadata, with a value whose unpickling runs code: torch's reader would
+    run it and load the checkpoint as if nothing happened."""
+    path = checkpoint / "dcp" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())  # our own run's file
+    metadata.storage_meta.modules = [RunsCode(marker)]
+    path.write_bytes(pickle.dumps(metadata))
+    refresh_manifest(checkpoint, "dcp/.metadata")
+
+
+def craft_value(checkpoint: Path, marker: Path) -> None:
+    """The optimizer's learning rate in a .distcp file, replaced by a pickle that runs code (DCP loads such
+    non-tensor values with torch.load(weights_only=False))."""
+    from io import BytesIO
+
+    meta_path = checkpoint / "dcp" / ".metadata"
+    metadata = pickle.loads(meta_path.read_bytes())
+    index = next(i for i in metadata.storage_data if i.fqn == "optim.param_groups.0.lr")
+    info = metadata.storage_data[index]
+    shard = checkpoint / "dcp" / info.relative_path
+    payload = BytesIO()
+    torch.save(RunsCode(marker), payload)
+    info.offset, info.length = shard.stat().st_size, len(payload.getvalue())
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    meta_path.write_bytes(pickle.dumps(metadata))
+    for rel in ("dcp/.metadata", f"dcp/{info.relative_path}"):
+        refresh_manifest(checkpoint, rel)
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """One FSDP run (strategy=fsdp, one process: its own process group), 2 steps, a sharded checkpoint."""
+    root = tmp_path_factory.mktemp("sharded")
+    data = make_shards(root / "data", n_files=3, rows=16)
+    out = root / "out"
+    run(train_cmd(out, data, "strategy=fsdp", "max_steps=2", "save_steps=2"), env_for_runs())
+    checkpoint = next((out / "checkpoints").glob("checkpoint-*"))
+    return {"data": data, "out": out, "checkpoint": checkpoint}
+
+
+def crafted_copy(sharded_run, tmp_path: Path, craft) -> tuple[Path, Path]:
+    """A copy of the run's output dir whose checkpoint is crafted, and the marker its code would create."""
+    out = tmp_path / "out"
+    shutil.copytree(sharded_run["out"], out)
+    checkpoint = out / "checkpoints" / sharded_run["checkpoint"].name
+    marker = tmp_path / "code-ran"
+    craft(checkpoint, marker)
+    return checkpoint, marker
+
+
+@pytest.mark.slow
+def test_a_crafted_dcp_metadata_is_refused_by_resume_from_gcs_generate_and_export(sharded_run, tmp_path,
+                                                                                 gcs_emulator):
+    """`--resume gs://...` downloads the checkpoint, then reads it as a local one does."""
+    from utils.storage import make_client, upload_directory
+
+    checkpoint, marker = crafted_copy(sharded_run, tmp_path, craft_metadata)
+    url = f"gs://{gcs_emulator.bucket}/checkpoints/crafted/{checkpoint.name}"
+    upload_directory(make_client(), checkpoint, url)
+    env = {**env_for_runs(), "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    commands = {
+        "resume": train_cmd(tmp_path / "fresh", sharded_run["data"], "strategy=fsdp", "max_steps=4",
+                            extra=("--resume", url)),
+        "generate": [sys.executable, str(REPO_ROOT / "generate.py"), str(checkpoint), "--prompt", "x"],
+        "export": [sys.executable, str(REPO_ROOT / "scripts" / "export_hf.py"), str(checkpoint), str(tmp_path / "hf")],
+    }
+    for what, cmd in commands.items():
+        line = one_error_line(run(cmd, env, check=False))
+        assert "dcp/.metadata names builtins.exec" in line and "refused" in line, (what, line)
+        assert not marker.exists(), f"{what}: the crafted .metadata ran its code"
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_a_crafted_dcp_value_is_refused_on_resume(sharded_run, tmp_path):
+    checkpoint, marker = crafted_copy(sharded_run, tmp_path, craft_value)
+    proc = run(train_cmd(checkpoint.parent.parent, sharded_run["data"], "strategy=fsdp", "max_steps=4",
+                         extra=("--resume", str(checkpoint))), env_for_runs(), check=False)
+    line = one_error_line(proc)
+    assert "optim.param_groups.0.lr" in line and "refused" in line, line
+    assert not marker.exists(), "the crafted value ran its code"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_metadata_of_every_kind_of_value_still_loads(tmp_path):
+    """What our checkpoints hold passes the restricted reader: bf16, fp32 and int64 tensors, the optimizer's
+    step counts and its hyperparameters (floats, a tuple, bools, None, parameter names)."""
+    import torch.distributed.checkpoint as dcp
+
+    from utils.checkpoint.sharded import SHARDED_DIR, MetadataReader, _dcp_load
+
+    state = {"model": {"w": torch.randn(4, 3).bfloat16(), "b": torch.randn(3), "ids": torch.arange(5)},
+             "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)}},
+                       "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "foreach": None, "fused": False,
+                                         "params": ["w", "b"]}]}}
+    dcp.save(state, checkpoint_id=str(tmp_path / SHARDED_DIR), no_dist=True)
+    assert MetadataReader.checked(tmp_path).metadata.state_dict_metadata.keys() >= {"model.w", "optim.param_groups.0.lr"}
+    back = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+            "optim": {"state": {"w": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(4, 3)}},
+                      "param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "foreach": True, "fused": True,
+                                        "params": []}]}}
+    _dcp_load(dcp, back, tmp_path)
+    assert all(torch.equal(back["model"][k], state["model"][k]) for k in state["model"])
+    assert back["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert torch.equal(back["optim"]["state"]["w"]["exp_avg"], state["optim"]["state"]["w"]["exp_avg"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_metadata_naming_a_shard_file_outside_dcp_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from utils.checkpoint.format import CheckpointError
+    from utils.checkpoint.sharded import SHARDED_DIR, MetadataReader
+
+    dcp.save({"model": {"w": torch.ones(3)}}, checkpoint_id=str(tmp_path / SHARDED_DIR), no_dist=True)
+    path = tmp_path / SHARDED_DIR / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../secret.distcp"
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"\.metadata names the shard file '\.\./\.\./secret\.distcp', outside"):
+        MetadataReader.checked(tmp_path)
+
+
+def test_torch_load_is_weights_only_everywhere():
+    """The project's rule, checked in its own source: every torch.load passes weights_only=True."""
+    import re
+
+    offenders = []
+    for path in REPO_ROOT.rglob("*.py"):
+        if ".venv" in path.parts or path.name == Path(__file__).name:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"torch\.load\(", line) and "weights_only=True" not in line:
+                offenders.append(f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+# ----------------------------------------------------------------- 2: paths a file names stay in its folder
+
+def test_manifest_objects_and_symlinked_files_stay_in_the_checkpoint(tmp_path):
+    from tests.test_hardening import fake_checkpoint
+    from utils.checkpoint.format import CheckpointError, read_checkpoint, verify_checkpoint
+
+    torch.save({"secret": torch.ones(2)}, tmp_path / "outside.pt")
+    checkpoint = fake_checkpoint(tmp_path / "ckpts", 2)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    (checkpoint / "manifest.json").write_text(json.dumps({**manifest, "objects": ["../../outside", "rng"]}))
+    with pytest.raises(CheckpointError, match=r"manifest.json names object '\.\./\.\./outside' in 'objects'"):
+        read_checkpoint(checkpoint)
+
+    (checkpoint / "manifest.json").write_text(json.dumps({**manifest, "objects": ["extra", "rng"]}))
+    with pytest.raises(CheckpointError, match=r"names object 'extra' in 'objects', which is not a file it lists"):
+        read_checkpoint(checkpoint)
+
+    (checkpoint / "rng.pt").unlink()
+    (checkpoint / "rng.pt").symlink_to(tmp_path / "outside.pt")
+    refresh_manifest(checkpoint, "rng.pt")
+    (checkpoint / "manifest.json").write_text(json.dumps(
+        {**json.loads((checkpoint / "manifest.json").read_text()), "objects": ["rng"]}))
+    with pytest.raises(CheckpointError, match=r"lists 'rng.pt', outside the checkpoint .*symlink"):
+        verify_checkpoint(checkpoint)
+
+
+def write_dataset(folder: Path, train: list[str], val: list[str], tokenizer_file: str = "tokenizer.json") -> Path:
+    """A dataset.json (as prepare_data.py writes it) over shards already in `folder`."""
+    entry = lambda rel: {"path": rel, "tokens": 1, "bytes": (folder / rel).stat().st_size, "crc32c": ""}  # noqa: E731
+    (folder / "dataset.json").write_text(json.dumps({
+        "format": "gpt-neox-shards", "version": 1, "dtype": "uint16", "documents": 2, "tokens": 2,
+        "tokenizer": {"file": tokenizer_file, "vocab_size": 512, "eos_id": 0, "eos_token": "<eos>"},
+        "shards": [entry(rel) for rel in train],
+        "validation": {"documents": 1, "tokens": 1, "shards": [entry(rel) for rel in val]}}))
+    return folder
+
+
+def test_dataset_json_paths_stay_in_the_data_dir(tmp_path):
+    from utils.data.dataset_info import DatasetInfo, DatasetInfoError
+    from utils.model.hf import ExportTokenizer
+    from tests.trainkit import gpt2_style_tokenizer
+
+    outside = gpt2_style_tokenizer(tmp_path / "elsewhere" / "tokenizer.json")
+    data = make_shards(tmp_path / "data", n_files=2, rows=8)
+    train = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.npz"))
+    write_dataset(data, train, [], tokenizer_file=str(outside))
+    with pytest.raises(DatasetInfoError, match=rf"dataset.json: tokenizer.file names '{outside}', which leaves"):
+        ExportTokenizer.find(data)  # it used to be exported into final_model/
+
+    (data / "tokenizer.json").symlink_to(outside)
+    write_dataset(data, train, [])
+    with pytest.raises(DatasetInfoError, match=r"tokenizer.file names 'tokenizer.json', which leaves .*symlink"):
+        DatasetInfo.load(data)
+
+    (data / "tokenizer.json").unlink()
+    write_dataset(data, train, [])
+    info = json.loads((data / "dataset.json").read_text())
+    info["shards"][0]["path"] = "../elsewhere/x.npz"
+    (data / "dataset.json").write_text(json.dumps(info))
+    with pytest.raises(DatasetInfoError, match=r"shards names '\.\./elsewhere/x\.npz', which leaves"):
+        DatasetInfo.load(data)
+
+
+# --------------------------------------------------------------------- 3: symlink loops, nested datasets
+
+def test_a_symlink_loop_in_the_data_dir_adds_nothing(tmp_path):
+    from utils.data.index import ShardIndex
+
+    data = make_shards(tmp_path / "data", n_files=4, rows=8)
+    (data / "part-0" / "loop").symlink_to(data)  # 40 levels deep, followed blindly
+    (data / "again").symlink_to(data / "part-1")  # a second link to a folder already walked
+    index = ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
+    assert [s.path for s in index.shards] == sorted(p.relative_to(data).as_posix() for p in data.rglob("*.npz"))
+    assert len(index) == 4
+
+
+def test_a_symlinked_shard_folder_is_followed_once(tmp_path):
+    from utils.data.index import ShardIndex
+    from utils.data.prepare import find_inputs
+
+    data = make_shards(tmp_path / "data", n_files=2, rows=8)
+    make_shards(tmp_path / "more", n_files=2, rows=8, seed=1)
+    (data / "more").symlink_to(tmp_path / "more")
+    (tmp_path / "more" / "back").symlink_to(data)
+    assert len(ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)) == 4
+
+    corpus = tmp_path / "corpus"
+    (corpus / "a").mkdir(parents=True)
+    (corpus / "a" / "doc.txt").write_text("hello")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "other.txt").write_text("world")
+    (corpus / "linked").symlink_to(tmp_path / "linked")
+    (corpus / "a" / "loop").symlink_to(corpus)
+    assert [p.relative_to(corpus).as_posix() for p in find_inputs([str(corpus)])] == ["a/doc.txt", "linked/other.txt"]
+
+
+def test_a_folder_with_dataset_json_holds_exactly_the_shards_it_lists(tmp_path):
+    """A dataset nested in another's folder adds nothing to it (its val/ shards used to become the outer
+    one's training data); nested in a plain folder, it adds its training shards, never its validation."""
+    from utils.data.index import ShardIndex
+
+    def prepared(folder: Path, seed: int) -> Path:
+        make_shards(folder / "part", n_files=2, rows=8, seed=seed)
+        make_shards(folder / "val", n_files=1, rows=8, seed=seed + 1)
+        rels = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.npz"))
+        return write_dataset(folder, [r for r in rels if not r.startswith("val/")],
+                             [r for r in rels if r.startswith("val/")])
+
+    outer = prepared(tmp_path / "outer", 0)
+    prepared(outer / "inner", 10)
+    np.savez(outer / "stray.npz", input_ids=np.zeros((8, 64), np.uint16))
+    said = []
+    index = ShardIndex.build(outer, seq_len=64, vocab_size=512, log=said.append)
+    listed = json.loads((outer / "dataset.json").read_text())
+    train, val = index.split_paths([s["path"] for s in listed["validation"]["shards"]])
+    assert [s.path for s in train.shards] == [s["path"] for s in listed["shards"]]
+    assert [s.path for s in val.shards] == [s["path"] for s in listed["validation"]["shards"]]
+    assert any("4 .npz file(s) under" in line and "not listed in its dataset.json" in line for line in said), said
+
+    plain = tmp_path / "plain"
+    make_shards(plain / "own", n_files=1, rows=8)
+    prepared(plain / "inner", 20)
+    said.clear()
+    index = ShardIndex.build(plain, seq_len=64, vocab_size=512, log=said.append)
+    inner = json.loads((plain / "inner" / "dataset.json").read_text())
+    assert sorted(s.path for s in index.shards) == sorted(
+        ["own/part-0/sub-0/shard-000.npz"] + [f"inner/{s['path']}" for s in inner["shards"]])
+    assert any("inner/ holds its own dataset.json" in line and "validation split (1 shard(s)) is not" in line
+               for line in said), said
+
+
+# ------------------------------------------------------------------------ 4: a key other users can read
+
+def test_a_key_other_users_can_read_is_said_once_never_its_contents(tmp_path, monkeypatch, capsys):
+    from tests.test_storage import fake_service_account
+    from utils import storage
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    key = fake_service_account(tmp_path / "key.json")  # a new path: nothing was said about it yet
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    os.chmod(key, 0o600)
+    storage.make_client()
+    assert "warning" not in capsys.readouterr().err
+    os.chmod(key, 0o644)
+    storage.make_client()
+    storage.make_client()
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, err
+    assert str(key) in warnings[0] and f"chmod 600 {key}" in warnings[0] and "mode 644" in warnings[0]
+    assert "PRIVATE KEY" not in err and json.loads(key.read_text())["private_key_id"] not in err.replace(str(key), "")
+
+
+def test_setup_makes_the_keys_in_credentials_private(tmp_path):
+    """setup.sh's first step, on a copy of it: the key is chmod 600 and it says so (it then stops at the
+    Python check: PYTHON names no interpreter)."""
+    shutil.copy(REPO_ROOT / "setup.sh", tmp_path / "setup.sh")
+    (tmp_path / "credentials").mkdir()
+    key, private = tmp_path / "credentials" / "trainer.json", tmp_path / "credentials" / "other.json"
+    for path, mode in ((key, 0o644), (private, 0o600)):
+        path.write_text('{"type": "service_account", "private_key": "SECRET"}')
+        os.chmod(path, mode)
+    proc = subprocess.run(["bash", "setup.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHON": "/nonexistent/python3"})
+    assert key.stat().st_mode & 0o777 == 0o600 and private.stat().st_mode & 0o777 == 0o600
+    assert "credentials/trainer.json was readable by other users: chmod 600" in proc.stdout, proc.stdout
+    assert "other.json" not in proc.stdout and "SECRET" not in proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------- 9: a full disk in a sharded save
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_sharded_save_is_one_line_and_the_earlier_checkpoint_resumes(tmp_path):
+    """Two FSDP ranks (the launcher, --cpu) on a 4 MB tmpfs: the step-2 checkpoint (2.4 MB) fits, the
+    step-4 one does not. One error line (it was ~9 DCP tracebacks), the step-2 checkpoint verifies, and once
+    there is room the run resumes from it and finishes."""
+    from utils.checkpoint.format import list_checkpoints, verify_checkpoint
+
+    data = make_shards(tmp_path / "data", n_files=4, rows=64)
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        out, env = mount / "out", env_for_runs()
+        cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", "2", "--strategy", "fsdp",
+               "--", "--output-dir", str(out), "--data-dir", str(data)]
+        for s in TINY + ["max_steps=6", "save_steps=2"]:
+            cmd += ["--set", s]
+        line = one_error_line(run(cmd, env, check=False, timeout=600))
+        assert f"no space left on {mount}" in line and "checkpoint-epoch0-step4" in line and "--resume auto" in line
+        (kept,) = list_checkpoints(out / "checkpoints")
+        assert kept.name.startswith("checkpoint-epoch0-step2-")
+        verify_checkpoint(kept)
+        assert not [p for p in (out / "checkpoints").iterdir() if p != kept], "a partial checkpoint was left"
+
+        subprocess.run(["mount", "-o", "remount,size=32m", str(mount)], check=True)
+        resumed = run(train_cmd(out, data, "strategy=fsdp", "max_steps=6", "save_steps=2", extra=("--resume", "auto")),
+                      env)
+        assert f"Resumed from {kept}" in resumed.stdout and "Traceback" not in resumed.stderr
+        assert list_checkpoints(out / "checkpoints")[-1].name.startswith("checkpoint-epoch0-step6-")
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
