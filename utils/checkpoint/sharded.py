@@ -386,9 +386,9 @@ def load_full(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_s
 def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
     """torch's optimizer state dict (parameters numbered 0..N-1 across its groups) -> the same keyed by
     parameter name, using this optimizer's groups, which hold the same parameters in the same order."""
-    from utils.model.activation_checkpointing import parameter_fqn
-
-    names = {id(p): parameter_fqn(n) for n, p in model.named_parameters()}
+    names = {}  # the state dict's names: wrappers (activation checkpointing) leave them as the model's own
+    for name, p in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(p), name)  # a tied weight keeps its first name, as named_parameters() gives it
     state, groups = {}, []
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"the saved optimizer has {len(saved['param_groups'])} parameter groups, this one "
