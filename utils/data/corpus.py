@@ -87,21 +87,21 @@ def _local_inputs(given: str) -> list[InputFile]:
 
 
 def _bucket_inputs(url: str) -> list[InputFile]:
-    from utils.storage import StorageError, gs_url, list_objects, make_client, parse_gs_url
+    from utils.storage import StorageError, gs_url, list_objects, make_client, parse_gs_url, stat_object
 
     try:
         bucket, prefix = parse_gs_url(url)
     except ValueError as exc:
         raise PrepareError(f"--input {url}: {exc}") from None
     try:
-        objects = list_objects(make_client(), bucket, prefix, suffix=None)
+        client = make_client()
+        under = [(o, o.name[len(prefix) + 1:] if prefix else o.name)
+                 for o in list_objects(client, bucket, prefix, suffix=None)]
+        one = stat_object(client, url) if not under and prefix.endswith(SUFFIXES) else None  # the URL names one
     except StorageError as exc:
         raise PrepareError(f"--input {url}: {exc}") from None
-    under = [(o, o.name[len(prefix) + 1:] if prefix else o.name) for o in objects]
-    if not under and prefix.endswith(SUFFIXES):  # the URL names one object
-        exact = [o for o in list_objects(make_client(), bucket, prefix.rpartition("/")[0], suffix=None)
-                 if o.name == prefix]
-        under = [(o, prefix.rpartition("/")[2]) for o in exact]
+    if one is not None:
+        under = [(one, prefix.rpartition("/")[2])]
     if not under:
         raise PrepareError(f"--input {url}: no objects there; check the bucket and prefix")
     return [InputFile(gs_url(bucket, o.name), gs_url(bucket, o.name), key, o.size, o.crc32c)
@@ -138,8 +138,31 @@ def read_documents(source: InputFile | str | Path, text_field: str, start: int =
             yield from _jsonl_documents(shown, path, text_field, 0 if whole else start, None if whole else end)
         else:
             yield from _parquet_documents(shown, path, text_field, start, end)
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+    except (EOFError, gzip.BadGzipFile) as exc:
         raise PrepareError(f"{shown}: cannot be read ({exc})") from None
+    except Exception as exc:
+        failure = _read_failure(shown, path, exc)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _read_failure(shown: str, path: str, exc: Exception) -> Exception | None:
+    """The one-line error for a file that could not be read, or None for an exception that is no such
+    failure. A bucket's read that broke off is a StorageError (worth a retry of the partition); a missing or
+    forbidden object, like an unreadable local file, is a PrepareError (the user fixes it)."""
+    if isinstance(exc, PrepareError):
+        return None
+    if not path.startswith("gs://"):
+        return PrepareError(f"{shown}: cannot be read ({exc})") if isinstance(exc, OSError) else None
+    from google.api_core.exceptions import GoogleAPIError
+
+    from utils.storage import StorageError, is_transient
+
+    if not isinstance(exc, (OSError, GoogleAPIError)):
+        return None
+    kind = StorageError if isinstance(exc, OSError) or is_transient(exc) else PrepareError
+    return kind(f"{shown}: cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
 
 
 @contextmanager

@@ -3,11 +3,11 @@ tasks, one per partition, on a Ray cluster or a local one).
 
 Both run `utils.data.partition.tokenize_partition` on each job and yield its completion record as each
 partition finishes, in whatever order; the merge puts the partitions back in plan order, so the output is
-the same bytes whatever runs them. A bad input (a PrepareError: the message names the file and line) stops
-the run at once; a partition that fails otherwise (a worker killed, a node lost, a read that broke off) is
-retried by Ray up to RAY_RETRIES times, while the local pool stops and the next run redoes only what is
-missing. The tokenizer travels to each worker once (the pool's initializer, Ray's object store), not with
-every job; each worker process tokenizes on one thread.
+the same bytes whatever runs them. A bad input (a PrepareError: the message names the file and line) or a
+full disk stops the run at once; a partition that fails otherwise (a worker killed, a node lost, a bucket's
+read or write that broke off) is retried by Ray up to RAY_RETRIES times, while the local pool stops and the
+next run redoes only what is missing. The tokenizer travels to each worker once (the pool's initializer, Ray's object store), not with
+every job; a Ray task tokenizes on one thread (it asks Ray for one CPU).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Iterator
 
 from utils.data.corpus import PrepareError
 from utils.data.partition import PartitionJob, tokenize_partition
-from utils.errors import UserError
+from utils.errors import DiskFullError
 
 EXECUTORS = ("local", "ray")
 RAY_RETRIES = 3
@@ -38,7 +38,8 @@ def make_executor(name: str, workers: int, ray_address: str | None = None) -> "L
 
 class LocalExecutor:
     """`workers` processes (spawned: the tokenizers library must not be forked after use), or this process
-    alone for one worker or one partition."""
+    alone for one worker or one partition (the tokenizer then encodes each batch on every core). With fewer
+    partitions than workers, each process encodes on its share of the cores."""
 
     def __init__(self, workers: int):
         self.workers = workers
@@ -53,8 +54,9 @@ class LocalExecutor:
 
         started = time.perf_counter()
         context = multiprocessing.get_context("spawn")
-        with context.Pool(min(self.workers, len(jobs)), initializer=_init_pool_worker,
-                          initargs=(tokenizer_json,)) as pool:
+        processes = min(self.workers, len(jobs))
+        with context.Pool(processes, initializer=_init_pool_worker,
+                          initargs=(tokenizer_json, self.workers // processes)) as pool:
             self.startup_seconds = time.perf_counter() - started
             yield from pool.imap_unordered(_pool_task, jobs, chunksize=1)
 
@@ -62,11 +64,12 @@ class LocalExecutor:
 _POOL_TOKENIZER: list[str] = []
 
 
-def _init_pool_worker(tokenizer_json: str) -> None:
+def _init_pool_worker(tokenizer_json: str, threads: int) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process stops the pool (no traceback per worker)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    os.environ["RAYON_NUM_THREADS"] = str(threads)  # the tokenizer's thread pool, read when it starts
     _POOL_TOKENIZER[:] = [tokenizer_json]
 
 
@@ -122,9 +125,9 @@ class RayExecutor:
 
 
 def _ray_task(job: PartitionJob, tokenizer_json: str) -> dict:
-    """A problem the user fixes (bad input, a full disk, a bucket refused: already retried where transient)
-    comes back as a value, so Ray does not retry it; anything else raises, and Ray retries the task."""
+    """Bad input or a full disk comes back as a value, so Ray does not retry it; anything else (a bucket's
+    read or write that failed, a bug) raises, and Ray retries the task."""
     try:
         return {"record": tokenize_partition(job, tokenizer_json)}
-    except UserError as exc:
+    except (PrepareError, DiskFullError) as exc:
         return {"error": str(exc)}

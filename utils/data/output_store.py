@@ -32,6 +32,7 @@ class LocalOutput:
         self.name = self.output.name
         self.staging = f".{self.name}.staging"
         self.assembly = f"{self.staging}/dataset"
+        self.disk = self.output  # where a full disk would be felt
 
     def url(self, name: str) -> str:
         return (self.base / name).as_posix()
@@ -104,6 +105,7 @@ class BucketOutput:
         self.output = url.rstrip("/")
         self.staging = f".{self.name}.staging"
         self.assembly = self.name
+        self.disk = Path(tempfile.gettempdir())  # where shards wait for their upload
 
     def url(self, name: str) -> str:
         from utils.storage import gs_url

@@ -30,7 +30,6 @@ import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -59,6 +58,7 @@ VAL_FOLDER = "val"
 SHARDS_PER_FOLDER = 256
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
 MOVE_THREADS = 16
+SHORT_SHARD_TOKENS = 2048  # the seq_len of the GPT-NeoX models: a shorter shard holds no training sequence
 
 
 # --------------------------------------------------------------------------------------------- tokenizer
@@ -153,30 +153,16 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
     split = DocumentSplit(validation_rate(sources, text_field, val_fraction), split_seed)
     plan = make_plan(sources, partition_bytes, {"sha256": tok.digest, "vocab_size": tok.vocab_size,
                                                 "eos_id": tok.eos_id, "eos_token": tok.eos_token}, settings, split)
-    local = isinstance(store, LocalOutput)
-    with files.disk_full_guard(store.output, advice=DISK_FULL_ADVICE) if local else nullcontext():
+    with files.disk_full_guard(store.disk, advice=DISK_FULL_ADVICE):
         done = _finished(store, plan)
         if done is not None:
             store.remove(store.staging)  # left by a run killed after its dataset.json
             return PrepareResult(str(store.output), done["documents"], done["documents_empty"], done["tokens"],
                                  len(done["shards"]), time.perf_counter() - started, reused=True,
                                  partitions=plan.count, partitions_done_before=plan.count)
-        staged = _staged_plan(store)
-        ours = staged == plan.digest
-        if store.holds_anything(store.name) and not ours:
-            raise PrepareError(f"--output {store.output} is not empty (and holds no dataset prepared from these "
-                               f"inputs and settings); choose a new folder or empty it")
-        if local:
-            store.base.mkdir(parents=True, exist_ok=True)
-            files.remove_stale_temps(store.base)
-        if not ours:
-            if staged is not None:
-                log(f"discarding {store.url(store.staging)}: an earlier run's partitions of other inputs or settings")
-            store.remove(store.staging)
-            store.write_bytes(f"{store.staging}/{PLAN_FILE}", plan.json_bytes())
-        finished = [p for p in range(plan.count) if read_record(store, plan, p) is not None]
+        finished = _staging(store, plan, log)
         total = sum(s.bytes for s in sources)
-        log(f"plan: {plan.count} partition(s) of up to {partition_bytes / 1e6:g} MB from {len(sources)} input "
+        log(f"plan: {plan.count} partition(s) of about {partition_bytes / 1e6:g} MB from {len(sources)} input "
             f"file(s), {total / 1e6:,.1f} MB; {len(finished)} of {plan.count} partitions already done")
         tokenized = 0
         if not merge_only:
@@ -195,13 +181,43 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
                            val_shards=len(description["validation"]["shards"]), partitions=plan.count,
                            partitions_done_before=len(finished), tokens_tokenized=tokenized,
                            startup_seconds=runner.startup_seconds)
-    train_tokens = description["tokens"] - description["validation"]["tokens"]
-    if result.shards < MIN_TRAIN_SHARDS and train_tokens >= MIN_TRAIN_SHARDS * 1024:
-        result.notes.append(
-            f"warning: the training split is {result.shards} shard file(s); parallel downloads, max_files and "
-            f"val_files work by file, so for {MIN_TRAIN_SHARDS}+ files prepare it again with --shard-tokens "
-            f"{max(1024, train_tokens // MIN_TRAIN_SHARDS):,} (training works either way)")
+    result.notes += _warnings(description)
     return result
+
+
+def _staging(store, plan: Plan, log: Callable[[str], None]) -> list[int]:
+    """Readies the staging area for `plan` (an earlier run's under another plan is discarded); returns the
+    partitions already done under this one."""
+    staged = _staged_plan(store)
+    ours = staged == plan.digest
+    local = isinstance(store, LocalOutput)
+    if store.holds_anything(store.name) and (local or not ours):  # in a bucket: maybe our interrupted merge
+        raise PrepareError(f"--output {store.output} is not empty (and holds no dataset prepared from these "
+                           f"inputs and settings); choose a new folder or empty it")
+    if local:
+        store.base.mkdir(parents=True, exist_ok=True)
+        files.remove_stale_temps(store.base)
+    if not ours:
+        if staged is not None:
+            log(f"discarding {store.url(store.staging)}: an earlier run's partitions of other inputs or settings")
+        store.remove(store.staging)
+        store.write_bytes(f"{store.staging}/{PLAN_FILE}", plan.json_bytes())
+    return [p for p in range(plan.count) if read_record(store, plan, p) is not None]
+
+
+def _warnings(description: dict) -> list[str]:
+    notes = []
+    short = [s for s in description["shards"] + description["validation"]["shards"] if s["tokens"] < SHORT_SHARD_TOKENS]
+    if short:
+        notes.append(f"warning: {len(short)} shard(s) hold fewer than {SHORT_SHARD_TOKENS:,} tokens (e.g. "
+                     f"{short[0]['path']}: {short[0]['tokens']:,}), the last of a partition holding little text; "
+                     f"training refuses a shard shorter than its seq_len: a larger --partition-mb (or corpus) avoids them")
+    train_tokens = description["tokens"] - description["validation"]["tokens"]
+    if len(description["shards"]) < MIN_TRAIN_SHARDS and train_tokens >= MIN_TRAIN_SHARDS * 1024:
+        notes.append(f"warning: the training split is {len(description['shards'])} shard file(s); parallel downloads, "
+                     f"max_files and val_files work by file, so for {MIN_TRAIN_SHARDS}+ files prepare it again with "
+                     f"--shard-tokens {max(1024, train_tokens // MIN_TRAIN_SHARDS):,} (training works either way)")
+    return notes
 
 
 def shard_name(folder: str, k: int) -> str:
@@ -221,6 +237,10 @@ def _merge(store, plan: Plan, tok: TokenizerInfo, dtype: np.dtype, shard_tokens:
                                f"({store.url(partition_folder(store, p))}/done.json): it was never finished, or "
                                f"the record was removed; run the same command without --merge-only to redo it")
         records.append(record)
+    counts = {key: sum(r[key] for r in records) for key in ("documents", "documents_empty", "tokens")}
+    if counts["documents"] == 0:
+        raise PrepareError(f"the corpus is empty: {len(sources)} input file(s), {counts['documents_empty']} empty "
+                           f"document(s) and no text")
     moves, shards = [], []
     for p, record in enumerate(records):
         for shard in record["shards"]:
@@ -229,7 +249,6 @@ def _merge(store, plan: Plan, tok: TokenizerInfo, dtype: np.dtype, shard_tokens:
             shards.append({**shard, "path": final, "partition": p})
     with ThreadPoolExecutor(MOVE_THREADS, thread_name_prefix="prepare-merge") as pool:
         list(pool.map(lambda move: _move_shard(store, *move), moves))
-    counts = {key: sum(r[key] for r in records) for key in ("documents", "documents_empty", "tokens")}
     with store.scratch(store.assembly) as work:
         held_out = ShardWriter(work, shard_tokens, dtype, name=lambda k: shard_name(f"{VAL_FOLDER}/", k),
                                publish=lambda path, name: store.publish(path, f"{store.assembly}/{name}"))
@@ -237,9 +256,6 @@ def _merge(store, plan: Plan, tok: TokenizerInfo, dtype: np.dtype, shard_tokens:
             if record["validation"]["documents"]:
                 held_out.add(_validation_piece(store, p, record))
         held_out.close()
-    if counts["documents"] == 0:
-        raise PrepareError(f"the corpus is empty: {len(sources)} input file(s), {counts['documents_empty']} empty "
-                           f"document(s) and no text")
     description = {
         "format": FORMAT, "version": VERSION,
         "tokenizer": {"file": "tokenizer.json", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
