@@ -305,12 +305,13 @@ def test_a_run_killed_after_some_partitions_is_finished_by_a_rerun_doing_only_th
     ("empty", r"the corpus is empty"),
     ("no_eos", r"no end-of-document token found .* name one with --eos-token"),
     ("missing", r"--input .*nowhere: no such file or folder"),
+    ("no_ray_cluster", r"--ray-address 127\.0\.0\.1:9: nothing answers there"),
 ])
 def test_bad_input_is_one_line_naming_the_file(tmp_path, subprocess_env, tokenizer, case, fragment):
     corpus = tmp_path / "c"
     corpus.mkdir()
     tok = tokenizer
-    inputs = [corpus]
+    inputs, extra = [corpus], []
     if case == "bad_json":
         (corpus / "b.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
     elif case == "no_field":
@@ -332,8 +333,11 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, subprocess_env, tokeniz
         t.save(str(tok))
     elif case == "missing":
         inputs = [tmp_path / "nowhere"]
+    elif case == "no_ray_cluster":
+        (corpus / "a.txt").write_text("hello world")
+        extra = ["--executor", "ray", "--ray-address", "127.0.0.1:9"]
     out = tmp_path / "out"
-    proc = prepare(["--input", *inputs, "--tokenizer", tok, "--output", out, "--workers", 1], subprocess_env,
+    proc = prepare(["--input", *inputs, "--tokenizer", tok, "--output", out, "--workers", 1, *extra], subprocess_env,
                    check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]

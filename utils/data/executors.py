@@ -84,16 +84,21 @@ class RayExecutor:
     inputs and the output: gs:// URLs, or a filesystem every node mounts at the same path."""
 
     def __init__(self, workers: int, address: str | None):
+        """Refuses, before any work, a machine without Ray and an address nothing answers at."""
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise PrepareError(f"--executor ray needs Ray: pip install '{RAY_PIN}' (or use --executor local)") from None
+        if address:
+            _check_reachable(address)
         self.workers, self.address = workers, address
         self.startup_seconds = 0.0
 
     def run(self, jobs: list[PartitionJob], tokenizer_json: str) -> Iterator[dict]:
         if not jobs:
             return
-        try:
-            import ray
-        except ImportError:
-            raise PrepareError(f"--executor ray needs Ray: pip install '{RAY_PIN}' (or use --executor local)") from None
+        import ray
+
         started = time.perf_counter()
         env = {"py_modules": [str(UTILS_PACKAGE)], "env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
         options = {"address": self.address} if self.address else {"num_cpus": self.workers, "include_dashboard": False}
@@ -122,6 +127,21 @@ class RayExecutor:
                 yield outcome["record"]
         finally:
             ray.shutdown()
+
+
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """One line at once for a cluster address nothing answers at (Ray itself retries for minutes)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise PrepareError(f"--ray-address {address}: nothing answers there ({exc.strerror or exc}); check the "
+                           f"address (ray://HEAD:10001, or HEAD:6379 on a node of the cluster) and that the "
+                           f"cluster runs") from None
 
 
 def _ray_task(job: PartitionJob, tokenizer_json: str) -> dict:
