@@ -57,7 +57,7 @@ MIN_TRAIN_SHARDS = 8
 VAL_FOLDER = "val"
 SHARDS_PER_FOLDER = 256
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
-MOVE_THREADS = 16
+STORE_THREADS = 16  # a bucket's small reads and renames at once
 SHORT_SHARD_TOKENS = 2048  # the seq_len of the GPT-NeoX models: a shorter shard holds no training sequence
 
 
@@ -202,7 +202,14 @@ def _staging(store, plan: Plan, log: Callable[[str], None]) -> list[int]:
             log(f"discarding {store.url(store.staging)}: an earlier run's partitions of other inputs or settings")
         store.remove(store.staging)
         store.write_bytes(f"{store.staging}/{PLAN_FILE}", plan.json_bytes())
-    return [p for p in range(plan.count) if read_record(store, plan, p) is not None]
+    return [p for p, record in enumerate(_records(store, plan)) if record is not None]
+
+
+def _records(store, plan: Plan) -> list[dict | None]:
+    """Each partition's completion record made under `plan`, or None; read in parallel (a bucket's
+    thousands of small reads)."""
+    with ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="prepare-records") as pool:
+        return list(pool.map(lambda p: read_record(store, plan, p), range(plan.count)))
 
 
 def _warnings(description: dict) -> list[str]:
@@ -229,14 +236,12 @@ def _merge(store, plan: Plan, tok: TokenizerInfo, dtype: np.dtype, shard_tokens:
            val_fraction: float, sources: list[InputFile], settings: dict) -> dict:
     """Partitions' records in order -> the dataset's layout, dataset.json last (see the module docstring).
     Safe to repeat after an interruption: a shard already moved is found in its final place."""
-    records = []
-    for p in range(plan.count):
-        record = read_record(store, plan, p)
-        if record is None:
-            raise PrepareError(f"partition {p} of {plan.count} has no completion record "
-                               f"({store.url(partition_folder(store, p))}/done.json): it was never finished, or "
-                               f"the record was removed; run the same command without --merge-only to redo it")
-        records.append(record)
+    records = _records(store, plan)
+    if None in records:
+        p = records.index(None)
+        raise PrepareError(f"partition {p} of {plan.count} has no completion record "
+                           f"({store.url(partition_folder(store, p))}/done.json): it was never finished, or "
+                           f"the record was removed; run the same command without --merge-only to redo it")
     counts = {key: sum(r[key] for r in records) for key in ("documents", "documents_empty", "tokens")}
     if counts["documents"] == 0:
         raise PrepareError(f"the corpus is empty: {len(sources)} input file(s), {counts['documents_empty']} empty "
@@ -247,7 +252,7 @@ def _merge(store, plan: Plan, tok: TokenizerInfo, dtype: np.dtype, shard_tokens:
             final = shard_name("", len(shards))
             moves.append((p, f"{partition_folder(store, p)}/{shard['path']}", f"{store.assembly}/{final}", shard["bytes"]))
             shards.append({**shard, "path": final, "partition": p})
-    with ThreadPoolExecutor(MOVE_THREADS, thread_name_prefix="prepare-merge") as pool:
+    with ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="prepare-merge") as pool:
         list(pool.map(lambda move: _move_shard(store, *move), moves))
     with store.scratch(store.assembly) as work:
         held_out = ShardWriter(work, shard_tokens, dtype, name=lambda k: shard_name(f"{VAL_FOLDER}/", k),
