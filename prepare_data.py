@@ -1,17 +1,22 @@
 #!/usr/bin/env python
-"""Turn a corpus and a tokenizer into the engine's training shards (+ tokenizer.json and dataset.json).
+"""Turn a corpus and a tokenizer into the engine's training shards (+ tokenizer.json, plan.json, dataset.json).
 
     python prepare_data.py --input corpus/ more/*.jsonl.gz --tokenizer tokenizer.json --output data/training
     python prepare_data.py --input corpus/ --tokenizer path/to/hf-tokenizer-dir --output data/mine \\
         --workers 8 --upload gs://my-bucket/datasets/mine
+    python prepare_data.py --input gs://my-bucket/corpus --tokenizer tokenizer.json \\
+        --output gs://my-bucket/datasets/mine --executor ray --ray-address ray://head:10001
 
-Inputs: .txt (one document per file), .jsonl (one document per line, in --text-field), either gzipped,
-and .parquet (with pyarrow installed); folders are searched recursively. Each document is followed by the
-tokenizer's end-of-document token. Output: 1-D uint16 shards (uint32 above 65,536 ids) of --shard-tokens
-ids in part-NNNNN/ folders, a validation split (a seeded random --val-fraction of the documents) in the
-same form under val/, tokenizer.json, and dataset.json (vocabulary, EOS, counts, both splits, every shard's
-size and crc32c). The output is the same whatever --workers is; a killed run leaves nothing that looks like a
-dataset, and running the same command again starts over (or, when the output is complete, does nothing).
+Inputs (local or gs://): .txt (one document per file), .jsonl (one document per line, in --text-field),
+either gzipped, and .parquet (with pyarrow installed); folders and prefixes are searched recursively. The
+inputs are cut into partitions of about --partition-mb (a .jsonl or .parquet anywhere, a .txt or .gz
+whole), tokenized by --executor, each document followed by the tokenizer's end-of-document token. Output:
+1-D uint16 shards (uint32 above 65,536 ids) of --shard-tokens ids in part-NNNNN/ folders, the last of
+each partition shorter; a validation split (documents whose seeded hash of file and position falls under
+--val-fraction) under val/; tokenizer.json, plan.json and dataset.json (vocabulary, EOS, counts, both
+splits, every shard's size and crc32c). The output is the same bytes whatever the executor, --workers or
+the number of reruns; a killed run leaves nothing that looks like a dataset, and running the same command
+again finishes it, redoing only the partitions not done (or, when the output is complete, does nothing).
 Exit status: 0 done, 1 upload failed (the local dataset is complete), 2 bad input.
 """
 from __future__ import annotations
@@ -23,27 +28,41 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from utils.data.partition import DEFAULT_PARTITION_BYTES, MIN_VAL_DOCUMENTS  # noqa: E402
 from utils.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION  # noqa: E402
-from utils.data.prepare import MIN_VAL_DOCUMENTS  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files, folders or globs")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="files, folders or globs, or gs://BUCKET/PREFIX (a folder or one object)")
     p.add_argument("--tokenizer", required=True, help="a tokenizer.json, or an HF tokenizer directory")
-    p.add_argument("--output", required=True, help="the folder to create (empty or absent)")
+    p.add_argument("--output", required=True,
+                   help="the folder to create (empty or absent), or gs://BUCKET/PREFIX, written straight there")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                   help="tokenizer processes (default: cores - 1)")
+                   help="partitions tokenized at once: processes with --executor local, CPUs of a local Ray "
+                        "(default: cores - 1; with --ray-address the cluster's CPUs decide)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="local: a process pool on this machine (default); ray: one Ray task per partition, "
+                        "retried on failure (pip install 'ray==2.60.0')")
+    p.add_argument("--ray-address", metavar="ADDRESS",
+                   help="join this running Ray cluster (ray://HOST:10001, or HOST:6379 on a node of it); "
+                        "without it --executor ray starts a local Ray")
+    p.add_argument("--partition-mb", type=float, default=DEFAULT_PARTITION_BYTES / 1e6,
+                   help=f"input megabytes per partition, the unit of work and of reruns (default "
+                        f"{DEFAULT_PARTITION_BYTES / 1e6:g}); a partition's last shard is shorter")
+    p.add_argument("--merge-only", action="store_true",
+                   help="tokenize nothing: merge the partitions already done, refusing, by name, any missing")
     p.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding the text")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                    help=f"token ids per shard (default {DEFAULT_SHARD_TOKENS:,} = 2^24: 32 MiB as uint16, so a "
                         f"bucket holds thousands of objects and each downloads quickly; for a small corpus use "
                         f"less, so the training split has several shards: prepare warns when it has fewer than 8)")
     p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
-                   help=f"share of the documents, drawn at random over the whole corpus, held out as the "
-                        f"validation split under val/ (default {DEFAULT_VAL_FRACTION}; raised for a small corpus "
-                        f"towards {MIN_VAL_DOCUMENTS} documents, at most a quarter; 0: no split)")
+                   help=f"share of the documents, drawn by a seeded hash of each one's file and position, held out "
+                        f"as the validation split under val/ (default {DEFAULT_VAL_FRACTION}; raised for a corpus "
+                        f"too small for {MIN_VAL_DOCUMENTS} documents at that rate, at most a quarter; 0: no split)")
     p.add_argument("--split-seed", type=int, default=DEFAULT_SPLIT_SEED, help="seed of the validation draw")
     p.add_argument("--eos-token", help="the end-of-document token (default: the tokenizer's own)")
     p.add_argument("--upload", metavar="gs://BUCKET/PREFIX", help="then upload the result there, verified")
@@ -62,15 +81,22 @@ def main(argv=None) -> int:
     lock = None
     try:
         check_upload_url(args.upload)
-        lock = lock_output(args.output)
+        if args.upload and args.output.startswith("gs://"):
+            raise UserError(f"--upload with --output {args.output}: the dataset is written there already")
+        if not args.output.startswith("gs://"):
+            lock = lock_output(args.output)
         result = prepare(args.input, args.tokenizer, args.output, workers=args.workers, text_field=args.text_field,
                          shard_tokens=args.shard_tokens, eos_token=args.eos_token, progress=progress,
-                         val_fraction=args.val_fraction, split_seed=args.split_seed)
+                         val_fraction=args.val_fraction, split_seed=args.split_seed,
+                         partition_bytes=round(args.partition_mb * 1e6), executor=args.executor,
+                         ray_address=args.ray_address, merge_only=args.merge_only,
+                         log=lambda line: print(line, flush=True))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: nothing was published; run the same command again", file=sys.stderr)
+        print("interrupted: nothing was published; the partitions already done are kept: run the same command "
+              "again to finish", file=sys.stderr)
         return 130
     finally:
         if progress is not None:

@@ -20,7 +20,7 @@ Usage: ./setup.sh [--no-dev] [--force] [--check]
 Creates $VENV (python3 -m venv) and installs torch==$TORCH_VERSION, requirements.txt and, unless --no-dev,
 requirements-dev.txt. Then imports everything and reports torch, CUDA, bf16 and torch.compile.
 
-  --no-dev    skip the test dependencies (pytest, the GCS emulator)
+  --no-dev    skip the test dependencies (pytest, the GCS emulator; pyarrow and Ray, optional for prepare_data.py)
   --force     reinstall the requirements even when $STAMP says they are current
   --check     re-run the torch.compile check even when nothing is installed
   -h, --help  this text
@@ -158,7 +158,7 @@ dev, want_build, torch_pin = sys.argv[1] == "1", sys.argv[2], sys.argv[3]
 modules = ["torch", "accelerate", "transformers", "tokenizers", "numpy", "safetensors", "tqdm",
            "tensorboard", "google.cloud.storage", "google_crc32c", "pynvml"]
 if dev:
-    modules += ["pytest", "gcp_storage_emulator"]
+    modules += ["pytest", "gcp_storage_emulator", "pyarrow", "ray"]
 failed = []
 for name in modules:
     try:

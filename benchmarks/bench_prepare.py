@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """prepare_data.py's throughput: a synthetic JSONL corpus, a byte-level BPE tokenizer of realistic size
-trained on it, then the real prepare() with 1..N workers; prints tokens/s for each, side by side, and
-checks the outputs are byte-identical.
+trained on it, then the real prepare() for each executor (local, ray) and worker count, on the same corpus
+cut into the same partitions; prints tokens/s side by side, each executor's start-up time and Ray's
+overhead against the local pool, and checks the outputs are byte-identical.
 
-    python benchmarks/bench_prepare.py                       # 50 MB of text, a 32k BPE, workers 1 and 2
-    python benchmarks/bench_prepare.py --mb 200 --vocab 50257 --workers 1 2 4 8
+    python benchmarks/bench_prepare.py                       # 50 MB of text, a 32k BPE, local and ray, 1 and 2 workers
+    python benchmarks/bench_prepare.py --mb 200 --vocab 50257 --workers 1 2 4 8 --executors local
 """
 from __future__ import annotations
 
@@ -62,7 +63,11 @@ def main() -> int:
     p.add_argument("--mb", type=float, default=50.0, help="corpus size in MB of JSONL")
     p.add_argument("--vocab", type=int, default=32_000)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--executors", nargs="+", choices=("local", "ray"), default=["local", "ray"])
+    p.add_argument("--partition-mb", type=float, default=None,
+                   help="input MB per partition (default: --mb / 8, so every worker count has partitions to share)")
     args = p.parse_args()
+    partition_mb = args.partition_mb or args.mb / 8
     with tempfile.TemporaryDirectory(prefix="bench_prepare_") as tmp:
         work = Path(tmp)
         t0 = time.perf_counter()
@@ -72,17 +77,27 @@ def main() -> int:
               f"{args.vocab:,} ids (made in {time.perf_counter() - t0:.0f} s)")
         print(f"device: cpu {platform.processor() or platform.machine()} ({os.cpu_count()} cores), date {date.today()}")
         print(f"command: python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}\n")
-        print("| workers | seconds | tokens | tokens/s | MB/s of text |\n| ---: | ---: | ---: | ---: | ---: |")
-        trees = []
+        print(f"partitions of {partition_mb:g} MB\n")
+        print("| executor | workers | partitions | seconds | start-up s | tokens | tokens/s | MB/s of text |\n"
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        trees, seconds = [], {}
+        for executor in args.executors:
+            for w in args.workers:
+                out = work / f"out-{executor}{w}"
+                result = prepare([str(work / "corpus.jsonl")], str(tok), out, workers=w, executor=executor,
+                                 partition_bytes=round(partition_mb * 1e6))
+                seconds[executor, w] = result.seconds
+                rate = result.tokens / result.seconds
+                print(f"| {executor} | {w} | {result.partitions} | {result.seconds:.1f} | {result.startup_seconds:.1f} | "
+                      f"{result.tokens:,} | {rate:,.0f} | {args.mb / result.seconds:.1f} |", flush=True)
+                trees.append({p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()})
         for w in args.workers:
-            out = work / f"out{w}"
-            result = prepare([str(work / "corpus.jsonl")], str(tok), out, workers=w)
-            rate = result.tokens / result.seconds
-            print(f"| {w} | {result.seconds:.1f} | {result.tokens:,} | {rate:,.0f} | {args.mb / result.seconds:.1f} |",
-                  flush=True)
-            trees.append({p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()})
+            if ("local", w) in seconds and ("ray", w) in seconds:
+                extra = seconds["ray", w] - seconds["local", w]
+                print(f"\nray against local, {w} worker(s): {seconds['ray', w] / seconds['local', w]:.2f}x the time "
+                      f"({extra:+.1f} s)")
         same = all(t == trees[0] for t in trees)
-        print(f"\noutputs byte-identical across worker counts: {'yes' if same else 'NO'}")
+        print(f"\noutputs byte-identical across executors and worker counts: {'yes' if same else 'NO'}")
         return 0 if same else 1
 
 

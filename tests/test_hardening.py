@@ -227,7 +227,7 @@ def test_prepare_output_that_is_a_file_and_a_non_gs_upload_are_one_line_before_w
 
 
 def test_non_utf8_input_names_the_line_and_the_byte(tmp_path):
-    from utils.data.prepare import PrepareError, read_documents
+    from utils.data.corpus import PrepareError, read_documents
 
     good = "".join(json.dumps({"text": "word " * 2000}) + "\n" for _ in range(20))  # past the decoder's buffer
     path = tmp_path / "bad.jsonl"
@@ -247,7 +247,8 @@ def test_prepare_on_a_full_disk_is_one_line(small_corpus, tmp_path):
     try:
         with pytest.raises(DiskFullError, match=r"no space left on .*small.*run the same command again"):
             prepare([str(corpus)], str(tok), mount / "data", shard_tokens=1024)
-        assert [p.name for p in mount.iterdir()] == [], "a partial output was left"
+        # nothing that looks like a dataset: the hidden staging area alone, kept for the rerun
+        assert [p.name for p in mount.iterdir()] == [".data.staging"], "a partial output was left"
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
@@ -266,19 +267,20 @@ def test_sigterm_during_prepare_leaves_no_worker_tracebacks(tmp_path):
     tok = bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, REPO_ROOT / "prepare_data.py", "--input", corpus, "--tokenizer", tok,
-                             "--output", tmp_path / "out", "--workers", "2", "--no-progress",
+                             "--output", tmp_path / "out", "--workers", "2", "--no-progress", "--partition-mb", "1",
                              "--shard-tokens", "1024"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(p.name.startswith(".out.partial") for p in tmp_path.iterdir()):
+    while time.monotonic() < deadline and not (tmp_path / ".out.staging").exists():
         time.sleep(0.05)
     time.sleep(1.0)  # the pool is up and tokenizing
+    assert proc.poll() is None, "finished before the signal"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     time.sleep(0.5)  # orphaned workers would print after the main process exits
     assert "Traceback" not in err and "BrokenPipe" not in err, err
-    assert "interrupted: nothing was published" in err
-    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out.partial") for p in tmp_path.iterdir())
+    assert "interrupted: nothing was published; the partitions already done are kept" in err
+    assert not (tmp_path / "out").exists() and not any(files.is_temp_name(p.name) for p in tmp_path.iterdir())
 
 
 # ------------------------------------------------------------------------------------ the output-dir lock

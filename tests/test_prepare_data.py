@@ -1,6 +1,8 @@
 """prepare_data.py on a real little corpus (text, JSONL, gzip, unicode, empty documents) and a BPE tokenizer
-built here: exact token and EOS counts, byte-identical output whatever --workers, training on the result,
-uint32 shards for a big vocabulary, upload then download byte for byte, a killed run, bad input."""
+built here: exact token and EOS counts, byte-identical output whatever --workers, training on a partitioned
+result, the validation split the same however the corpus is cut, uint32 shards for a big vocabulary, upload
+then download byte for byte, a run killed after some partitions finished by a rerun doing only the rest,
+bad input. tests/test_prepare_partitions.py has the plan, the merge, the bucket output and Ray."""
 from __future__ import annotations
 
 import gzip
@@ -91,13 +93,14 @@ def test_counts_order_and_byte_identical_whatever_the_workers(corpus, tokenizer,
 
     root, docs, empty = corpus
     outs = {}
-    for workers in (1, 3):
+    for workers in (1, 2):
         outs[workers] = tmp_path / f"w{workers}"
         proc = prepare(["--input", root, "--tokenizer", tokenizer, "--output", outs[workers], "--workers", workers,
-                        "--shard-tokens", 1024, "--val-fraction", 0], subprocess_env)
+                        "--shard-tokens", 1024, "--val-fraction", 0, "--partition-mb", 0.004], subprocess_env)
         assert re.search(r"[\d,]+ tokens/s", proc.stdout)
-    tree = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
-    assert tree(outs[1]) == tree(outs[3])  # byte for byte, dataset.json included
+        assert re.search(r"^plan: 4 partition\(s\) of about 0.004 MB from 6 input file\(s\).*; 0 of 4 partitions "
+                         r"already done$", proc.stdout, re.M), proc.stdout
+    assert tree(outs[1]) == tree(outs[2])  # byte for byte, dataset.json included
 
     tok = Tokenizer.from_file(str(tokenizer))
     lengths = [len(tok.encode(d, add_special_tokens=False).ids) for d in docs]
@@ -108,22 +111,35 @@ def test_counts_order_and_byte_identical_whatever_the_workers(corpus, tokenizer,
     assert int((ids == info.eos_id).sum()) == len(docs) and info.dtype == "uint16" and ids.dtype == np.uint16
     expected = np.concatenate([np.append(tok.encode(d, add_special_tokens=False).ids, info.eos_id) for d in docs])
     assert np.array_equal(ids, expected)  # in input order
-    sizes = [s["tokens"] for s in info.shards]
-    assert all(n == 1024 for n in sizes[:-1]) and 512 <= sizes[-1] < 1536  # no sliver at the end
-    assert all(p.name in ("tokenizer.json", "dataset.json") or p.suffix == ".npz" for p in outs[1].rglob("*") if p.is_file())
+    assert info.raw["partitions"] == 4 and [s["partition"] for s in info.shards] == sorted(s["partition"] for s in info.shards)
+    for partition in range(4):  # each partition's stream: full shards, then a last one that is no sliver
+        sizes = [s["tokens"] for s in info.shards if s["partition"] == partition]
+        assert all(n == 1024 for n in sizes[:-1]) and (512 <= sizes[-1] < 1536 or len(sizes) == 1), sizes
+    assert {p.name for p in outs[1].rglob("*") if p.is_file() and p.suffix != ".npz"} == \
+        {"tokenizer.json", "dataset.json", "plan.json"}
+    assert not (tmp_path / ".w1.staging").exists()  # the staging area goes once the dataset is published
     from utils.storage import file_crc32c
 
     assert all(file_crc32c(outs[1] / s["path"]) == s["crc32c"] for s in info.shards)
     ShardIndex.build(outs[1], seq_len=64, vocab_size=info.vocab_size, log=lambda *_: None)
     again = prepare(["--input", root, "--tokenizer", tokenizer, "--output", outs[1], "--shard-tokens", 1024,
-                     "--val-fraction", 0], subprocess_env)
+                     "--val-fraction", 0, "--partition-mb", 0.004], subprocess_env)
     assert "already holds this dataset" in again.stdout
 
 
+def tree(folder: Path) -> dict:
+    """Every file under `folder` (hidden ones aside), by relative path, with its bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.startswith(".")}
+
+
 def test_training_on_prepared_data_learns(corpus, tokenizer, tmp_path, subprocess_env):
+    """A dataset cut into partitions (so several partitions' shorter last shards) trains and learns."""
     root, _, _ = corpus
     data = tmp_path / "data"
-    prepare(["--input", root, "--tokenizer", tokenizer, "--output", data, "--shard-tokens", 2048], subprocess_env)
+    prepare(["--input", root, "--tokenizer", tokenizer, "--output", data, "--shard-tokens", 2048,
+             "--partition-mb", 0.004], subprocess_env)
+    assert DatasetInfo.load(data).raw["partitions"] == 4
     out = tmp_path / "out"
     proc = run(train_cmd(out, data, "max_steps=30", "per_device_train_batch_size=4", "seq_len=32",
                          "learning_rate=3e-3", "logging_steps=5", "val_files=1", "save_steps=100"), subprocess_env)
@@ -139,10 +155,12 @@ def test_training_on_prepared_data_learns(corpus, tokenizer, tmp_path, subproces
 
 def test_validation_is_a_random_share_of_documents_from_the_whole_corpus(tokenizer, tmp_path):
     """Two kinds of documents, all of one kind first: validation holds both kinds, its documents are
-    disjoint from training's, together they are the corpus, and the split is in dataset.json."""
+    disjoint from training's, together they are the corpus, and the split is in dataset.json. The corpus
+    cut into many partitions holds out the very same documents."""
     from tokenizers import Tokenizer
 
-    from utils.data.prepare import MIN_VAL_DOCUMENTS, prepare as prepare_in_process
+    from utils.data.partition import MIN_VAL_DOCUMENTS
+    from utils.data.prepare import prepare as prepare_in_process
 
     rng = random.Random(3)
     corpus = tmp_path / "corpus"
@@ -154,8 +172,8 @@ def test_validation_is_a_random_share_of_documents_from_the_whole_corpus(tokeniz
     info = DatasetInfo.load(tmp_path / "out")
     tok = Tokenizer.from_file(str(tokenizer))
 
-    def documents(shards):
-        ids = np.concatenate([np.load(tmp_path / "out" / s["path"])["input_ids"] for s in shards]).astype(np.int64)
+    def documents(shards, root=tmp_path / "out"):
+        ids = np.concatenate([np.load(root / s["path"])["input_ids"] for s in shards]).astype(np.int64)
         cuts = np.flatnonzero(ids == info.eos_id)
         return [tok.decode(part.tolist()) for part in np.split(ids, cuts + 1)[:-1]]
 
@@ -164,15 +182,25 @@ def test_validation_is_a_random_share_of_documents_from_the_whole_corpus(tokeniz
     everything = docs["alpha"] + docs["omega"]
     assert len(val) == info.raw["validation"]["documents"] == result.val_documents >= MIN_VAL_DOCUMENTS // 2
     assert len(val) <= len(everything) // 4  # at most a quarter, raised from 1% for a small corpus
+    assert info.raw["validation"]["rate"] == MIN_VAL_DOCUMENTS / len(everything) and result.partitions == 1
     assert not set(val) & set(train) and sorted(val + train) == sorted(everything)
     assert {d.split()[0] for d in val} == {"alpha", "omega"}  # drawn from the whole corpus, not its tail
     assert all(p.startswith("val/") for p in info.val_paths) and not any(s["path"].startswith("val/") for s in info.shards)
     # seeded: another seed draws other documents; the same seed the same bytes
     other = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "other", shard_tokens=1024,
                                val_fraction=0.01, split_seed=7)
-    assert other.val_documents and documents(info.raw["validation"]["shards"]) == val
+    other_val = documents(DatasetInfo.load(tmp_path / "other").raw["validation"]["shards"], tmp_path / "other")
+    assert other.val_documents and set(other_val) != set(val)
     assert (tmp_path / "other" / "val").is_dir() and \
         (tmp_path / "other" / info.val_paths[0]).read_bytes() != (tmp_path / "out" / info.val_paths[0]).read_bytes()
+    # each partition decides alone: cut into many, the same documents are held out, in the same order
+    cut = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "cut", shard_tokens=1024, val_fraction=0.01,
+                             partition_bytes=3000)
+    cut_info = DatasetInfo.load(tmp_path / "cut")
+    assert cut.partitions >= 8 and documents(cut_info.raw["validation"]["shards"], tmp_path / "cut") == val
+    assert [(tmp_path / "cut" / p).read_bytes() for p in cut_info.val_paths] == \
+        [(tmp_path / "out" / p).read_bytes() for p in info.val_paths]
+    assert documents(cut_info.shards, tmp_path / "cut") == train
 
 
 def big_vocab_tokenizer(path: Path, size: int = 70_000) -> Path:
@@ -232,33 +260,40 @@ def test_upload_then_download_reproduces_it_byte_for_byte(corpus, tokenizer, tmp
     assert tree(mirror) == tree(data)
 
 
-def test_a_killed_run_leaves_nothing_that_looks_like_a_dataset(corpus, tokenizer, tmp_path, subprocess_env):
+def test_a_run_killed_after_some_partitions_is_finished_by_a_rerun_doing_only_the_rest(tokenizer, tmp_path,
+                                                                                     subprocess_env):
+    """SIGKILL once the first partition's completion record is written: nothing looks like a dataset; the
+    rerun counts the partitions done, tokenizes only the others, and writes what an uninterrupted run writes."""
     big = tmp_path / "big"
     big.mkdir()
     rng = random.Random(3)
     with open(big / "many.jsonl", "w") as f:
-        for _ in range(40_000):
+        for _ in range(6_000):
             f.write(json.dumps({"text": text(rng, 60)}) + "\n")
+    args = ["--input", big, "--tokenizer", tokenizer, "--shard-tokens", 4096, "--workers", 1, "--partition-mb", 0.35]
     out = tmp_path / "out"
-    proc = subprocess.Popen(PREPARE + ["--input", str(big), "--tokenizer", str(tokenizer), "--output", str(out),
-                                       "--shard-tokens", "4096", "--workers", "1", "--no-progress"],
+    proc = subprocess.Popen(PREPARE + [str(a) for a in args + ["--output", out, "--no-progress"]],
                             env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while not any(files.is_temp_name(p.name) and list(p.rglob("*.npz")) for p in tmp_path.iterdir()):
-        assert proc.poll() is None and time.time() < deadline, "never started writing shards"
-        time.sleep(0.05)
+    records = lambda: sorted((tmp_path / ".out.staging").glob("p*/done.json"))
+    deadline = time.time() + 120
+    while not records():
+        assert proc.poll() is None and time.time() < deadline, "never finished a partition"
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not out.exists()  # shards exist only inside a hidden temporary folder
+    assert not out.exists()  # shards exist only inside the hidden staging folder
     with pytest.raises(Exception, match="does not exist"):
         ShardIndex.build(out, seq_len=32, vocab_size=400, log=lambda *_: None)
-    prepare(["--input", big, "--tokenizer", tokenizer, "--output", out, "--shard-tokens", 4096, "--workers", 1],
-            subprocess_env)
+    done = len(records())
+    plan = json.loads((tmp_path / ".out.staging" / "plan.json").read_text())
+    total = len(plan["partitions"])
+    assert total == 9 and 1 <= done < total, (done, total)
+    rerun = prepare(args + ["--output", out], subprocess_env)
+    assert f"; {done} of {total} partitions already done" in rerun.stdout
+    assert f"{total} partition(s), {done} done by an earlier run" in rerun.stdout
     clean = tmp_path / "clean"
-    prepare(["--input", big, "--tokenizer", tokenizer, "--output", clean, "--shard-tokens", 4096, "--workers", 1],
-            subprocess_env)
-    assert [p.name for p in tmp_path.iterdir() if files.is_temp_name(p.name)] == []  # the dead run's folder is gone
-    tree = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    prepare(args + ["--output", clean], subprocess_env)
+    assert [p.name for p in tmp_path.iterdir() if files.is_temp_name(p.name) or p.name.endswith(".staging")] == []
     assert tree(out) == tree(clean)
 
 
@@ -270,12 +305,13 @@ def test_a_killed_run_leaves_nothing_that_looks_like_a_dataset(corpus, tokenizer
     ("empty", r"the corpus is empty"),
     ("no_eos", r"no end-of-document token found .* name one with --eos-token"),
     ("missing", r"--input .*nowhere: no such file or folder"),
+    ("no_ray_cluster", r"--ray-address 127\.0\.0\.1:9: nothing answers there"),
 ])
 def test_bad_input_is_one_line_naming_the_file(tmp_path, subprocess_env, tokenizer, case, fragment):
     corpus = tmp_path / "c"
     corpus.mkdir()
     tok = tokenizer
-    inputs = [corpus]
+    inputs, extra = [corpus], []
     if case == "bad_json":
         (corpus / "b.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
     elif case == "no_field":
@@ -297,8 +333,11 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, subprocess_env, tokeniz
         t.save(str(tok))
     elif case == "missing":
         inputs = [tmp_path / "nowhere"]
+    elif case == "no_ray_cluster":
+        (corpus / "a.txt").write_text("hello world")
+        extra = ["--executor", "ray", "--ray-address", "127.0.0.1:9"]
     out = tmp_path / "out"
-    proc = prepare(["--input", *inputs, "--tokenizer", tok, "--output", out, "--workers", 1], subprocess_env,
+    proc = prepare(["--input", *inputs, "--tokenizer", tok, "--output", out, "--workers", 1, *extra], subprocess_env,
                    check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]

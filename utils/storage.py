@@ -16,6 +16,7 @@ import re
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -313,6 +314,11 @@ def file_crc32c(path) -> str:
     return base64.b64encode(checksum.digest()).decode("ascii")
 
 
+def bytes_crc32c(data: bytes) -> str:
+    """`file_crc32c` of bytes in memory."""
+    return base64.b64encode(google_crc32c.Checksum(data).digest()).decode("ascii")
+
+
 @dataclass(frozen=True)
 class RemoteObject:
     name: str
@@ -510,25 +516,126 @@ def upload_verified(client, bucket: str, local_path, object_name: str, retries: 
         size = local_path.stat().st_size
     except OSError as exc:
         raise StorageError(f"cannot read {local_path} for upload to {url}: {exc}") from exc
+    send = lambda blob: blob.upload_from_filename(str(local_path), checksum="crc32c", retry=None,
+                                                  crc32c_checksum_value=expected)
+    _upload_checked(client, bucket, object_name, send, expected, size, str(local_path), retries)
+    return expected
+
+
+def upload_bytes(client, gs_url_: str, data: bytes, retries: int = 5) -> str:
+    """`upload_verified` for bytes in memory (a small record, a JSON file). Returns the crc32c."""
+    bucket, name = parse_gs_url(gs_url_)
+    expected = bytes_crc32c(data)
+    send = lambda blob: blob.upload_from_string(data, checksum="crc32c", retry=None)
+    _upload_checked(client, bucket, name, send, expected, len(data), f"{len(data)} bytes", retries)
+    return expected
+
+
+def _upload_checked(client, bucket: str, object_name: str, send: Callable, expected: str, size: int, source: str,
+                    retries: int) -> None:
+    url = gs_url(bucket, object_name)
 
     def attempt():
         blob = client.bucket(bucket).blob(object_name)
-        blob.upload_from_filename(str(local_path), checksum="crc32c", retry=None,
-                                  crc32c_checksum_value=expected)
-        # upload_from_filename sets blob's properties from the server's answer; reload if it did not.
+        send(blob)
+        # the upload sets blob's properties from the server's answer; reload if it did not.
         if blob.crc32c is None or blob.size is None:
             blob.reload(retry=None)
         if blob.crc32c != expected or int(blob.size) != size:
             raise ChecksumMismatch(
                 f"{url}: stored {blob.size} bytes with crc32c {blob.crc32c}, "
-                f"but {local_path} has {size} bytes with crc32c {expected}"
+                f"but {source} has {size} bytes with crc32c {expected}"
             )
 
     try:
-        retry_call(attempt, what=f"uploading {local_path} to {url}", retries=retries)
+        retry_call(attempt, what=f"uploading {source} to {url}", retries=retries)
     except Exception as exc:
         raise _explain(exc, url) from exc
-    return expected
+
+
+def read_object(client, gs_url_: str, retries: int = 5) -> bytes | None:
+    """An object's bytes (a small one: a record, a JSON file), or None when there is no such object."""
+    from google.api_core import exceptions as api
+
+    bucket, name = parse_gs_url(gs_url_)
+
+    def fetch():
+        try:
+            return client.bucket(bucket).blob(name).download_as_bytes(checksum="crc32c", retry=None)
+        except api.NotFound:
+            return None
+
+    try:
+        return retry_call(fetch, what=f"reading {gs_url_}", retries=retries)
+    except Exception as exc:
+        raise _explain(exc, gs_url_) from exc
+
+
+def stat_object(client, gs_url_: str) -> RemoteObject | None:
+    """The object's name, size and crc32c, or None when there is none."""
+    bucket, name = parse_gs_url(gs_url_)
+    try:
+        blob = retry_call(lambda: client.bucket(bucket).get_blob(name, retry=None), what=f"checking {gs_url_}")
+    except Exception as exc:
+        raise _explain(exc, gs_url_) from exc
+    return None if blob is None else RemoteObject(blob.name, int(blob.size or 0), blob.crc32c or "")
+
+
+def move_object(client, source_url: str, dest_url: str) -> None:
+    """Renames an object within its bucket: a server-side copy (no bytes through this machine), then the
+    source is deleted. Retried; a source already gone after a retried delete is fine."""
+    from google.api_core import exceptions as api
+
+    bucket, source = parse_gs_url(source_url)
+    dest_bucket, dest = parse_gs_url(dest_url)
+    if dest_bucket != bucket:
+        raise ValueError(f"move_object stays within a bucket: {source_url} -> {dest_url}")
+
+    def attempt():
+        handle = client.bucket(bucket)
+        handle.copy_blob(handle.blob(source), handle, dest, retry=None)
+        try:
+            handle.blob(source).delete(retry=None)
+        except api.NotFound:
+            pass
+
+    try:
+        retry_call(attempt, what=f"moving {source_url} to {dest_url}")
+    except Exception as exc:
+        raise _explain(exc, source_url) from exc
+
+
+def delete_prefix(client, gs_url_: str, workers: int = 16) -> int:
+    """Deletes every object under the folder `gs_url_`; returns how many there were."""
+    from google.api_core import exceptions as api
+
+    bucket, prefix = parse_gs_url(gs_url_)
+    objects = list_objects(client, bucket, prefix, suffix=None)
+
+    def delete(obj: RemoteObject):
+        def attempt():
+            try:
+                client.bucket(bucket).blob(obj.name).delete(retry=None)
+            except api.NotFound:
+                pass
+        try:
+            retry_call(attempt, what=f"deleting {gs_url(bucket, obj.name)}")
+        except Exception as exc:
+            raise _explain(exc, gs_url(bucket, obj.name)) from exc
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-delete") as pool:
+        list(pool.map(delete, objects))
+    return len(objects)
+
+
+def open_object(client, gs_url_: str):
+    """A seekable binary reader of an object (google-cloud-storage's BlobReader: ranged reads of
+    CHUNK_BYTES). A long stream cannot be wrapped in `retry_call`, so its reads keep the library's own
+    retry policy for transient errors."""
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    bucket, name = parse_gs_url(gs_url_)
+    return client.bucket(bucket).blob(name).open("rb", chunk_size=CHUNK_BYTES, retry=DEFAULT_RETRY)
 
 
 def check_writable(client, gs_url_: str, timeout: float = 10.0) -> str | None:

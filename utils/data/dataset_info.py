@@ -5,15 +5,18 @@ data directory to size the model's vocabulary by the tokenizer (and check ids ag
      "tokenizer": {"file": "tokenizer.json", "vocab_size": 50277, "eos_id": 0, "eos_token": "<|endoftext|>"},
      "dtype": "uint16", "documents": 1200, "documents_empty": 3, "tokens": 1843200, "shard_tokens": 16777216,
      "shards": [{"path": "part-00000/shard-00000.npz", "tokens": 1834000, "bytes": 3668258,
-                 "crc32c": "AbCd1w=="}],
-     "validation": {"documents": 12, "tokens": 9200, "fraction": 0.005, "stride": 100, "seed": 1234,
+                 "crc32c": "AbCd1w==", "partition": 0}],
+     "validation": {"documents": 12, "tokens": 9200, "fraction": 0.005, "rate": 0.005, "seed": 1234,
                     "shards": [{"path": "val/part-00000/shard-00000.npz", ...}]},
      "inputs": [{"path": "corpus/a.jsonl", "bytes": 5012}],
-     "settings": {"text_field": "text", "eos_token": null, "shard_tokens": 16777216}}
+     "settings": {"text_field": "text", "eos_token": null, "shard_tokens": 16777216},
+     "partitions": 1, "plan": "plan.json", "fingerprint": "9f2c..."}
 
-`documents` and `tokens` count the whole corpus, both splits; `shards` are the training split's and
-`validation` (absent in datasets prepared before it existed) the held-out documents'. It carries no
-timestamp, so the same corpus prepared twice gives the same bytes. Every path it names (shards, the
+`documents` and `tokens` count the whole corpus, both splits; `shards` are the training split's (each
+with the partition that made it) and `validation` (absent in datasets prepared before it existed) the
+held-out documents', with the rate applied (`fraction`, raised for a small corpus). Datasets prepared
+before partitions have `"stride"` there instead and no `partitions`. It carries no timestamp, so the same
+corpus prepared twice gives the same bytes. Every path it names (shards, the
 tokenizer) is relative and stays inside its folder, symlinks followed; `load` refuses one that leaves it.
 """
 from __future__ import annotations

@@ -59,9 +59,9 @@ class SyncReport:
 
 def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max_files: int = -1,
                 dry_run: bool = False, suffix: str = ".npz", progress: bool = True,
-                with_root_files: tuple[str, ...] = ("dataset.json", "tokenizer.json")) -> SyncReport:
+                with_root_files: tuple[str, ...] = ("dataset.json", "tokenizer.json", "plan.json")) -> SyncReport:
     """Mirror every object ending in `suffix` under `source_url` into `dest_dir` (same relative paths), and
-    the `with_root_files` found directly under it (prepare_data.py's dataset description and tokenizer).
+    the `with_root_files` found directly under it (prepare_data.py's dataset description, tokenizer and plan).
     A local file is skipped only when its size and crc32c match; everything else is downloaded, verified
     and renamed into place. `max_files` >= 0 takes the first N shards by name. Clients are created here,
     one per worker thread, so this is safe to call after a fork."""

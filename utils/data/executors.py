@@ -1,0 +1,153 @@
+"""Who runs a prepare's partitions: `local` (a process pool on this machine, the default) or `ray` (Ray core
+tasks, one per partition, on a Ray cluster or a local one).
+
+Both run `utils.data.partition.tokenize_partition` on each job and yield its completion record as each
+partition finishes, in whatever order; the merge puts the partitions back in plan order, so the output is
+the same bytes whatever runs them. A bad input (a PrepareError: the message names the file and line) or a
+full disk stops the run at once; a partition that fails otherwise (a worker killed, a node lost, a bucket's
+read or write that broke off) is retried by Ray up to RAY_RETRIES times, while the local pool stops and the
+next run redoes only what is missing. The tokenizer travels to each worker once (the pool's initializer, Ray's object store), not with
+every job; a Ray task tokenizes on one thread (it asks Ray for one CPU).
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+from utils.data.corpus import PrepareError
+from utils.data.partition import PartitionJob, tokenize_partition
+from utils.errors import DiskFullError
+
+EXECUTORS = ("local", "ray")
+RAY_RETRIES = 3
+RAY_PIN = "ray==2.60.0"
+UTILS_PACKAGE = Path(__file__).resolve().parent.parent  # what a Ray worker imports the task from
+
+
+def make_executor(name: str, workers: int, ray_address: str | None = None) -> "LocalExecutor | RayExecutor":
+    if name == "local":
+        if ray_address:
+            raise PrepareError("--ray-address goes with --executor ray")
+        return LocalExecutor(workers)
+    if name == "ray":
+        return RayExecutor(workers, ray_address)
+    raise PrepareError(f"--executor {name}: choose one of {', '.join(EXECUTORS)}")
+
+
+class LocalExecutor:
+    """`workers` processes (spawned: the tokenizers library must not be forked after use), or this process
+    alone for one worker or one partition (the tokenizer then encodes each batch on every core). With fewer
+    partitions than workers, each process encodes on its share of the cores."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.startup_seconds = 0.0
+
+    def run(self, jobs: list[PartitionJob], tokenizer_json: str) -> Iterator[dict]:
+        if self.workers == 1 or len(jobs) <= 1:
+            for job in jobs:
+                yield tokenize_partition(job, tokenizer_json)
+            return
+        import multiprocessing
+
+        started = time.perf_counter()
+        context = multiprocessing.get_context("spawn")
+        processes = min(self.workers, len(jobs))
+        with context.Pool(processes, initializer=_init_pool_worker,
+                          initargs=(tokenizer_json, self.workers // processes)) as pool:
+            self.startup_seconds = time.perf_counter() - started
+            yield from pool.imap_unordered(_pool_task, jobs, chunksize=1)
+
+
+_POOL_TOKENIZER: list[str] = []
+
+
+def _init_pool_worker(tokenizer_json: str, threads: int) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process stops the pool (no traceback per worker)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    os.environ["RAYON_NUM_THREADS"] = str(threads)  # the tokenizer's thread pool, read when it starts
+    _POOL_TOKENIZER[:] = [tokenizer_json]
+
+
+def _pool_task(job: PartitionJob) -> dict:
+    return tokenize_partition(job, _POOL_TOKENIZER[0])
+
+
+class RayExecutor:
+    """Joins the cluster at `address` (its CPUs run the tasks), or starts a local Ray with `workers` CPUs.
+    Workers import the task from this repository's `utils` package, which Ray ships to them
+    (`runtime_env.py_modules`); they need the repository's requirements installed, and must reach the
+    inputs and the output: gs:// URLs, or a filesystem every node mounts at the same path."""
+
+    def __init__(self, workers: int, address: str | None):
+        """Refuses, before any work, a machine without Ray and an address nothing answers at."""
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise PrepareError(f"--executor ray needs Ray: pip install '{RAY_PIN}' (or use --executor local)") from None
+        if address:
+            _check_reachable(address)
+        self.workers, self.address = workers, address
+        self.startup_seconds = 0.0
+
+    def run(self, jobs: list[PartitionJob], tokenizer_json: str) -> Iterator[dict]:
+        if not jobs:
+            return
+        import ray
+
+        started = time.perf_counter()
+        env = {"py_modules": [str(UTILS_PACKAGE)], "env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+        options = {"address": self.address} if self.address else {"num_cpus": self.workers, "include_dashboard": False}
+        try:
+            ray.init(runtime_env=env, logging_level="ERROR", log_to_driver=False, **options)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise PrepareError(f"--ray-address {self.address}: cannot join the Ray cluster "
+                               f"({str(exc).splitlines()[0][:200]}); check the address (ray://HOST:10001 or "
+                               f"HOST:6379) and that the cluster runs") from None
+        try:
+            task = ray.remote(num_cpus=1, max_retries=RAY_RETRIES, retry_exceptions=True)(_ray_task)
+            tokenizer = ray.put(tokenizer_json)
+            pending = {task.remote(job, tokenizer): job.index for job in jobs}
+            self.startup_seconds = time.perf_counter() - started
+            while pending:
+                (done,), _ = ray.wait(list(pending), num_returns=1)
+                index = pending.pop(done)
+                try:
+                    outcome = ray.get(done)
+                except ray.exceptions.RayError as exc:
+                    cause = str(exc).strip().splitlines()[-1][:300]
+                    raise PrepareError(f"partition {index} failed on Ray, {RAY_RETRIES + 1} attempt(s) ({cause}); "
+                                       f"the partitions done are kept: run the same command again") from None
+                if "error" in outcome:
+                    raise PrepareError(outcome["error"])
+                yield outcome["record"]
+        finally:
+            ray.shutdown()
+
+
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """One line at once for a cluster address nothing answers at (Ray itself retries for minutes)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise PrepareError(f"--ray-address {address}: nothing answers there ({exc.strerror or exc}); check the "
+                           f"address (ray://HEAD:10001, or HEAD:6379 on a node of the cluster) and that the "
+                           f"cluster runs") from None
+
+
+def _ray_task(job: PartitionJob, tokenizer_json: str) -> dict:
+    """Bad input or a full disk comes back as a value, so Ray does not retry it; anything else (a bucket's
+    read or write that failed, a bug) raises, and Ray retries the task."""
+    try:
+        return {"record": tokenize_partition(job, tokenizer_json)}
+    except (PrepareError, DiskFullError) as exc:
+        return {"error": str(exc)}
