@@ -102,7 +102,8 @@ def main(argv=None) -> int:
 def train(cfg, profile, args) -> int:
     import torch
 
-    from utils.checkpoint.checkpointer import Checkpointer, find_checkpoint
+    from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer, find_checkpoint
+    from utils.checkpoint.run_record import RunRecord
     from utils.debug import BatchTrace
     from utils.checkpoint.format import checkpoint_name
     from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
@@ -138,23 +139,19 @@ def train(cfg, profile, args) -> int:
                                                  parallel, log)
     core = accelerator.unwrap_model(model)
     state = TrainState()
-    stateful = {"scheduler": scheduler, "data": loader}
+    states = {"model": model, "optimizer": optimizer, "train": state, "scheduler": scheduler, "data": loader}
     if accelerator.scaler is not None:
-        stateful["scaler"] = accelerator.scaler
+        states["scaler"] = accelerator.scaler
     global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
-    run_record = {"world_size": world, "strategy": cfg.strategy, "global_batch_sequences": global_batch,
-                  "seq_len": seq_len, "config": cfg.to_dict(), "model": spec.to_dict(),
-                  "data": loader.fingerprint(), "max_steps": cfg.max_steps}
+    run_record = RunRecord(world, parallel.name, global_batch, seq_len, cfg.to_dict(), spec.to_dict(),
+                           loader.fingerprint(), cfg.max_steps)
     tokens_per_step = global_batch * seq_len
     window = MetricsWindow(accelerator, tokens_per_step, core.flops_per_token(seq_len), peak_flops(device),
                            precision_name(cfg.mixed_precision), process_started=PROCESS_STARTED)
-    ckpt = Checkpointer(accelerator, output_dir / "checkpoints", remote_root, keep=cfg.save_total_limit, log=log,
-                        model=model, optimizer=optimizer, stateful=stateful, state=state, run=run_record,
-                        window=window, save_steps=cfg.save_steps, sharded=parallel.sharded,
-                        name=lambda: checkpoint_name(loader.epoch, state.step, loader.files_consumed()),
-                        background_upload=cfg.background_upload, upload_timeout_s=cfg.upload_timeout_s,
-                        extra_files={"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"},
-                        node_uploads=node_uploads)
+    ckpt = Checkpointer(accelerator, states,
+                        CheckpointPolicy.from_config(cfg, output_dir / "checkpoints", remote_root, node_uploads),
+                        run_record, lambda: checkpoint_name(loader.epoch, state.step, loader.files_consumed()), log,
+                        sharded=parallel.sharded)
     if resume_path is not None:
         ckpt.restore(resume_path)
     stop.end_setup_if_asked("model build")
@@ -212,9 +209,9 @@ def train(cfg, profile, args) -> int:
                 window.exclude(sampler.sample(core, state.step, state.tokens))
             stopping = stop.agreed()
             planned_stop = state.step == cfg.stop_at_step
-            saved, blocked_s = ckpt.save(state.step, force=stopping or planned_stop or state.step == cfg.max_steps)
-            if saved:
-                last_checkpoint = saved
+            if stopping or planned_stop or state.step == cfg.max_steps or ckpt.due(state.step):
+                window.checked_losses()  # a non-finite loss stops the run before anything is saved
+                last_checkpoint, blocked_s = ckpt.save(state.step)
                 window.exclude(blocked_s)
             if stopping or planned_stop:
                 stopped_by = stop.reason if stopping else "stop_at_step"

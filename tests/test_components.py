@@ -115,21 +115,19 @@ def _objects(seed: int):
 
 
 def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
-    from utils.checkpoint.checkpointer import Checkpointer
-    from utils.metrics import MetricsWindow
+    from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer
+    from utils.checkpoint.run_record import RunRecord
 
     cfg, model, optimizer, scheduler = _objects(seed=1)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     log = Log()
-    window = MetricsWindow(accelerator, 32, 1.0, None, "no")
     state = TrainState()
-    run = {"world_size": 1, "global_batch_sequences": 2, "seq_len": 16, "config": cfg.to_dict(),
-           "model": get_model_spec("tiny").to_dict(), "data": {"sha256": "x"}, "max_steps": 10}
+    run = RunRecord(1, "ddp", 2, 16, cfg.to_dict(), get_model_spec("tiny").to_dict(), {"sha256": "x"}, 10)
+    policy = CheckpointPolicy(tmp_path / "checkpoints", every=2, keep=2)
 
     def checkpointer(model, optimizer, scheduler, state):
-        return Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=2, log=log, model=model,
-                            optimizer=optimizer, stateful={"scheduler": scheduler}, state=state, run=run,
-                            window=window, save_steps=2, name=lambda: f"checkpoint-epoch0-step{state.step}-files0")
+        states = {"model": model, "optimizer": optimizer, "train": state, "scheduler": scheduler}
+        return Checkpointer(accelerator, states, policy, run, lambda: f"checkpoint-epoch0-step{state.step}-files0", log)
 
     ckpt = checkpointer(model, optimizer, scheduler, state)
     saved = []
@@ -139,8 +137,11 @@ def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
         scheduler.step()
         optimizer.zero_grad()
         state.advance(32)
-        path, blocked = ckpt.save(step, force=step == 5)  # due at 2 and 4 (save_steps), forced at 5
-        assert (path is None) == (step in (1, 3)) and blocked < 5.0
+        assert ckpt.due(step) == (step in (2, 4))  # every 2 steps; the loop forces the last one
+        if not (ckpt.due(step) or step == 5):
+            continue
+        path, blocked = ckpt.save(step)
+        assert blocked < 5.0
         if step == 2:
             first_alloc = ckpt.buffers.allocated_bytes
             pointers = {k: v.data_ptr() for k, v in ckpt.buffers._pool.items()}

@@ -332,8 +332,9 @@ def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_with
     from accelerate import Accelerator
 
     from configs.model_config import get_model_spec
-    from utils.checkpoint.checkpointer import Checkpointer
-    from utils.metrics import MetricsWindow, RunLogger
+    from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer
+    from utils.checkpoint.run_record import RunRecord
+    from utils.metrics import RunLogger
     from utils.model import build_model
     from utils.state import TrainState
 
@@ -342,20 +343,18 @@ def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_with
     tokenizer = tmp_path / "data" / "tokenizer.json"
     spec = get_model_spec("tiny")
     model = build_model(spec, seed=0)
-    window = MetricsWindow(accelerator, 1, 1.0, None, "no")
-    run = {"model": spec.to_dict(), "world_size": 1, "max_steps": 10}
     state = TrainState()
-    ckpt = Checkpointer(accelerator, tmp_path / "checkpoints", None, keep=3, log=log, model=model,
-                        optimizer=torch.optim.AdamW(model.parameters()), stateful={}, state=state, run=run,
-                        window=window, name=lambda: checkpoint_name(0, state.step, 1),
-                        extra_files={"tokenizer.json": tokenizer})
+    states = {"model": model, "optimizer": torch.optim.AdamW(model.parameters()), "train": state}
+    policy = CheckpointPolicy(tmp_path / "checkpoints", keep=3, extra_files={"tokenizer.json": tokenizer})
+    ckpt = Checkpointer(accelerator, states, policy, RunRecord(1, model=spec.to_dict(), max_steps=10),
+                        lambda: checkpoint_name(0, state.step, 1), log)
     state.step = 1
-    bare, _ = ckpt.save(1, force=True)
+    bare, _ = ckpt.save(1)
     ckpt.wait()
     tokenizer.parent.mkdir()
     tokenizer.write_text('{"made": "after setup"}')
     state.step = 2
-    with_tok, _ = ckpt.save(2, force=True)
+    with_tok, _ = ckpt.save(2)
     ckpt.wait()
     log.close()
     assert not (bare / "tokenizer.json").exists()

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 import torch
 
 from tests.trainkit import load_weights, make_shards, metrics, run, train_cmd, train_rows
@@ -109,3 +110,38 @@ def test_upload_failure_keeps_training_and_exits_nonzero(tmp_path, subprocess_en
 
     for name in ("checkpoint-epoch0-step2-files0", "checkpoint-epoch0-step4-files0"):
         verify_checkpoint(out / "checkpoints" / name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_checkpoint_of_the_previous_engine_resumes_exactly(strategy, tmp_path, subprocess_env):
+    """A checkpoint written by the engine before the Checkpointer took one `states` mapping, a policy and a
+    typed run record (and before the parallelism seam: commit f282397), DDP's and FSDP's alike, resumes on
+    today's code and continues the old engine's uninterrupted run: the same losses and final weights."""
+    import sys
+
+    from tests.trainkit import REPO_ROOT
+
+    old = tmp_path / "old-engine"
+    old.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", "f282397"], capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip("needs the repository's history (git archive f282397)")
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    data = make_shards(tmp_path / "data")
+    sets = ("per_device_train_batch_size=4", "max_steps=4", "save_steps=2", f"strategy={strategy}")
+    old_env = dict(subprocess_env, PYTHONPATH=str(old))
+
+    def old_engine(out, *more):
+        return run([sys.executable, str(old / "train.py")] + train_cmd(out, data, *sets, *more)[2:], old_env)
+
+    split, straight = tmp_path / "split", tmp_path / "straight"
+    old_engine(split, "stop_at_step=2")
+    old_engine(straight)
+    proc = run(train_cmd(split, data, *sets, extra=("--resume", "latest")), subprocess_env)
+    assert "Resumed from" in proc.stdout and "at step 2" in proc.stdout
+    resumed, reference = train_rows(split), train_rows(straight)
+    for step in (3, 4):
+        assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-6, step
+    a, b = _final_weights(split), _final_weights(straight)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)

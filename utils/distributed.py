@@ -1,6 +1,6 @@
 """Running a step on some ranks without stranding the others: rank 0 first (`main_process_first`), or rank 0
 alone (`main_process_only`), with a UserError raised on every rank together rather than leaving the others
-at a barrier the failed rank never reaches."""
+at a barrier the failed rank never reaches; and `local_tensor`, this rank's part of a sharded tensor."""
 from __future__ import annotations
 
 from utils.errors import UserError
@@ -43,3 +43,8 @@ def main_process_only(accelerator, fn):
     if problem is not None:
         raise problem
     return result
+
+
+def local_tensor(t):
+    """This rank's shard of a DTensor (FSDP2's parameters and gradients); any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from configs.training_config import STRATEGIES as STRATEGY_NAMES
+from utils.distributed import local_tensor
 from utils.errors import UserError
 from utils.model.activation_checkpointing import apply_activation_checkpointing, policy_from_config
 
@@ -138,9 +139,7 @@ class DataParallel:
 
     def state_bytes(self, model: nn.Module) -> int:
         """Bytes of parameters this rank holds (its shards under FSDP)."""
-        from utils.model.fsdp import local
-
-        return sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+        return sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in model.parameters())
 
 
 class FullyShardedDataParallel(DataParallel):
@@ -195,9 +194,7 @@ class FullyShardedDataParallel(DataParallel):
 
     def weights_in_sync(self, model: nn.Module) -> tuple[bool, list[float]]:
         """One sharded copy cannot disagree with itself; the sum is over every rank's shards."""
-        from utils.model.fsdp import local
-
-        total = torch.stack([local(p).detach().double().sum() for p in model.parameters()]).sum()
+        total = torch.stack([local_tensor(p).detach().double().sum() for p in model.parameters()]).sum()
         return True, [self.accelerator.reduce(total, reduction="sum").item()]
 
 

@@ -1,12 +1,18 @@
 """The Checkpointer: everything a run does with checkpoints, in one object beside the training loop.
 
 `find_checkpoint` turns `--resume` into a verified local checkpoint before the model is built (so
-`init_from` knows whether its weights are wanted). The Checkpointer is then built once with every stateful
-component of the run registered: the model, the optimizer, the other objects with `state_dict()` /
-`load_state_dict()` (LR scheduler, grad scaler, data cursor), `TrainState`, the run record and the metrics
-window, and a function that names the checkpoint for the current step. From then on `save(step, force=...)`
-decides whether a save is due (every `save_steps`, or forced: the last step, a stop signal) and
-`restore(path)` mirrors it; `close()` reports what is where.
+`init_from` knows whether its weights are wanted). The Checkpointer is then built once with
+
+    states   every stateful thing of the run by name, each with `state_dict()` / `load_state_dict()`
+             (torchtitan's shape): "model" and "optimizer" (saved by the checkpoint format, sharded under
+             FSDP), "train" (TrainState: trainer_state.json) and any others (scheduler, data cursor, grad
+             scaler: `<key>.pt`)
+    policy   when and where (CheckpointPolicy: every, keep, the GCS folder, upload mode, extra files)
+    run      this run's RunRecord, written with every checkpoint and checked against on resume
+    name     a function naming the checkpoint for the current step
+
+The loop decides when a save is due (`due(step)`, or a forced one: the last step, a stop signal) and checks
+its losses first; `save(step)` then saves, `restore(path)` mirrors it, `close()` reports what is where.
 
 Saving: the finite check (every rank), then only the device-to-host copy blocks the loop; writing,
 retention and upload run in threads. Unsharded (DDP): rank 0 writes the model (`model.safetensors`, HF
@@ -17,6 +23,8 @@ several nodes without a shared output dir, each node uploads its own shards to G
 is partial: the checkpoint is complete in GCS once its manifest is). Each rank's RNG
 state goes into `rng.pt`, `TrainState` and the run record into `trainer_state.json`. Extra files (the
 data's tokenizer.json) are looked up when a checkpoint is written, so one made during the run is included.
+Restoring reads model and optimizer by the format on disk (DCP's shards, or the full state), into a
+model sharded or not, on any world size.
 
 `save` and `restore` must be called on every rank (they hold collective steps); rank 0 alone writes the
 non-sharded files, retains and uploads.
@@ -25,8 +33,9 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -34,11 +43,12 @@ from utils import files
 from utils.checkpoint.format import (CheckpointError, CheckpointPayload, HostBuffers, NoCheckpointFound,
                                      ShardedPart, apply_retention, read_checkpoint, snapshot_to_cpu)
 from utils.checkpoint.resume import resolve_resume
+from utils.checkpoint.run_record import RunRecord
 from utils.checkpoint.upload import BackgroundUploader
 from utils.checkpoint.writer import AsyncCheckpointWriter
-from utils.distributed import main_process_first, main_process_only
+from utils.distributed import local_tensor, main_process_first, main_process_only
 from utils.errors import DiskFullError, UserError
-from utils.state import RngState, TrainState
+from utils.state import RngState
 from utils.storage import make_client
 
 # The model record and run facts a checkpoint must share with the run that resumes it.
@@ -104,74 +114,99 @@ def find_checkpoint(resume: str, accelerator, root: Path, remote_root: str | Non
         raise UserError(f"--resume {resume} (checkpoint {chosen[1]}, chosen by rank 0): {exc}") from None
 
 
+MODEL, OPTIMIZER, TRAIN = "model", "optimizer", "train"  # the states the format itself saves
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When and where checkpoints go."""
+    root: Path  # the local checkpoints folder
+    every: int = 0  # optimizer steps between saves (save_steps); 0: only forced saves
+    keep: int | None = 3  # local checkpoints kept, the newest (save_total_limit); None: all
+    remote_root: str | None = None  # gs://.../checkpoints/RUN: uploads go there; None: local only
+    background_upload: bool = True
+    upload_timeout_s: float = 600.0  # at close, how long uploads still running may take
+    node_uploads: bool = False  # FSDP on several nodes without a shared output dir: each node uploads its shards
+    extra_files: Mapping[str, Path] = field(default_factory=dict)  # copied in when present at save time
+
+    @classmethod
+    def from_config(cls, cfg, root: Path, remote_root: str | None, node_uploads: bool = False) -> "CheckpointPolicy":
+        return cls(Path(root), cfg.save_steps, cfg.save_total_limit, remote_root, cfg.background_upload,
+                   cfg.upload_timeout_s, node_uploads,
+                   {"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"})
+
+
 class Checkpointer:
-    def __init__(self, accelerator, root: Path, remote_root: str | None, *, keep: int, log,
-                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, stateful: dict, state: TrainState,
-                 run: dict, window, name: Callable[[], str], save_steps: int = 0, sharded: bool = False,
-                 background_upload: bool = True, upload_timeout_s: float = 600.0,
-                 client_factory: Callable = make_client, extra_files: dict[str, Path] | None = None,
-                 node_uploads: bool = False):
-        self.accelerator = accelerator
-        self.root, self.remote_root, self.keep, self.log = Path(root), remote_root, keep, log
-        self.model, self.optimizer, self.stateful = model, optimizer, dict(stateful)
-        self.state, self.run, self.window, self.name = state, run, window, name
-        self.save_steps, self.sharded = save_steps, sharded
-        self.upload_timeout_s = upload_timeout_s
-        self.client_factory = client_factory
-        self.extra_files = dict(extra_files or {})  # resolved at each save: e.g. tokenizer.json made after setup
+    def __init__(self, accelerator, states: Mapping, policy: CheckpointPolicy, run: RunRecord,
+                 name: Callable[[], str], log, sharded: bool = False, client_factory: Callable = make_client):
+        self.accelerator, self.states, self.policy, self.run = accelerator, dict(states), policy, run
+        self.name, self.log, self.sharded, self.client_factory = name, log, sharded, client_factory
+        self.root, self.remote_root = Path(policy.root), policy.remote_root
         self.is_main = accelerator.is_main_process
         self.writer = AsyncCheckpointWriter() if self.is_main else None
         # several nodes without a shared output dir: each node uploads its own ranks' shards (sharded.py)
-        self.node_uploads = sharded and node_uploads and remote_root is not None
-        self.uploader = (BackgroundUploader(client_factory, synchronous=not background_upload, log=log.info,
+        self.node_uploads = sharded and policy.node_uploads and self.remote_root is not None
+        self.uploader = (BackgroundUploader(client_factory, synchronous=not policy.background_upload, log=log.info,
                                             clean_superseded=self.node_uploads)
-                         if remote_root and self.is_main else None)
-        if remote_root:  # a mistyped bucket is one line now, on every rank, not at the first upload
-            main_process_only(accelerator, lambda: self.uploader.check(remote_root))
+                         if self.remote_root and self.is_main else None)
+        if self.remote_root:  # a mistyped bucket is one line now, on every rank, not at the first upload
+            main_process_only(accelerator, lambda: self.uploader.check(self.remote_root))
         self.buffers = HostBuffers()
         self.shard_saver = None
         if sharded:
             from utils.checkpoint.sharded import NodeUploads, ShardedSaver
 
             nodes = (NodeUploads(uploader=accelerator.is_local_main_process and not self.is_main,
-                                 remote_root=remote_root, client_factory=client_factory, log=log.warning)
+                                 remote_root=self.remote_root, client_factory=client_factory, log=log.warning)
                      if self.node_uploads else None)
             self.shard_saver = ShardedSaver(nodes)  # a gloo group of its own: created on every rank, in order
         self.incomplete: str | None = None  # the newest checkpoint, when a node's shards did not reach GCS
         self.last: Path | None = None  # the newest checkpoint this run saved
         self.last_bytes = 0  # its size on disk, for the free-space check before the next one
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.states[MODEL]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.states[OPTIMIZER]
+
+    def objects(self) -> dict:
+        """The states saved as `<key>.pt`: all but the model and the train state, and the optimizer too
+        unless it is sharded with the model."""
+        skip = {MODEL, TRAIN} | ({OPTIMIZER} if self.sharded else set())
+        return {k: v for k, v in self.states.items() if k not in skip}
+
     # ------------------------------------------------------------------------------------------ resume
 
     def restore(self, path: Path) -> None:
-        """Loads everything saved at `path` into the registered objects, after checking it fits this run,
+        """Loads everything saved at `path` into the registered states, after checking it fits this run,
         whatever the strategy and world size that wrote it (every rank calls it)."""
         from utils.checkpoint.sharded import is_sharded, load_full, load_sharded
 
         payload = read_checkpoint(path, verify=False)  # find_checkpoint verified it
-        saved, run = payload.trainer_state, self.run
-        _check_fits(path, saved, run)
+        step, saved = payload.trainer_state["step"], RunRecord.from_json(payload.trainer_state)
+        _check_fits(path, saved, step, self.run)
         core = self.accelerator.unwrap_model(self.model)
         objects = dict(payload.objects)
         # the optimizer's hyperparameters are this run's config (the restore would put back the checkpoint's);
         # its LR is the scheduler's, set when the scheduler is restored
         own_settings = [{k: v for k, v in group.items() if k not in ("params", "lr")}
                         for group in self.optimizer.param_groups]
-        try:
+        try:  # by the format on disk, into this model whether it is sharded or not
             if is_sharded(path):
                 load_sharded(core, self.optimizer, path)
-            elif self.sharded:
-                load_full(core, self.optimizer, payload.model_state, objects.pop("optimizer", None))
             else:
-                core.load_state_dict(payload.model_state)
+                load_full(core, self.optimizer, payload.model_state, objects.pop(OPTIMIZER, None))
         except UserError:  # e.g. a sharded checkpoint refused as unsafe: its own message
             raise
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"checkpoint {path}: its weights or optimizer state do not fit this model "
                                   f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-        for key, obj in self.stateful_objects().items():
-            if objects.get(key) is None:
-                continue  # e.g. no grad scaler was saved (bf16/fp32) or none is used now; sharded optimizer
+        for key, obj in self.objects().items():
+            if key == OPTIMIZER or objects.get(key) is None:
+                continue  # the optimizer is loaded with the model; e.g. no grad scaler was saved or none is used now
             try:
                 obj.load_state_dict(objects[key])
             except (ValueError, KeyError, RuntimeError) as exc:
@@ -182,51 +217,42 @@ class Checkpointer:
         if rank < len(saved_rngs):
             RngState.load_state_dict(saved_rngs[rank])
         else:
-            RngState.seed(run["config"]["seed"] + 1_000_003 * saved["step"] + rank)
-        self.state.load_state_dict(saved)
+            RngState.seed(self.run.config["seed"] + 1_000_003 * step + rank)
+        self.states[TRAIN].load_state_dict(payload.trainer_state)
         saved_strategy = "fsdp" if is_sharded(path) else "ddp"
-        self.log.info(f"Resumed from {path} at step {self.state.step} ({self.state.tokens:,} tokens)")
-        for line in _followed_changes(saved.get("config") or {}, run["config"], self.state.step):
+        self.log.info(f"Resumed from {path} at step {step} ({self.states[TRAIN].tokens:,} tokens)")
+        for line in _followed_changes(saved.config, self.run.config, step):
             self.log.info(line)
-        if saved["world_size"] != run["world_size"] or saved_strategy != run.get("strategy", "ddp"):
-            self.log.info(f"  checkpoint written by {saved['world_size']} processes ({saved_strategy}), now "
-                          f"{run['world_size']} ({run.get('strategy', 'ddp')}): model and optimizer state are "
-                          f"resharded; ranks below {min(run['world_size'], saved['world_size'])} restore their "
+        if saved.world_size != self.run.world_size or saved_strategy != self.run.strategy:
+            self.log.info(f"  checkpoint written by {saved.world_size} processes ({saved_strategy}), now "
+                          f"{self.run.world_size} ({self.run.strategy}): model and optimizer state are "
+                          f"resharded; ranks below {min(self.run.world_size, saved.world_size)} restore their "
                           f"saved RNG, others seed theirs from (seed, step, rank); the data cursor is global, so "
                           f"no sample is skipped or repeated")
         if self.node_uploads:  # other nodes keep no checkpoints: the copy downloaded for this resume goes
             self.accelerator.wait_for_everyone()  # once every rank of the node has read it
             if self.accelerator.is_local_main_process and not self.is_main and path.parent == self.root:
                 files.remove_tree(path)
-        old_global = saved.get("global_batch_sequences")
-        if old_global and old_global != run["global_batch_sequences"]:
-            self.log.warning(f"  global batch changes from {old_global} to {run['global_batch_sequences']} "
+        old_global = saved.global_batch_sequences
+        if old_global and old_global != self.run.global_batch_sequences:
+            self.log.warning(f"  global batch changes from {old_global} to {self.run.global_batch_sequences} "
                              f"sequences per step; the LR schedule is per optimizer step and is not rescaled")
-
-    def stateful_objects(self) -> dict:
-        """The objects saved as `<key>.pt`: the optimizer too unless it is sharded with the model."""
-        return self.stateful if self.sharded else {"optimizer": self.optimizer} | self.stateful
 
     # -------------------------------------------------------------------------------------------- save
 
     def due(self, step: int) -> bool:
-        return bool(self.save_steps) and step % self.save_steps == 0
+        """Whether a save is due at `step` by the policy (the loop may also force one)."""
+        return bool(self.policy.every) and step % self.policy.every == 0
 
-    def save(self, step: int, force: bool = False) -> tuple[Path | None, float]:
-        """Saves when due at `step` (or `force`): checks nothing non-finite would be saved (every rank),
-        snapshots and hands the write to the writer thread(s). Returns the checkpoint's path (None when no
-        save was due) and how long the loop was blocked."""
-        if not (force or self.due(step)):
-            return None, 0.0
-        from utils.model.fsdp import local
-
+    def save(self, step: int) -> tuple[Path, float]:
+        """Saves now (the loop asks when one is due or forced, after checking its losses): checks nothing
+        non-finite would be saved (every rank), snapshots and hands the write to the writer thread(s).
+        Returns the checkpoint's path and how long the loop was blocked."""
         started = time.perf_counter()
-        self.window.checked_losses()
-        params = list(self.model.parameters())
-        finite = torch.stack([torch.isfinite(local(p)).all() for p in params]).all().float()
+        finite = torch.stack([torch.isfinite(local_tensor(p)).all() for p in self.model.parameters()]).all().float()
         if self.accelerator.reduce(finite, reduction="sum").item() != self.accelerator.num_processes:
-            raise NonFiniteWeights(f"non-finite weights after step {self.state.step}; no checkpoint was written "
-                                   f"for it. Lower learning_rate, or resume from the last checkpoint")
+            raise NonFiniteWeights(f"non-finite weights after step {step}; no checkpoint was written for it. "
+                                   f"Lower learning_rate, or resume from the last checkpoint")
         rngs = _gather([RngState.state_dict()], self.accelerator)
         name = self.name()
         path = self.root / name
@@ -239,16 +265,16 @@ class Checkpointer:
             return path, time.perf_counter() - started
         unwrapped = self.accelerator.unwrap_model(self.model)
         snapshot = snapshot_to_cpu({"model": None if self.sharded else unwrapped.state_dict(),
-                                    "objects": {k: v.state_dict() for k, v in self.stateful_objects().items()}},
+                                    "objects": {k: v.state_dict() for k, v in self.objects().items()}},
                                    self.buffers)
         copy_s = time.perf_counter() - copy_started
-        trainer_state = self.state.state_dict() | {k: v for k, v in self.run.items() if k != "max_steps"} | {
+        trainer_state = self.states[TRAIN].state_dict() | self.run.to_json() | {
             "versions": {"torch": torch.__version__, "python": sys.version.split()[0]}}
         payload = CheckpointPayload(snapshot["model"], snapshot["objects"] | {"rng": rngs}, trainer_state)
-        present = {k: v for k, v in self.extra_files.items() if Path(v).is_file()}
+        present = {k: v for k, v in self.policy.extra_files.items() if Path(v).is_file()}
         self.writer.save(self.root, name, payload, on_done=self._after_write, extra_files=present, sharded=sharded)
         blocked_s = time.perf_counter() - started
-        self.log.write_row({"step": self.state.step, "checkpoint": name, "blocked_s": blocked_s, "copy_s": copy_s})
+        self.log.write_row({"step": step, "checkpoint": name, "blocked_s": blocked_s, "copy_s": copy_s})
         self.log.info(f"Checkpoint {name}: loop blocked {blocked_s:.3f} s (device->host copy {copy_s:.3f} s); "
                       f"writing{' and uploading' if self.uploader else ''} in the background")
         return path, blocked_s
@@ -319,7 +345,7 @@ class Checkpointer:
         self.last, self.incomplete = path, None
         self.last_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         protect = {path} | (self.uploader.protected() if self.uploader else set())
-        apply_retention(self.root, self.keep, protect=protect, log=self.log.info)
+        apply_retention(self.root, self.policy.keep, protect=protect, log=self.log.info)
         if self.uploader:
             self.uploader.submit(path, f"{self.remote_root}/{path.name}")
 
@@ -350,7 +376,7 @@ class Checkpointer:
             self.log.error(f"error: checkpoint write failed: {exc}")
             code = 1
         if self.uploader is not None:
-            report = self.uploader.close(timeout=self.upload_timeout_s)
+            report = self.uploader.close(timeout=self.policy.upload_timeout_s)
             for line in report.summary():
                 self.log.error(f"error: {line}")
             if report.failed:
@@ -368,31 +394,30 @@ def _gather(obj: list, accelerator) -> list:
     return gather_object(obj)
 
 
-def _check_fits(path: Path, saved: dict, run: dict) -> None:
-    """One clear line for a checkpoint that cannot continue this run."""
-    old, new = saved.get("model") or {}, run["model"]
+def _check_fits(path: Path, saved: RunRecord, step: int, run: RunRecord) -> None:
+    """One clear line for a checkpoint (`saved` at `step`) that cannot continue this run."""
+    old, new = saved.model, run.model
     diff = [f"{k} {old.get(k)} vs {new.get(k)}" for k in _MUST_MATCH if k in old and old.get(k) != new.get(k)]
     if diff:
         raise CheckpointError(f"checkpoint {path} was written for model '{old.get('name')}' but this run builds "
                               f"'{new.get('name')}' ({', '.join(diff)}); resume with --set model={old.get('name')} "
                               f"or start a fresh run in another --output-dir")
-    old_config = saved.get("config") or {}
     for key in KEEP_ON_RESUME:
-        if key in old_config and old_config[key] != run["config"][key]:
-            raise CheckpointError(f"checkpoint {path} was trained with {key}={old_config[key]} but this run has "
-                                  f"{key}={run['config'][key]}: a resume continues the checkpoint's data order and "
-                                  f"random generators; resume with --set {key}={old_config[key]} or start a fresh "
+        if key in saved.config and saved.config[key] != run.config[key]:
+            raise CheckpointError(f"checkpoint {path} was trained with {key}={saved.config[key]} but this run has "
+                                  f"{key}={run.config[key]}: a resume continues the checkpoint's data order and "
+                                  f"random generators; resume with --set {key}={saved.config[key]} or start a fresh "
                                   f"run in another --output-dir")
-    if saved.get("seq_len") not in (None, run["seq_len"]):
-        raise CheckpointError(f"checkpoint {path} was trained with seq_len={saved['seq_len']} but this run has "
-                              f"seq_len={run['seq_len']}; resume with --set seq_len={saved['seq_len']} or start a "
+    if saved.seq_len not in (None, run.seq_len):
+        raise CheckpointError(f"checkpoint {path} was trained with seq_len={saved.seq_len} but this run has "
+                              f"seq_len={run.seq_len}; resume with --set seq_len={saved.seq_len} or start a "
                               f"fresh run in another --output-dir")
-    if saved.get("data") and saved["data"] != run["data"]:
-        raise CheckpointError(f"the data changed since checkpoint {path}: it was trained on {saved['data']} and "
-                              f"this run reads {run['data']}; restore the same shards and max_files/val_files, or "
+    if saved.data and saved.data != run.data:
+        raise CheckpointError(f"the data changed since checkpoint {path}: it was trained on {saved.data} and "
+                              f"this run reads {run.data}; restore the same shards and max_files/val_files, or "
                               f"start a fresh run in another --output-dir")
-    if saved["step"] > run["max_steps"]:
-        raise CheckpointError(f"checkpoint {path} is at step {saved['step']}, and max_steps is {run['max_steps']}: "
+    if step > run.max_steps:
+        raise CheckpointError(f"checkpoint {path} is at step {step}, and max_steps is {run.max_steps}: "
                               f"nothing left to train; raise --max-steps to continue the run")
 
 

@@ -309,10 +309,10 @@ class ShardedSaver:
 
 def _tensor_bytes(state) -> int:
     """Bytes of this rank's tensors in a (nested) state dict: what its shards of a save take on disk."""
-    from utils.model.fsdp import local
+    from utils.distributed import local_tensor
 
     if isinstance(state, torch.Tensor):
-        return local(state).numel() * local(state).element_size()
+        return local_tensor(state).numel() * local_tensor(state).element_size()
     if isinstance(state, dict):
         return sum(_tensor_bytes(v) for v in state.values())
     if isinstance(state, (list, tuple)):

@@ -29,11 +29,6 @@ import torch
 from torch import nn
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; any other tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def mixed_precision_policy(precision: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
