@@ -104,6 +104,7 @@ def train(cfg, profile, args) -> int:
 
     from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer, find_checkpoint
     from utils.checkpoint.run_record import RunRecord
+    from utils.data.build import build_data
     from utils.debug import BatchTrace
     from utils.checkpoint.format import checkpoint_name
     from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
@@ -133,7 +134,7 @@ def train(cfg, profile, args) -> int:
                          final_model=str(finished))
         return 0
     spec, seq_len, init_weights = resolve_model_spec(cfg, log)
-    loader, val_batches = build_data(cfg, spec, seq_len, accelerator, log)
+    loader, val_batches = build_data(cfg, seq_len, spec.vocab_size, accelerator, log)
     stop.end_setup_if_asked("data index")
     model, optimizer, scheduler = build_training(cfg, spec, init_weights if resume_path is None else None,
                                                  parallel, log)
@@ -358,59 +359,6 @@ def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log) -> 
     return final
 
 
-def build_data(cfg, spec, seq_len, accelerator, log):
-    """Each source's shard index (validated once, cached), this rank's resumable loader over the mixture
-    (`data_dir` alone is the one source `data`) and its eval batches per source."""
-    from utils.data.dataset import TokenSequenceDataset
-    from utils.data.dataset_info import DatasetInfo
-    from utils.data.demo import build_demo_data
-    from utils.data.demo import is_built as is_demo_build
-    from utils.data.index import ShardIndex
-    from utils.data.loader import EvalBatches, MixtureSource, ResumableLoader, build_eval_batches
-    from utils.data.mixture import check_sources, sources_from_config
-    from utils.distributed import main_process_first
-
-    rank, world = accelerator.process_index, accelerator.num_processes
-    sources = sources_from_config(cfg)
-    infos = {s.name: DatasetInfo.load(s.path) for s in sources}
-    if cfg.data_mix:
-        check_sources(sources, infos, log.warning if accelerator.is_main_process else lambda _line: None,
-                      demo_data=cfg.demo_data)
-    # prepare_data.py's validation split by documents, where a source has one (val_files then does not apply)
-    val_paths = {name: info.val_paths if info is not None else [] for name, info in infos.items()}
-
-    def indexes():
-        # Build demo data into an empty data_dir (never into a data_mix source); re-check an existing demo build
-        # (it refuses another vocab or seq_len); a folder of the user's own shards is used as it is.
-        built = {}
-        for s in sources:
-            if cfg.demo_data and not cfg.data_mix and (is_demo_build(s.path) or not any(s.path.rglob("*.npz"))):
-                build_demo_data(s.path, vocab_size=spec.vocab_size, seq_len=seq_len, log=log.info)
-            built[s.name] = ShardIndex.build(s.path, seq_len=seq_len, vocab_size=spec.vocab_size,
-                                             max_files=-1 if val_paths[s.name] else cfg.max_files, log=log.info)
-        return built
-
-    indexes = main_process_first(accelerator, indexes)  # rank 0 builds the demo data and the shard caches first
-    train_sets, val_batches = [], {}
-    for s in sources:
-        if val_paths[s.name]:
-            train_index, val_index = indexes[s.name].split_paths(val_paths[s.name], cfg.max_files)
-            info = infos[s.name]
-            log.info(f"data: validation{'' if s.name == 'data' else ' of ' + s.name} on the {len(val_paths[s.name])} "
-                     f"shard(s) of {info.path.name}'s split ({info.raw['validation']['documents']:,} documents); "
-                     f"val_files does not apply")
-        else:
-            train_index, val_index = indexes[s.name].split(s.val_files)
-        train_sets.append(MixtureSource(s.name, TokenSequenceDataset(train_index), s.weight, s.epochs))
-        val_set = TokenSequenceDataset(val_index)
-        val_batches[s.name] = (build_eval_batches(val_set, cfg.per_device_train_batch_size, rank, world,
-                                                  cfg.eval_batches) if len(val_set) else [])
-    loader = ResumableLoader(train_sets, cfg.per_device_train_batch_size, rank=rank, world_size=world, seed=cfg.seed,
-                             num_workers=cfg.dataloader_num_workers, prefetch_factor=cfg.prefetch_factor,
-                             pin_memory=accelerator.device.type == "cuda", log=log.info)
-    return loader, EvalBatches(val_batches, {s.name: s.weight for s in sources})
-
-
 def build_training(cfg, spec, init_weights, parallel, log):
     """Model (from `init_weights` when given, built and wrapped by the parallelism seam), AdamW and the LR
     schedule. The scheduler is deliberately never prepared (see utils/optim.py)."""
@@ -426,7 +374,7 @@ def build_training(cfg, spec, init_weights, parallel, log):
 def document_eos(cfg) -> int:
     """attention=document: the id documents end with, from `eos_id` or the data."""
     from utils.data.dataset_info import end_of_document_id
-    from utils.data.mixture import sources_from_config
+    from utils.data.source import sources_from_config
 
     eos = cfg.eos_id if cfg.eos_id >= 0 else end_of_document_id(s.path for s in sources_from_config(cfg))
     if eos is None:

@@ -242,25 +242,26 @@ def test_a_deleted_source_can_be_dropped_on_resume(tmp_path):
     do, pointing at the drop; a mixture keeping none of the checkpoint's sources is refused."""
     from utils.data.dataset import TokenSequenceDataset
     from utils.data.index import ShardIndex
-    from utils.data.loader import MixtureSource, ResumableLoader
-    from utils.data.mixture import MixtureError, check_sources, sources_from_config
+    from utils.data.loader import ResumableLoader
+    from utils.data.mixture import MixtureError, check_sources
+    from utils.data.source import Source, sources_from_config
 
     def dataset(name: str) -> TokenSequenceDataset:
         return TokenSequenceDataset(ShardIndex.build(make_shards(tmp_path / name, n_files=2, rows=8), 64, 512,
                                                      log=lambda _m: None))
 
     web, code = dataset("web"), dataset("code")
-    both = ResumableLoader([MixtureSource("web", web, 0.5), MixtureSource("code", code, 0.5)], 2, 0, 1, 3)
+    both = ResumableLoader([Source("web", 0.5, data=web), Source("code", 0.5, data=code)], 2, 0, 1, 3)
     for _ in range(3):
         next(both)
     state = both.state_dict()
     said = []
-    alone = ResumableLoader([MixtureSource("web", web, 1.0)], 2, 0, 1, 3, log=said.append)
+    alone = ResumableLoader([Source("web", 1.0, data=web)], 2, 0, 1, 3, log=said.append)
     alone.load_state_dict(state)
     assert alone.consumed == {"web": state["sources"]["web"]["consumed"]}
     assert len(said) == 1 and "web 0.5 -> 1, dropped code" in said[0]
     with pytest.raises(MixtureError, match=r"none of the checkpoint's sources \(web, code\) is in this run's"):
-        ResumableLoader([MixtureSource("books", dataset("books"), 1.0)], 2, 0, 1, 3).load_state_dict(state)
+        ResumableLoader([Source("books", 1.0, data=dataset("books"))], 2, 0, 1, 3).load_state_dict(state)
 
     shutil.rmtree(tmp_path / "code")
     cfg = get_training_config("demo", parse_overrides([f"data_mix=web={tmp_path / 'web'}:1,code={tmp_path / 'code'}:0"]))

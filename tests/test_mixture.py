@@ -15,8 +15,9 @@ from configs.training_config import get_training_config, parse_overrides, read_c
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.dataset_info import DatasetInfo
 from utils.data.index import ShardIndex
-from utils.data.loader import EvalBatches, MixtureSource, ResumableLoader
-from utils.data.mixture import DEFAULT_SOURCE, MixtureError, MixturePlan, SourceSpec, check_tokenizers
+from utils.data.loader import EvalBatches, ResumableLoader
+from utils.data.source import Source
+from utils.data.mixture import DEFAULT_SOURCE, MixtureError, MixturePlan, check_tokenizers
 from utils.errors import UserError
 
 SEQ = 4
@@ -69,7 +70,7 @@ def sources(tmp_path_factory):
 
 
 def mixture(sources, weights: dict, micro=4, rank=0, world=1, seed=3, epochs=None, **kw) -> ResumableLoader:
-    mix = [MixtureSource(n, sources[n], w, (epochs or {}).get(n)) for n, w in weights.items()]
+    mix = [Source(n, w, (epochs or {}).get(n), data=sources[n]) for n, w in weights.items()]
     return ResumableLoader(mix, micro, rank, world, seed, **kw)
 
 
@@ -102,7 +103,7 @@ def test_plan_is_chunking_free_and_low_discrepancy():
     for _ in range(20):
         w = rng.random(rng.integers(2, 6))
         w /= w.sum()
-        specs = [SourceSpec(f"s{i}", 10**9, float(x)) for i, x in enumerate(w)]
+        specs = [Source(f"s{i}", float(x), data=range(10**9)) for i, x in enumerate(w)]
         chunked = MixturePlan(specs)
         src = np.concatenate([chunked.take(int(n))[0] for n in rng.integers(1, 40, size=200)])
         assert (MixturePlan(specs).take(len(src))[0] == src).all()
@@ -171,8 +172,8 @@ def test_added_source_and_legacy_cursor(sources):
     legacy = single.state_dict()
     assert set(legacy) == {"position", "epoch", "consumed_in_epoch", "seed", "num_samples", "global_batch"}
     logged = []
-    grown = ResumableLoader([MixtureSource(DEFAULT_SOURCE, sources["web"], 0.5),
-                             MixtureSource("code", sources["code"], 0.5)], 4, 0, 1, seed=3, log=logged.append)
+    grown = ResumableLoader([Source(DEFAULT_SOURCE, 0.5, data=sources["web"]),
+                             Source("code", 0.5, data=sources["code"])], 4, 0, 1, seed=3, log=logged.append)
     grown.load_state_dict(legacy)
     later = steps([grown], 10)
     assert "added code 0.5" in logged[0] and "data 1 -> 0.5" in logged[0]
@@ -193,7 +194,7 @@ def test_refusals_are_one_line(sources, tmp_path):
     smaller = make_source(tmp_path, "code", 299)
     with pytest.raises(MixtureError, match="data changed since the checkpoint: source code's cursor was saved "
                                            "over 300 sequences but .* now has 299"):
-        ResumableLoader([MixtureSource("web", sources["web"], 0.5), MixtureSource("code", smaller, 0.5)],
+        ResumableLoader([Source("web", 0.5, data=sources["web"]), Source("code", 0.5, data=smaller)],
                         4, 0, 1, 3).load_state_dict(state)
     with pytest.raises(MixtureError, match="seq_len=8 but this run has seq_len=4"):
         mixture(sources, {"web": 0.5, "code": 0.5}).load_state_dict(dict(state, seq_len=8))

@@ -19,7 +19,8 @@ COMPRESSED_CACHE_BYTES = 512 << 20
 
 
 class TokenSequenceDataset(Dataset):
-    """Sequence i of the index as int64 ids of length seq_len.
+    """Sequence i of the index as int64 ids of length seq_len: the `.npz` shard folder as a SequenceSource
+    (utils/data/source.py).
 
     Uncompressed shards are read with positional reads (os.preadv) at the array's offset inside the zip:
     one syscall per sequence straight from the page cache, nothing mapped, so the resident set does not
@@ -119,6 +120,16 @@ class TokenSequenceDataset(Dataset):
                              "changed or shrank since it was indexed: restart to re-validate it")
         if buf is not out:
             out[:] = buf
+
+    def fingerprint(self) -> dict:
+        """The shard index's: every file's path, rows and size, hashed (utils/data/index.py)."""
+        return self.index.fingerprint()
+
+    def files_consumed(self, position: int) -> int:
+        return self.index.files_consumed(position)
+
+    def describe(self) -> str:
+        return str(self.index.root)
 
     @property
     def wire_dtype(self) -> np.dtype:

@@ -1,7 +1,7 @@
 """The order and the stream: a deterministic, rank-sharded, resumable batch loader, and eval batches.
 
-`ResumableLoader` yields `[micro_batch_size, seq_len]` int64 batches forever, from one dataset or a
-weighted mixture of several (utils/data/mixture.py decides which source each sequence of the global
+`ResumableLoader` yields `[micro_batch_size, seq_len]` int64 batches forever, from one source of sequences
+(any `SequenceSource`: utils/data/source.py) or a weighted mixture of several (utils/data/mixture.py decides which source each sequence of the global
 stream comes from). Global micro-batch b is stream positions [b * G, (b + 1) * G), G = micro * world, and
 rank r takes [r * micro, (r + 1) * micro) of it. The state is the number of sequences consumed from each
 source (plus the mixture's phase), so restoring it is O(1) and valid across a change of process count.
@@ -12,31 +12,19 @@ from __future__ import annotations
 
 import signal
 import warnings
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from utils.data.dataset import TokenSequenceDataset
-from utils.data.mixture import (DEFAULT_SOURCE, EpochOrder, MixtureError, MixturePlan, SourceSpec, describe_change,
-                                epoch_permutation, source_key)
+from utils.data.mixture import EpochOrder, MixtureError, MixturePlan, describe_change, epoch_permutation, source_key
+from utils.data.source import DEFAULT_SOURCE, SequenceSource, Source
 
-__all__ = ["EvalBatches", "MixtureSource", "ResumableLoader", "build_eval_batches",
-           "epoch_permutation"]
+__all__ = ["EvalBatches", "ResumableLoader", "build_eval_batches", "epoch_permutation"]
 
 
-@dataclass(frozen=True)
-class MixtureSource:
-    """One source of a mixture: its training sequences, weight (>= 0) and optional epochs cap."""
-    name: str
-    dataset: TokenSequenceDataset
-    weight: float = 1.0
-    epochs: int | None = None
-
-
-def read_picks(datasets: list[TokenSequenceDataset], sources: np.ndarray, indices: np.ndarray,
+def read_picks(datasets: list[SequenceSource], sources: np.ndarray, indices: np.ndarray,
                dtype: np.dtype) -> np.ndarray:
     """Sequence indices[k] of source sources[k], as one [len, seq_len] array of `dtype`."""
     first = int(sources[0])
@@ -57,7 +45,7 @@ class _BatchView(Dataset):
     fraction of what torch's per-tensor shared-memory hand-off costs, and the int64 widening happens once,
     in the main process."""
 
-    def __init__(self, datasets: list[TokenSequenceDataset], dtype: np.dtype):
+    def __init__(self, datasets: list[SequenceSource], dtype: np.dtype):
         self.datasets, self.dtype = datasets, dtype
 
     def __len__(self) -> int:
@@ -99,7 +87,7 @@ class MixtureBatchSampler(Sampler):
     """Rank r's micro-batches of the mixture's global stream, from the plan state `start`: yields
     (source numbers, sequence numbers, (plan state after this global micro-batch, sources dropped in it))."""
 
-    def __init__(self, specs: list[SourceSpec], micro_batch_size: int, rank: int, world_size: int, seed: int,
+    def __init__(self, specs: list[Source], micro_batch_size: int, rank: int, world_size: int, seed: int,
                  start: tuple):
         self.specs, self.micro, self.rank, self.world = specs, micro_batch_size, rank, world_size
         self.orders = [EpochOrder(s.num_samples, source_key(seed, s.name)) for s in specs]
@@ -126,23 +114,22 @@ class MixtureBatchSampler(Sampler):
 class ResumableLoader:
     """This rank's infinite stream of [micro_batch_size, seq_len] LongTensors, checkpointable.
 
-    `data` is one dataset (the source `data` alone: the stream and cursor of a `data_dir` run) or a list
-    of MixtureSource. The cursor counts sequences in batches *returned* by __next__ (DataLoader prefetch is
+    `data` is one SequenceSource (the source `data` alone: the stream and cursor of a `data_dir` run) or a
+    list of opened Sources. The cursor counts sequences in batches *returned* by __next__ (DataLoader prefetch is
     not counted), so state_dict() after k batches resumes at batch k + 1. It counts global sequences, so a
     run may resume with another world size or micro-batch size. load_state_dict() is O(1): it only
     recreates the DataLoader iterator (one permutation per source, no batches read)."""
 
     def __init__(self, data, micro_batch_size: int, rank: int, world_size: int, seed: int, num_workers: int = 0,
                  prefetch_factor: int = 2, pin_memory: bool = False, log: Callable[[str], None] | None = None):
-        sources = [MixtureSource(DEFAULT_SOURCE, data)] if isinstance(data, TokenSequenceDataset) else list(data)
-        if not sources or any(len(s.dataset) < 1 for s in sources):
-            raise ValueError("ResumableLoader needs a dataset with at least one sequence")
+        sources = list(data) if isinstance(data, (list, tuple)) else [Source(DEFAULT_SOURCE, data=data)]
+        if not sources or any(s.data is None or len(s.data) < 1 for s in sources):
+            raise ValueError("ResumableLoader needs sources with at least one sequence")
         if len({s.name for s in sources}) != len(sources):
             raise MixtureError(f"data_mix: source names must be unique, got {[s.name for s in sources]}")
-        self.sources = sources
-        self.datasets = [s.dataset for s in sources]
+        self.specs = sources
+        self.datasets = [s.data for s in sources]
         self.dataset = self.datasets[0]
-        self.specs = [SourceSpec(s.name, len(s.dataset), float(s.weight), s.epochs) for s in sources]
         self.micro_batch_size, self.rank, self.world_size, self.seed = micro_batch_size, rank, world_size, seed
         self.log = log or (lambda _msg: None)
         if pin_memory and not torch.cuda.is_available():
@@ -180,14 +167,14 @@ class ResumableLoader:
 
     def files_consumed(self) -> int:
         """The checkpoint name's `files{F}`: whole files' worth of sequences consumed, summed over sources."""
-        return sum(d.index.files_consumed(c) for d, c in zip(self.datasets, self._plan.consumed))
+        return sum(d.files_consumed(c) for d, c in zip(self.datasets, self._plan.consumed))
 
     def fingerprint(self) -> dict | None:
         """What the checkpoint's record keeps of the data: the `data` source's files (as a data_dir run
         always has), else None; the cursor checks every source itself on resume."""
         if DEFAULT_SOURCE not in self.names:
             return None
-        return self.datasets[self.names.index(DEFAULT_SOURCE)].index.fingerprint()
+        return self.datasets[self.names.index(DEFAULT_SOURCE)].fingerprint()
 
     def source_tokens(self) -> dict[str, int]:
         """`tokens/<name>` for a training row: tokens each source has contributed (none for `data` alone)."""
@@ -213,7 +200,7 @@ class ResumableLoader:
             cap = f", capped at {spec.epochs} epoch(s)" if spec.epochs is not None else ""
             if spec.cap is not None:
                 planned = min(planned, spec.cap)
-            lines.append(f"  source {spec.name}: {spec.num_samples:,} sequences in {d.index.root}, weight "
+            lines.append(f"  source {spec.name}: {spec.num_samples:,} sequences in {d.describe()}, weight "
                          f"{spec.weight:g} ({w:.1%} of the stream){cap}; the planned steps take {planned / spec.num_samples:.2f} "
                          f"epoch(s) through it")
         return lines
@@ -262,7 +249,7 @@ class ResumableLoader:
         return {"format": "mixture", "seed": self.seed, "position": self.position, "seq_len": self.dataset.seq_len,
                 "global_batch": self.global_batch,
                 "sources": {s.name: {"consumed": c, "num_samples": s.num_samples,
-                                     "sha256": d.index.fingerprint()["sha256"]}
+                                     "sha256": d.fingerprint()["sha256"]}
                             for s, d, c in zip(self.specs, self.datasets, plan.consumed)},
                 "phase_start": dict(zip(self.names, plan.phase_start)),
                 "phase_weights": dict(zip(self.names, plan.weights))}
@@ -298,10 +285,10 @@ class ResumableLoader:
                 continue
             _, num_samples, sha = saved[spec.name]
             what = "its cursor" if self.single else f"source {spec.name}'s cursor"
-            if num_samples != spec.num_samples or (sha is not None and sha != d.index.fingerprint()["sha256"]):
+            if num_samples != spec.num_samples or (sha is not None and sha != d.fingerprint()["sha256"]):
                 raise MixtureError(
                     f"the data changed since the checkpoint: {what} was saved over {num_samples:,} sequences but "
-                    f"{d.index.root} now has {spec.num_samples:,} (or other files). Restore the same shards and "
+                    f"{d.describe()} now has {spec.num_samples:,} (or other files). Restore the same shards and "
                     f"seq_len/max_files/val_files to resume, or start a fresh run")
         self.close()
         self.seed = seed
@@ -316,8 +303,8 @@ class ResumableLoader:
             if len(self.names) > 1 or len(saved) > 1:
                 old = phase[1] if phase is not None else {n: 1.0 / len(saved) for n in saved}
                 dropped = [n for n in saved if n not in self.names]
-                note = (f"; a dropped source's position is forgotten (added again later, it starts at its "
-                        f"beginning)" if dropped else "")
+                note = ("; a dropped source's position is forgotten (added again later, it starts at its "
+                        "beginning)" if dropped else "")
                 self.log(f"data_mix: the mixture changed since the checkpoint ({describe_change(old, weights)}); "
                          f"each kept source continues from its saved position, the new weights apply from the "
                          f"next step{note}")
@@ -330,7 +317,7 @@ class ResumableLoader:
             it._shutdown_workers()
 
 
-def build_eval_batches(dataset: TokenSequenceDataset, micro_batch_size: int, rank: int, world_size: int,
+def build_eval_batches(dataset: SequenceSource, micro_batch_size: int, rank: int, world_size: int,
                        max_batches: int) -> list[torch.Tensor]:
     """This rank's share of the first `max_batches` global batches of `dataset` in file order.
 

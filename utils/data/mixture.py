@@ -20,52 +20,17 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from utils.data.source import DEFAULT_SOURCE, Source
 from utils.errors import UserError
 
-DEFAULT_SOURCE = "data"
 
 
 class MixtureError(UserError, ValueError):
     """A mixture that cannot be used or resumed as asked; the message names the source and what to do."""
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """What the sampler needs of one source: its name, size, weight (>= 0) and optional epochs cap."""
-    name: str
-    num_samples: int
-    weight: float
-    epochs: int | None = None
-
-    @property
-    def cap(self) -> int | None:
-        """Sequences this source may contribute in the whole run (None: unlimited)."""
-        return None if self.epochs is None else self.epochs * self.num_samples
-
-
-@dataclass(frozen=True)
-class SourceConfig:
-    """One source as the training config gives it: a shard folder with its weight, epochs cap and the
-    number of its files (the last by path) held out for validation."""
-    name: str
-    path: Path
-    weight: float
-    epochs: int | None
-    val_files: int
-
-
-def sources_from_config(cfg) -> list[SourceConfig]:
-    """`data_mix`'s sources in their order, or `data_dir` alone as the one source `data`."""
-    if not cfg.data_mix:
-        return [SourceConfig(DEFAULT_SOURCE, Path(cfg.data_dir).expanduser().resolve(), 1.0, None, cfg.val_files)]
-    return [SourceConfig(name, Path(e["path"]).expanduser().resolve(), float(e["weight"]), e.get("epochs"),
-                         e.get("val_files", cfg.val_files)) for name, e in cfg.data_mix.items()]
 
 
 def source_key(seed: int, name: str) -> list[int]:
@@ -112,7 +77,7 @@ class MixturePlan:
     """The global stream's allocation: which source each next sequence comes from, and at which of its
     own positions. `take(n)` advances it; `snapshot()` / `restore()` are its whole state."""
 
-    def __init__(self, sources: list[SourceSpec]):
+    def __init__(self, sources: list[Source]):
         if not sources:
             raise MixtureError("data_mix has no source")
         self.sources = list(sources)
@@ -200,7 +165,7 @@ def describe_change(old_weights: dict, new_weights: dict) -> str:
     return ", ".join(parts)
 
 
-def check_sources(sources: list[SourceConfig], infos: dict, warn: Callable[[str], None],
+def check_sources(sources: list[Source], infos: dict, warn: Callable[[str], None],
                   demo_data: bool = False) -> None:
     """Before a mixture is indexed: every source's folder holds shards (the demo's data is built for a
     `data_dir` run only, never into a source), and its tokenizer is the others' (see check_tokenizers)."""

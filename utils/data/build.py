@@ -1,0 +1,49 @@
+"""Building a run's data: its sources, opened by their types, this rank's resumable loader over them and its
+eval batches per source (what train.py asks for in one call).
+
+`SOURCE_TYPES` is the registration of source types (utils/data/source.py): the first whose `handles`
+accepts a configured source opens it. A new type is a module defining its SourceType plus its line here.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from utils.data.dataset_info import DatasetInfo
+from utils.data.loader import EvalBatches, ResumableLoader, build_eval_batches
+from utils.data.mixture import check_sources
+from utils.data.shard_source import SHARDS
+from utils.data.source import OpenRequest, SequenceSource, Source, SourceType, sources_from_config
+from utils.distributed import main_process_first
+from utils.errors import UserError
+
+SOURCE_TYPES: list[SourceType] = [SHARDS]
+
+
+def open_source(source: Source, request: OpenRequest) -> tuple[SequenceSource, SequenceSource | None]:
+    """(training, validation) sequences of `source`, by the first registered type that handles it."""
+    for kind in SOURCE_TYPES:
+        if kind.handles(source):
+            return kind.open(source, request)
+    raise UserError(f"data source {source.name} ({source.path}): no source type reads it "
+                    f"(known: {', '.join(t.name for t in SOURCE_TYPES)})")
+
+
+def build_data(cfg, seq_len: int, vocab_size: int, accelerator, log) -> tuple[ResumableLoader, EvalBatches]:
+    """Every source opened (rank 0 first: it builds the demo data and the shard caches the others reuse),
+    this rank's loader over the mixture (`data_dir` alone is the one source `data`) and its eval batches."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    sources = sources_from_config(cfg)
+    if cfg.data_mix:
+        check_sources(sources, {s.name: DatasetInfo.load(s.path) for s in sources},
+                      log.warning if accelerator.is_main_process else lambda _line: None, demo_data=cfg.demo_data)
+    request = OpenRequest(seq_len, vocab_size, cfg.max_files, build_demo=cfg.demo_data and not cfg.data_mix,
+                          log=log.info)
+    opened = main_process_first(accelerator, lambda: [open_source(s, request) for s in sources])
+    val_batches = {s.name: (build_eval_batches(val, cfg.per_device_train_batch_size, rank, world, cfg.eval_batches)
+                            if val is not None and len(val) else [])
+                   for s, (_, val) in zip(sources, opened)}
+    loader = ResumableLoader([replace(s, data=train) for s, (train, _) in zip(sources, opened)],
+                             cfg.per_device_train_batch_size, rank=rank, world_size=world, seed=cfg.seed,
+                             num_workers=cfg.dataloader_num_workers, prefetch_factor=cfg.prefetch_factor,
+                             pin_memory=accelerator.device.type == "cuda", log=log.info)
+    return loader, EvalBatches(val_batches, {s.name: s.weight for s in sources})
