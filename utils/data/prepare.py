@@ -30,7 +30,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,6 +41,8 @@ import numpy as np
 from utils import files
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.dataset_info import FORMAT, VERSION
+from utils.data.tokenizer import EOS_CANDIDATES, GPT2_FILES, read_tokenizer
+from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import UserError
 
 # 2^24 ids per shard: 32 MiB as uint16. Big enough that a bucket holds thousands, not millions, of objects
@@ -61,7 +62,6 @@ TEXT_SUFFIXES = (".txt", ".txt.gz")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 PARQUET_SUFFIXES = (".parquet",)
 SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
 BATCH_DOCUMENTS = 256
 BATCH_CHARS = 4 << 20
 
@@ -162,7 +162,7 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
 
 @dataclass
 class TokenizerInfo:
-    path: Path  # the tokenizer.json
+    json: bytes  # its tokenizer.json, written beside the shards
     vocab_size: int
     eos_id: int
     eos_token: str
@@ -170,38 +170,22 @@ class TokenizerInfo:
 
 
 def load_tokenizer(spec: str, eos_token: str | None = None) -> tuple[object, TokenizerInfo]:
-    """A `tokenizer.json` file or an HF tokenizer directory holding one (fast tokenizers only)."""
-    from tokenizers import Tokenizer
-
-    path = Path(spec)
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
-        raise PrepareError(f"--tokenizer {spec}: no tokenizer.json there (a fast tokenizer file or an HF tokenizer "
-                           f"directory holding one)")
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as exc:  # tokenizers raises its own exception type for malformed files
-        raise PrepareError(f"--tokenizer {file}: not a tokenizers JSON file ({exc})") from None
-    name = eos_token or _configured_eos(file.parent) or next(
-        (t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+    """The tokenizer `--tokenizer` names (utils/data/tokenizer.py: a tokenizer.json, an HF tokenizer directory
+    holding one, or a GPT-2-style vocab.json + merges.txt) and its end-of-document token, which prepare needs."""
+    loaded = read_tokenizer(spec)
+    if loaded is None:
+        raise PrepareError(f"--tokenizer {spec}: no {TOKENIZER_FILE} there, nor GPT-2-style "
+                           f"{' + '.join(GPT2_FILES)} (give a tokenizers file or an HF tokenizer directory)")
+    tokenizer = loaded.tokenizer
+    name = eos_token or loaded.end_of_document()
     if name is None:
-        raise PrepareError(f"--tokenizer {file}: no end-of-document token found (none configured in "
+        raise PrepareError(f"--tokenizer {spec}: no end-of-document token found (none configured in "
                            f"tokenizer_config.json, none of {', '.join(EOS_CANDIDATES)}); name one with --eos-token")
     eos_id = tokenizer.token_to_id(name)
     if eos_id is None:
-        raise PrepareError(f"--eos-token {name!r} is not in the vocabulary of {file}")
-    info = TokenizerInfo(file, tokenizer.get_vocab_size(with_added_tokens=True), eos_id, name,
-                         hashlib.sha256(file.read_bytes()).hexdigest())
+        raise PrepareError(f"--eos-token {name!r} is not in the vocabulary of {spec}")
+    info = TokenizerInfo(loaded.json, loaded.vocab_size, eos_id, name, hashlib.sha256(loaded.json).hexdigest())
     return tokenizer, info
-
-
-def _configured_eos(directory: Path) -> str | None:
-    try:
-        config = json.loads((directory / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    eos = config.get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
 
 
 # ------------------------------------------------------------------------------------------ tokenizing
@@ -209,14 +193,14 @@ def _configured_eos(directory: Path) -> str | None:
 _WORKER_TOKENIZER = None
 
 
-def _init_worker(tokenizer_file: str) -> None:
+def _init_worker(tokenizer_json: str) -> None:
     global _WORKER_TOKENIZER
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process stops the pool (no traceback per worker)
     from tokenizers import Tokenizer
 
-    _WORKER_TOKENIZER = Tokenizer.from_file(tokenizer_file)
+    _WORKER_TOKENIZER = Tokenizer.from_str(tokenizer_json)
 
 
 def _encode(texts: list[str], tokenizer=None) -> list[np.ndarray]:
@@ -403,10 +387,10 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
                                f" and no text")
         writer.close()
         val_writer.close()
-        shutil.copyfile(tok.path, tmp / "tokenizer.json")
+        (tmp / TOKENIZER_FILE).write_bytes(tok.json)
         description = {
             "format": FORMAT, "version": VERSION,
-            "tokenizer": {"file": "tokenizer.json", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+            "tokenizer": {"file": TOKENIZER_FILE, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                           "eos_token": tok.eos_token, "sha256": tok.digest},
             "dtype": dtype.name, "documents": counts.documents, "documents_empty": counts.empty,
             "tokens": counts.tokens, "shard_tokens": shard_tokens, "shards": writer.shards,
@@ -443,7 +427,7 @@ def _tokenized(files_in, text_field, tok: TokenizerInfo, tok_obj, workers: int, 
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker process
     context = multiprocessing.get_context("spawn")  # the tokenizers library must not be forked after use
-    with context.Pool(workers, initializer=_init_worker, initargs=(str(tok.path),)) as pool:
+    with context.Pool(workers, initializer=_init_worker, initargs=(tok.json.decode("utf-8"),)) as pool:
         yield from pool.imap(_encode, batches, chunksize=1)
 
 
