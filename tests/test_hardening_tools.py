@@ -85,6 +85,132 @@ def error_line(code: int, err: str) -> str:
     return lines[0]
 
 
+# ------------------------------------------------------------------------------- generate.py: the prompt
+
+def test_an_empty_prompt_starts_from_the_tokenizer_s_first_token(tools, capsys):
+    root, _ = tools
+    code, out, _ = generate_main(capsys, root / "newlines", "--prompt", "", "--max-new-tokens", "3",
+                                 "--temperature", "0")
+    assert code == 0 and out == "\n\n\n\n"
+
+
+def test_a_prompt_longer_than_the_context_keeps_its_end(tools, capsys):
+    """A 300-token prompt on a 64-token model keeps its last 64 - 5 tokens, says so once, and continues
+    exactly as that end alone does."""
+    from tokenizers import Tokenizer
+
+    root, _ = tools
+    tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+    prompt = " ".join(f"w{i}" for i in range(100))
+    ids = tokenizer.encode(prompt).ids
+    assert len(ids) > 200
+    end = tokenizer.decode(ids[-(CONTEXT - 5):])
+    greedy = ["--max-new-tokens", "5", "--temperature", "0", "--jsonl"]
+    code, long_out, err = generate_main(capsys, root / "hf", "--prompt", prompt, *greedy)
+    assert code == 0 and err.count(f"kept only its last {CONTEXT - 5} tokens") == 1, err
+    assert "longer than the specified maximum" not in err  # transformers' own warning is not shown
+    code, end_out, err = generate_main(capsys, root / "hf", "--prompt", end, *greedy)
+    assert code == 0 and "kept only" not in err
+    assert json.loads(long_out)["continuation"] == json.loads(end_out)["continuation"]
+
+
+def test_max_new_tokens_is_capped_at_the_context_and_said_once(tools, capsys):
+    root, _ = tools
+    code, out, err = generate_main(capsys, root / "newlines", "--prompt", "ab", "--prompt", "abcd",
+                                   "--max-new-tokens", "1000", "--temperature", "0", "--jsonl")
+    assert code == 0 and err.count(f"--max-new-tokens 1000 capped at {CONTEXT - 1}") == 1, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    # each prompt is 1-2 tokens; the rest of the context is the continuation's
+    assert [len(r["continuation"]) for r in rows] == [CONTEXT - 1, CONTEXT - 1]
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--temperature", "nan", "--temperature must be a finite number, 0 (greedy) or more, got nan"),
+    ("--temperature", "inf", "--temperature must be a finite number"),
+    ("--temperature", "-1", "--temperature must be a finite number"),
+    ("--top-k", "-1", "--top-k must be 0 (all tokens) or more"),
+    ("--top-k", "513", "--top-k 513 is more than the model's 512 token ids"),
+    ("--device", "tpu", "--device tpu: not a device here; use auto, cpu, cuda or cuda:N"),
+])
+def test_sampling_options_out_of_range_are_one_line(tools, capsys, option, value, says):
+    root, _ = tools
+    code, out, err = generate_main(capsys, root / "hf", "--prompt", "x", option, value)
+    assert says in error_line(code, err) and out == ""
+
+
+# --------------------------------------------------------------------------- generate.py: what it prints
+
+def test_several_continuations_are_one_line_each_and_one_stays_plain(tools, capsys):
+    """The zero-head model writes only newlines: several prompts' continuations are still one line each
+    (newlines written as \\n), one prompt's is printed as it is."""
+    import generate
+
+    root, _ = tools
+    greedy = ["--max-new-tokens", "3", "--temperature", "0"]
+    code, out, _ = generate_main(capsys, root / "newlines", "--prompt", "a", "--prompt", "b", "--prompt", "c", *greedy)
+    assert code == 0 and out.splitlines() == ["\\n\\n\\n"] * 3
+    code, out, _ = generate_main(capsys, root / "newlines", "--prompt", "a", *greedy)
+    assert code == 0 and out == "\n\n\n\n"
+    text = "a\\nb\nc\r\\"  # a literal backslash-n, a newline, a carriage return, a backslash
+    (line,) = generate.shown([text, "x"])[:1]
+    assert "\n" not in line and "\r" not in line
+    assert line.encode().decode("unicode_escape") == text
+
+
+# ------------------------------------------------------------------- generate.py / export: bad model dirs
+
+def bad_hf_dir(root: Path, tmp: Path, what: str) -> Path:
+    import shutil
+
+    d = tmp / what
+    shutil.copytree(root / "hf", d)
+    if what == "truncated":
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif what == "no-weights":
+        (d / "model.safetensors").unlink()
+    elif what == "unsafe-bin":
+        (d / "model.safetensors").unlink()
+        torch.save({"w": Path("not a tensor")}, d / "pytorch_model.bin")
+    elif what in ("llama", "auto-map"):
+        config = json.loads((d / "config.json").read_text())
+        if what == "llama":
+            config["model_type"] = "llama"
+        else:
+            config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.Evil"}
+            (d / "modeling_evil.py").write_text(f"open({str(tmp / 'ran')!r}, 'w')\nclass Evil: pass\n")
+        (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.mark.parametrize("what, says", [
+    ("truncated", r"model.safetensors: cannot read it"),
+    ("no-weights", r"no-weights: no weights \(model.safetensors, pytorch_model.bin"),
+    ("unsafe-bin", r"pytorch_model.bin: cannot read it \(it holds more than tensors"),
+    ("llama", r"config.json: model_type is 'llama', not 'gpt_neox'"),
+    ("auto-map", r"config.json: names code of its own \(auto_map\)"),
+])
+def test_a_bad_hf_directory_is_one_line_and_runs_no_code(tools, tmp_path, capsys, what, says):
+    import re
+
+    root, _ = tools
+    code, out, err = generate_main(capsys, bad_hf_dir(root, tmp_path, what), "--prompt", "x")
+    assert re.search(says, error_line(code, err)) and out == ""
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_tokenizer_bigger_than_the_model_is_refused_by_generate_and_export(tools, tmp_path, capsys):
+    import export_hf
+
+    root, checkpoint = tools
+    for model in (root / "hf", checkpoint):
+        code, out, err = generate_main(capsys, model, "--prompt", "x", "--tokenizer", root / "big.json")
+        assert "big.json has 600 ids but the model" in error_line(code, err) and "512 embedding rows" in err
+    assert export_hf.main([str(checkpoint), str(tmp_path / "out"), "--tokenizer", str(root / "big.json")]) == 2
+    assert "big.json has 600 ids but the model 'tiny' has 512 embedding rows" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------ a GPT-2-style tokenizer folder
 
 def test_a_gpt2_style_tokenizer_directory_is_read_by_prepare_export_and_generate(tools, tmp_path, capsys):
