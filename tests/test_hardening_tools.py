@@ -265,3 +265,35 @@ def test_a_gpt2_style_directory_missing_a_file_or_malformed_is_one_line(tools, t
         load_tokenizer(str(half))
     with pytest.raises(UserError, match=r"nothing: no tokenizer.json there, nor GPT-2-style vocab.json \+ merges.txt"):
         load_tokenizer(str(tmp_path / "nothing"))
+
+
+# ------------------------------------------------------------------------------------------ plot_run.py
+
+@pytest.fixture
+def one_run(tmp_path):
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    rows = [{"step": s, "tokens": 100 * s, "loss": 8 / s, "lr": 1e-3, "tokens_per_sec": 50.0} for s in (1, 2)]
+    (logs / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path / "run"
+
+
+def test_plot_run_into_a_directory_writes_a_named_file_inside_it(one_run, tmp_path, capsys):
+    import plot_run
+
+    (tmp_path / "plots").mkdir()
+    assert plot_run.main([str(one_run), "-o", str(tmp_path / "plots")]) == 0
+    assert f"wrote {tmp_path / 'plots' / 'runs.png'} (" in capsys.readouterr().out
+    assert (tmp_path / "plots" / "runs.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "plots.png").exists()
+    assert plot_run.main([str(one_run), "-o", str(tmp_path / "curves")]) == 0  # no extension: .png, said
+    assert f"wrote {tmp_path / 'curves.png'} (" in capsys.readouterr().out and (tmp_path / "curves.png").is_file()
+
+
+def test_plot_run_with_an_extension_matplotlib_cannot_write_is_one_line(one_run, tmp_path, capsys):
+    import plot_run
+
+    assert plot_run.main([str(one_run), "-o", str(tmp_path / "plot.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: -o {tmp_path / 'plot.txt'}: matplotlib cannot write .txt")
+    assert ".png" in err and ".svg" in err and ".pdf" in err and not (tmp_path / "plot.txt").exists()
