@@ -59,9 +59,10 @@ class LoadedTokenizer:
 
 def read_tokenizer(source, option: str = "--tokenizer") -> LoadedTokenizer | None:
     """The tokenizer at `source` (see the module docstring); None when there is none there, a TokenizerError
-    (naming `option` and the file) when there is one that cannot be read."""
+    (naming `option`, if any, and the file) when there is one that cannot be read."""
     from tokenizers import Tokenizer
 
+    where = f"{option} " if option else ""
     source = Path(source).expanduser()
     file = source / FILE if source.is_dir() else source
     if file.is_file():
@@ -69,20 +70,20 @@ def read_tokenizer(source, option: str = "--tokenizer") -> LoadedTokenizer | Non
         try:
             return LoadedTokenizer(Tokenizer.from_str(data.decode("utf-8")), data, source)
         except Exception as exc:  # tokenizers raises its own exception type for malformed files
-            raise TokenizerError(f"{option} {file}: not a tokenizers JSON file ({exc})") from None
+            raise TokenizerError(f"{where}{file}: not a tokenizers JSON file ({exc})") from None
     if source.is_dir() and any((source / name).is_file() for name in GPT2_FILES):
-        tokenizer = _from_gpt2_files(source, option)
+        tokenizer = _from_gpt2_files(source, where)
         return LoadedTokenizer(tokenizer, tokenizer.to_str().encode("utf-8"), source)
     return None
 
 
-def _from_gpt2_files(directory: Path, option: str):
+def _from_gpt2_files(directory: Path, where: str):
     """The byte-level BPE of a GPT-2-style directory, built by transformers' GPT2TokenizerFast from the files
     on disk (local_files_only; the class is named, so no tokenizer_class / auto_map in the directory is
     followed). Special tokens the directory does not name and its vocabulary lacks are not invented."""
     missing = [name for name in GPT2_FILES if not (directory / name).is_file()]
     if missing:
-        raise TokenizerError(f"{option} {directory}: has {' + '.join(n for n in GPT2_FILES if n not in missing)} but "
+        raise TokenizerError(f"{where}{directory}: has {' + '.join(n for n in GPT2_FILES if n not in missing)} but "
                              f"no {missing[0]} (a GPT-2-style tokenizer needs both, or give its {FILE})")
     from transformers import GPT2TokenizerFast
     from transformers.utils import logging as hf_logging
@@ -99,7 +100,7 @@ def _from_gpt2_files(directory: Path, option: str):
         finally:
             hf_logging.set_verbosity(verbosity)
     except Exception as exc:  # malformed JSON or merges: transformers and tokenizers raise their own types
-        raise TokenizerError(f"{option} {directory}: cannot read its vocab.json + merges.txt as a GPT-2 tokenizer "
+        raise TokenizerError(f"{where}{directory}: cannot read its vocab.json + merges.txt as a GPT-2 tokenizer "
                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
 
 

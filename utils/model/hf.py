@@ -179,7 +179,7 @@ class ExportTokenizer:
             if info is not None:
                 eos = info.eos_token
                 source = source / info.raw["tokenizer"].get("file", "tokenizer.json")
-        loaded = read_tokenizer(source)
+        loaded = read_tokenizer(source, option="")
         if loaded is None:
             return None
         if eos is None or loaded.tokenizer.token_to_id(eos) is None:
