@@ -297,3 +297,37 @@ def test_plot_run_with_an_extension_matplotlib_cannot_write_is_one_line(one_run,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: -o {tmp_path / 'plot.txt'}: matplotlib cannot write .txt")
     assert ".png" in err and ".svg" in err and ".pdf" in err and not (tmp_path / "plot.txt").exists()
+
+
+# ------------------------------------------------------------------- host memory on the CPU (issue 26/19)
+
+@pytest.mark.slow
+def test_a_50k_vocabulary_does_not_page_fault_its_buffers_in_every_step(tmp_path):
+    """The same 12 CPU steps of the tiny model on data with GPT-2's 50,257 ids and with 512: every step frees
+    and reallocates vocabulary-sized buffers (the loss's logits, gradients, optimizer temporaries). Kept by
+    the process, the big vocabulary's run page-faults its peak in once (measured 2.8x the small one's
+    faults in all); given back to the OS at each free, every step faults ~200 MB in again (measured 24x)."""
+    import random
+    import resource
+    import subprocess
+
+    from tests.conftest import make_subprocess_env
+    from tests.trainkit import gpt2_style_tokenizer, train_cmd
+    from utils.data.prepare import prepare
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("etaoinshrdlu") for _ in range(rng.randint(2, 8))) for _ in range(2000)]
+    (tmp_path / "corpus.txt").write_text("".join(" ".join(rng.choices(words, k=100)) + "\n" for _ in range(400)))
+    faults = {}
+    for vocab in (50257, 512):
+        data = tmp_path / f"data-{vocab}"
+        prepare([str(tmp_path / "corpus.txt")], str(gpt2_style_tokenizer(tmp_path / f"{vocab}.json", vocab)), data,
+                shard_tokens=1 << 14)
+        cmd = train_cmd(tmp_path / f"out-{vocab}", data, "per_device_train_batch_size=16", "eval_interval=1000",
+                        "save_steps=1000", extra=("--max-steps", "12"))
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=make_subprocess_env(), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        faults[vocab] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before
+    assert faults[50257] < 6 * faults[512], faults
