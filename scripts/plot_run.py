@@ -84,7 +84,8 @@ def plot(runs: list[str], out: Path) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=100)
     except OSError as exc:
-        raise UserError(f"-o {out}: cannot write it ({exc.strerror or exc}); give a file in a folder you may write") from None
+        raise UserError(f"-o {out}: cannot write it ({exc.strerror or exc}); give a file in a folder you may "
+                        f"write") from None
     finally:
         plt.close(fig)
     return drawn

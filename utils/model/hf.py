@@ -31,7 +31,8 @@ _NOT_WEIGHTS = re.compile(r"(attention\.(bias|masked_bias)|rotary_emb\.inv_freq)
 
 
 class HFLoadError(ConfigError):
-    """An HF directory (init_from, generate.py's PATH) that is not a usable GPT-NeoX model; the message names the file."""
+    """An HF directory (init_from, generate.py's PATH) that is not a usable GPT-NeoX model; the message names
+    the file."""
 
 
 def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec, dict[str, torch.Tensor]]:
