@@ -272,6 +272,10 @@ def make_accelerator(cfg, log_dir: Path):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
+    elif accelerator.device.type == "cpu":
+        from utils.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
     return accelerator
 
 
