@@ -107,7 +107,8 @@ class TrainingConfig:
     eval_tasks: dict = field(default_factory=dict, metadata={
         "help": "task files scored with validation, as lm-evaluation-harness scores them {name: FILE} (or a list of "
                 "files, named after them); on the command line name=FILE,... or FILE,...; empty: none"})
-    eval_tasks_every: int = _field(0, "optimizer steps between downstream evals; 0: with validation (eval_interval)")
+    eval_tasks_every: int = _field(0, "optimizer steps between downstream evals; 0: with validation "
+                                      "(eval_interval)")
     eval_tasks_limit: int = _field(0, "score the first N examples of each task; 0: all")
 
     @property

@@ -80,11 +80,11 @@ def write_samples(path: Path, tasks, scored) -> None:
     from utils import files
 
     lines = []
-    for t in tasks:
-        results = iter(scored[t.task.name][1])
-        for index, example in enumerate(t.task.examples):
+    for task in tasks:
+        results = iter(scored[task.name][1])
+        for index, example in enumerate(task.examples):
             mine = [next(results) for _ in example.choices]
-            lines.append(json.dumps({"task": t.task.name, "index": index, "loglikelihoods": [ll for ll, _ in mine],
+            lines.append(json.dumps({"task": task.name, "index": index, "loglikelihoods": [ll for ll, _ in mine],
                                      "greedy": [greedy for _, greedy in mine], "gold": example.gold}))
     with files.write_guard(path, advice="give --samples a file in a folder you may write"):
         files.write_text(path, "".join(line + "\n" for line in lines))
@@ -106,26 +106,27 @@ def main(argv=None) -> int:
         import torch
 
         from configs.training_config import parse_eval_tasks
-        from utils.evals.runner import load_encoder, prepare_tasks, score_tasks
+        from utils.evals.runner import load_encoder, load_tasks, prepare_tasks, score_tasks
 
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"--device {args.device}: no CUDA GPU here; use --device cpu")
-        named = parse_eval_tasks(args.task, "--task")
+        tasks = load_tasks(parse_eval_tasks(args.task, "--task"), args.limit)
         if args.samples:
             check_writable(Path(args.samples))
         model, spec, directory = load_model(Path(args.path))
         encoder = load_encoder(args.tokenizer or directory, spec.max_position_embeddings,
-                               what="--tokenizer" if args.tokenizer else f"{directory} (or pass --tokenizer)")
-        tasks = prepare_tasks(named, encoder, args.limit)
-        scored = score_tasks(model.to(device), tasks, args.batch_size, spec.max_position_embeddings, device)
+                               advice="pass --tokenizer: the data directory or tokenizer.json the model was "
+                                      "trained with")
+        prepared = prepare_tasks(tasks, encoder)
+        scored = score_tasks(model.to(device), prepared, args.batch_size, spec.max_position_embeddings, device)
         if args.samples:
             write_samples(Path(args.samples), tasks, scored)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    results = {t.task.name: {"layout": t.task.layout, "examples": len(t.task.examples), **scored[t.task.name][0]}
-               for t in tasks}
+    results = {task.name: {"layout": task.layout, "examples": len(task.examples), **scored[task.name][0]}
+               for task in tasks}
     print(json.dumps(results) if args.json else table(results))
     return 0
 

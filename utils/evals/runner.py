@@ -12,17 +12,16 @@ from utils.evals.scoring import RequestEncoder, loglikelihoods, task_metrics
 from utils.evals.tasks import Task, load_task
 
 
-def load_encoder(source, max_length: int, what: str) -> RequestEncoder:
+def load_encoder(source, max_length: int, advice: str) -> RequestEncoder:
     """The RequestEncoder of the tokenizer at `source` (a data directory, a checkpoint, an HF directory or a
-    tokenizer.json; see ExportTokenizer.find); `what` names who needs it in the error."""
+    tokenizer.json; see ExportTokenizer.find); `advice` ends the error when there is none."""
     from tokenizers import Tokenizer
 
     from utils.model.hf import ExportTokenizer
 
     found = ExportTokenizer.find(Path(source).expanduser())
     if found is None:
-        raise UserError(f"{what}: no tokenizer.json in {source}, so the tasks' text cannot be tokenized; give the "
-                        f"tokenizer the model was trained with")
+        raise UserError(f"no tokenizer.json in {source}, so the tasks' text cannot be tokenized; {advice}")
     tokenizer = Tokenizer.from_file(str(found.file))
     prefix = found.bos or found.eos
     return RequestEncoder(tokenizer, tokenizer.token_to_id(prefix) if prefix else None, max_length)
@@ -34,13 +33,15 @@ class PreparedTask:
     requests: list[tuple[list[int], list[int]]]
 
 
-def prepare_tasks(named_paths: dict[str, str], encoder: RequestEncoder, limit: int = 0) -> list[PreparedTask]:
-    """Each task read (its first `limit` examples; 0: all) and tokenized once."""
-    prepared = []
-    for name, path in named_paths.items():
-        task = load_task(path, name, limit)
-        prepared.append(PreparedTask(task, encoder.task_requests(task)))
-    return prepared
+def load_tasks(named_paths: dict[str, str], limit: int = 0) -> list[Task]:
+    """Each task file read (its first `limit` examples; 0: all): before anything slow, so a bad file costs
+    nothing."""
+    return [load_task(path, name, limit) for name, path in named_paths.items()]
+
+
+def prepare_tasks(tasks: list[Task], encoder: RequestEncoder) -> list[PreparedTask]:
+    """Each task's requests, tokenized once."""
+    return [PreparedTask(task, encoder.task_requests(task)) for task in tasks]
 
 
 def score_tasks(model, tasks: list[PreparedTask], batch_size: int, max_length: int, device,
@@ -77,8 +78,10 @@ class DownstreamEvals:
         self.accelerator, self.log = accelerator, log
         self.tasks: list[PreparedTask] = []
         if cfg.eval_tasks:
-            encoder = load_encoder(cfg.data_dir, self.max_length, what="eval_tasks")
-            self.tasks = prepare_tasks(cfg.eval_tasks, encoder, cfg.eval_tasks_limit)
+            tasks = load_tasks(cfg.eval_tasks, cfg.eval_tasks_limit)
+            encoder = load_encoder(cfg.data_dir, self.max_length, advice="eval_tasks needs the data's tokenizer "
+                                   "there (prepare_data.py writes it), or leave eval_tasks empty")
+            self.tasks = prepare_tasks(tasks, encoder)
             log.info("eval_tasks: " + "; ".join(
                 f"{t.task.name} ({t.task.layout}, {len(t.task.examples)} examples, {len(t.requests)} requests)"
                 for t in self.tasks) + f", every {self.every} steps")

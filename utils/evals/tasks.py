@@ -8,21 +8,20 @@ Two kinds of task, scored as lm-evaluation-harness scores its own (utils/evals/s
   Metrics `acc` (the target is the greedy continuation, every token of it) and `ppl`.
 
 Layouts, told apart by the first record's fields (every record of the file must then have them); each
-published one becomes exactly what lm-eval's task of that name builds from it:
-
-| layout          | a record's fields                                   | context / choices / gold                        |
-| --------------- | --------------------------------------------------- | ----------------------------------------------- |
-| hellaswag       | activity_label, ctx_a, ctx_b, endings, label        | preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()) / preprocess(ending) each / label |
-| piqa            | goal, sol1, sol2 (+ label, or the labels file)      | "Question: " + goal + "\\nAnswer:" / [sol1, sol2] / label |
-| arc             | question {stem, choices [{text, label}]}, answerKey | "Question: " + stem + "\\nAnswer:" / texts / the index of answerKey among the labels |
-| lambada         | text                                                | the words but the last (split on " ") / " " + the last word |
-| multiple_choice | context, choices, gold (+ target_delimiter)         | as given (target_delimiter " " unless given)    |
-| cloze           | context, target                                     | as given (the target carries its own leading space) |
+published one becomes exactly what lm-eval's task of that name builds from it (context / choices / gold):
+- hellaswag {activity_label, ctx_a, ctx_b, endings, label}: preprocess(activity_label + ": " + ctx_a + " "
+  + ctx_b.capitalize()) / preprocess(ending) for each / label (`hellaswag_preprocess`, lm-eval's)
+- piqa {goal, sol1, sol2, label or the labels file}: "Question: " + goal + "\\nAnswer:" / [sol1, sol2] / label
+- arc {question: {stem, choices: [{text, label}]}, answerKey}: "Question: " + stem + "\\nAnswer:" / the texts
+  / the index of answerKey among the labels
+- lambada {text}: the words but the last (split on " ") / " " + the last word (a cloze)
+- multiple_choice {context, choices, gold, target_delimiter?}: as given (target_delimiter " " unless given)
+- cloze {context, target}: as given (the target carries its own leading space)
 
 Published files: HellaSwag's `hellaswag_val.jsonl` (rowanz/hellaswag); PIQA's `valid.jsonl` with its
-labels in `valid-labels.lst` beside it (the original release, yonatanbisk.com/piqa; records carrying their
-own `label`, as the HF dataset's json export does, need no labels file); ARC's `ARC-Easy-Dev.jsonl`,
-`ARC-Challenge-Test.jsonl`, ... (AI2's ARC-V1 zip); LAMBADA's `lambada_test.jsonl` (OpenAI's, what
+labels in `valid-labels.lst` beside it (the original release; records carrying their own `label`, as the
+HF dataset's JSON export does, need no labels file); ARC's `ARC-Easy-Test.jsonl`, `ARC-Challenge-Dev.jsonl`,
+... (AI2's ARC-V1 zip); LAMBADA's `lambada_test.jsonl` (OpenAI's, what
 lm-eval's lambada_openai reads). A file is untrusted input: JSON only, nothing executed, and a bad record
 is one error naming the file and the line.
 """
