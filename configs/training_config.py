@@ -307,13 +307,18 @@ def parse_data_mix(raw, where: str) -> dict:
 
 
 def parse_eval_tasks(raw, where: str) -> dict:
-    """`eval_tasks` from a config file ({name: FILE} or [FILE, ...]) or `--set` ("name=FILE,..." or "FILE,...")
-    -> {name: FILE}; a file without a name is named after it (its name up to the first dot)."""
+    """`eval_tasks` from a config file ({name: FILE} or [FILE, ...]) or `--set` ("name=FILE,...", "FILE,..." or
+    either as JSON) -> {name: FILE}; a file without a name is named after it (its name up to the first dot)."""
     from utils.evals.tasks import TaskFileError, task_name
 
     if raw is None or (isinstance(raw, str) and not raw.strip()):
         return {}
-    if isinstance(raw, str):
+    if isinstance(raw, str) and raw.strip().startswith(("[", "{")):  # --set with a JSON list or mapping
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: eval_tasks: not valid JSON ({exc})") from None
+    elif isinstance(raw, str):
         raw = [item.strip() for item in raw.split(",") if item.strip()]
     if isinstance(raw, list):
         pairs = [item.partition("=")[::2] if isinstance(item, str) and "=" in item else (None, item) for item in raw]

@@ -176,6 +176,8 @@ def test_eval_tasks_config_forms(tmp_path):
 
     assert parse_overrides(["eval_tasks=hs=data/hellaswag_val.jsonl,data/piqa/valid.jsonl"])["eval_tasks"] == {
         "hs": "data/hellaswag_val.jsonl", "valid": "data/piqa/valid.jsonl"}
+    assert parse_overrides(['eval_tasks=["a/x.jsonl", "y=b/z.jsonl"]'])["eval_tasks"] == {"x": "a/x.jsonl",
+                                                                                         "y": "b/z.jsonl"}
     config = tmp_path / "run.yaml"
     config.write_text("base: demo\neval_tasks: [a/lambada_test.jsonl, {}]\n")
     with pytest.raises(ConfigError, match="is not a file path"):
