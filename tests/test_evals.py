@@ -170,6 +170,26 @@ def test_evaluate_py_errors_are_one_line(tmp_path, capsys):
         load_encoder(tmp_path, 64, advice="x")
 
 
+def test_requests_are_split_as_lm_eval_splits_them():
+    """Trailing whitespace of the context moves to the continuation; an empty context is the prefix token;
+    the model reads the last max_length tokens but the last."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from utils.evals.scoring import RequestEncoder, model_input
+
+    vocab = {c: i for i, c in enumerate(["<eos>", "a", "b", "Ġ", "Ċ", "Ġa", "ab"])}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "a"), ("a", "b")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.add_special_tokens(["<eos>"])
+    encoder = RequestEncoder(tokenizer, prefix_id=0, max_length=4)
+    assert encoder.pair("ab ", "a") == ([6], [5])  # " a" is one token: the space went to the continuation
+    assert encoder.pair("a\n", "b") == ([1], [4, 2])
+    assert encoder.pair("", "ab") == ([0], [6])
+    with pytest.raises(ValueError, match="only whitespace"):
+        encoder.pair("  ", "a")
+    assert model_input([1, 2, 3, 4], [5, 6], max_length=4) == [2, 3, 4, 5]
+
+
 def test_eval_tasks_config_forms(tmp_path):
     from configs import ConfigError, get_training_config, parse_overrides
     from configs.training_config import read_config_file

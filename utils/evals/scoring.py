@@ -35,7 +35,7 @@ from utils.evals.tasks import CLOZE, Task, TaskFileError
 class RequestEncoder:
     """(context, continuation) strings -> (context ids, continuation ids), as lm-eval's HF model encodes them."""
 
-    def __init__(self, tokenizer, prefix_id: int, max_length: int):
+    def __init__(self, tokenizer, prefix_id: int | None, max_length: int):
         """`tokenizer`: a `tokenizers.Tokenizer`; `prefix_id`: BOS, else EOS (None: neither, and then no
         context may be empty); `max_length`: the model's positions."""
         self.tokenizer, self.prefix_id, self.max_length = tokenizer, prefix_id, max_length
@@ -51,6 +51,8 @@ class RequestEncoder:
                 raise ValueError("an empty context needs a BOS or EOS token to stand for it; the tokenizer has neither")
             cont = self.encode(continuation, special_tokens=False)
             return ([self.prefix_id], cont) if cont[:1] != [self.prefix_id] else (cont[:1], cont[1:])
+        if not context.strip():
+            raise ValueError("a context of only whitespace leaves nothing to condition on (lm-eval refuses it too)")
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
