@@ -221,10 +221,10 @@ def test_eval_tasks_config_forms(tmp_path):
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A tokenizer trained on standard-library text (512 ids), a tiny GPT-NeoX with 128 positions trained
-    briefly on a Markov chain's text and exported to HF format, and task files: HellaSwag, LAMBADA and the
-    demo's next-line task (>= 200 examples each: some run past the 128 positions, so left truncation is
-    compared too), small ARC and PIQA files, each in its published layout and in the layout lm-eval's own
-    task reads."""
+    briefly on a Markov chain's text and exported to HF format, and task files: HellaSwag and LAMBADA (>= 200
+    examples each; some LAMBADA texts run past the 128 positions, so left truncation is compared too), the
+    demo's next-line task (its contexts end in a newline, its choices follow with no delimiter), small ARC
+    and PIQA files, each in its published layout and in the layout lm-eval's own task reads."""
     from configs.model_config import get_model_spec
     from utils.data.demo import read_stdlib_corpus, train_tokenizer
     from utils.evals.demo_task import build_next_line_task
@@ -254,7 +254,7 @@ def toy(tmp_path_factory):
     write_jsonl(tasks / "hellaswag_val.jsonl", hellaswag)
     write_jsonl(tasks / "lambada_test.jsonl", [{"text": sentence(rng, 5, 60 if i % 10 == 0 else 25)}
                                                for i in range(210)])
-    build_next_line_task(tasks / "next_line.jsonl", count=200)
+    build_next_line_task(tasks / "next_line.jsonl", count=60)
     arc = []
     for i in range(30):
         keys = "ABCD" if i % 2 else "1234"
@@ -287,12 +287,17 @@ def train_briefly(model, tokenizer, texts: list[str], steps: int = 100):
     stream = torch.tensor([t for e in tokenizer.encode_batch(texts) for t in e.ids + [0]])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        starts = torch.randint(0, len(stream) - 65, (16,), generator=generator)
-        loss = model(torch.stack([stream[s:s + 65] for s in starts]))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small only waits for a second thread
+    try:
+        for _ in range(steps):
+            starts = torch.randint(0, len(stream) - 65, (16,), generator=generator)
+            loss = model(torch.stack([stream[s:s + 65] for s in starts]))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
     return model.eval()
 
 
@@ -354,7 +359,7 @@ def test_scores_and_loglikelihoods_equal_lm_evaluation_harness(toy, tmp_path, su
     for name, lm_name in names.items():
         mine = [s["loglikelihoods"] for s in our_samples if s["task"] == name]
         assert len(mine) == len(samples[lm_name]) == ours[name]["examples"], name
-        assert len(mine) >= (30 if name in ("arc_easy", "piqa") else 200), name
+        assert len(mine) >= {"hellaswag": 200, "lambada": 200}.get(name, 30), name
         for ll, lm_ll in zip(mine, samples[lm_name]):
             assert len(ll) == len(lm_ll), name
             worst = max(worst, max(abs(a - b) for a, b in zip(ll, lm_ll)))
