@@ -157,12 +157,9 @@ class TrainingConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
         for name in ("warmup_steps", "dataloader_num_workers", "val_files", "seq_len", "stop_at_step",
-                     "preflight_steps", "upload_timeout_s", "sample_every"):
+                     "preflight_steps", "upload_timeout_s", "sample_every", "eval_tasks_every", "eval_tasks_limit"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must not be negative")
-        if self.eval_tasks_every < 0 or self.eval_tasks_limit < 0:
-            raise ConfigError(f"eval_tasks_every={self.eval_tasks_every} and eval_tasks_limit={self.eval_tasks_limit} "
-                              f"must not be negative")
         if self.sample_every and not (self.sample_prompts and self.sample_max_new_tokens >= 1):
             raise ConfigError(f"sample_every={self.sample_every} needs sample_prompts (a list of prompts) and "
                               f"sample_max_new_tokens >= 1")
