@@ -105,6 +105,7 @@ def train(cfg, profile, args) -> int:
 
     from utils.checkpoint.checkpointer import Checkpointer, find_checkpoint
     from utils.checkpoint.format import checkpoint_name
+    from utils.evals.runner import DownstreamEvals
     from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
     from utils.model.fp8 import after_optimizer_step as precompute_fp8_scales
     from utils.model.fsdp import clip_grad_norm
@@ -133,6 +134,7 @@ def train(cfg, profile, args) -> int:
         return 0
     spec, seq_len, init_weights = resolve_model_spec(cfg, log)
     loader, val_batches = build_data(cfg, spec, seq_len, accelerator, log)
+    evals = DownstreamEvals(cfg, spec, accelerator, log)  # eval_tasks, read and tokenized before the model build
     stop.end_setup_if_asked("data index")
     model, optimizer, scheduler = build_training(cfg, spec, init_weights if resume_path is None else None,
                                                  accelerator, log)
@@ -179,6 +181,8 @@ def train(cfg, profile, args) -> int:
         if state.step == 0:
             bar.set_description_str("setup: eval")
             run_eval(model, val_batches, accelerator, state, log)
+            if evals.due(state.step):
+                evals.run(core, state.step, state.tokens)
         bar.set_description_str("train")
         window.restart(state.step + 1)
         data_iter = iter(loader)
@@ -211,6 +215,8 @@ def train(cfg, profile, args) -> int:
                 log_step(row, state, window, cfg, bar, log)
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
                 window.exclude(run_eval(model, val_batches, accelerator, state, log))
+            if evals.due(state.step):
+                window.exclude(evals.run(core, state.step, state.tokens))
             if sampler.due(state.step):
                 window.exclude(sampler.sample(core, state.step, state.tokens))
             stopping = stop.agreed()
