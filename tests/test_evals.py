@@ -212,7 +212,7 @@ def test_eval_tasks_config_forms(tmp_path):
         parse_overrides(["eval_tasks=a/valid.jsonl,b/valid.jsonl"])
     with pytest.raises(ConfigError, match="task name 'a b'"):
         parse_overrides(["eval_tasks=a b=x.jsonl"])
-    with pytest.raises(ConfigError, match="must not be negative"):
+    with pytest.raises(ConfigError, match="must be at least 0"):
         get_training_config("demo", {"eval_tasks_limit": -1})
 
 
