@@ -7,16 +7,26 @@
 
 PATH: an engine checkpoint directory; a run's output directory (its newest complete checkpoint, under
 checkpoints/); or an HF directory (final_model/, scripts/export_hf.py's output). The tokenizer is the one
-saved with it, or `--tokenizer`. Prompts are batched, left-padded; generation stops at the tokenizer's
+saved with it, or `--tokenizer` (a tokenizer.json, an HF tokenizer directory, GPT-2's vocab.json + merges.txt,
+or a prepared data directory). Prompts are batched, left-padded; generation stops at the tokenizer's
 end-of-document token. `--temperature 0` is greedy (deterministic: the same text from a checkpoint, its run
-directory and the exported model). stdout holds only the continuations, one per prompt in order (`--jsonl`:
-one JSON object per line with the prompt and its continuation); everything else goes to stderr.
-Exit status: 0 done, 2 bad input.
+directory and the exported model).
+
+The model's context (max_position_embeddings) holds a prompt and its continuation: `--max-new-tokens` is
+capped at the context less one, and a longer prompt keeps its last tokens, each said once on stderr (the
+model never sees positions it was not trained on: a sliding window would need one full forward pass per
+token). An empty prompt starts from the BOS token.
+
+stdout holds only the continuations: a single prompt's as it is; several, one line each in order, with
+backslash, newline and carriage return written as \\\\, \\n and \\r (`--jsonl`: one JSON object per line with
+the prompt and its continuation); everything else goes to stderr. Exit status: 0 done, 2 bad input.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from pathlib import Path
 
@@ -63,45 +73,71 @@ def resolve_model_path(path: Path) -> tuple[str, Path]:
 
 
 def load(path: Path, tokenizer_source: str | None):
-    """(transformers model, tokenizer) for PATH; the tokenizer pads on the left."""
-    from utils.model.hf import ExportTokenizer, load_checkpoint_model, quiet_progress, to_transformers
+    """(transformers model, tokenizer) for PATH; the tokenizer pads on the left. An HF directory is read by
+    the engine's own loader (safetensors, or torch.load with weights_only; GPT-NeoX only, no auto_map), so
+    nothing in it runs code."""
+    from utils.model.hf import ExportTokenizer, check_weights, load_checkpoint_model, load_hf_pretrained
+    from utils.model.hf import to_transformers
 
     kind, directory = resolve_model_path(path)
-    found = ExportTokenizer.find(tokenizer_source) if tokenizer_source else None
-    if tokenizer_source and found is None:
-        raise GenerateError(f"--tokenizer {tokenizer_source}: no tokenizer there")
     if kind == "hf":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        with quiet_progress():
-            model = AutoModelForCausalLM.from_pretrained(directory)
-        if found is None and not (directory / "tokenizer.json").is_file():
-            raise GenerateError(f"{directory}: no tokenizer saved with the model; pass --tokenizer")
-        tokenizer = (found.hf_tokenizer(model.config.max_position_embeddings) if found
-                     else AutoTokenizer.from_pretrained(directory, padding_side="left"))
+        spec, weights = load_hf_pretrained(directory, option="")
+        check_weights(spec, weights, directory, option="")
     else:
         spec, weights, _ = load_checkpoint_model(directory)
-        found = found or ExportTokenizer.find(directory)
-        if found is None:
-            raise GenerateError(f"{directory}: no tokenizer.json in the checkpoint; pass --tokenizer")
-        tokenizer = found.hf_tokenizer(spec.max_position_embeddings)
-        model = to_transformers(weights, spec, found.special_ids(tokenizer))
-        model.config.use_cache = True
+    found = ExportTokenizer.find(tokenizer_source or directory)
+    if found is None:
+        raise GenerateError(f"--tokenizer {tokenizer_source}: no tokenizer there (a prepared data directory, an HF "
+                            f"tokenizer directory or a tokenizer.json)" if tokenizer_source else
+                            f"{directory}: no tokenizer saved with the model; pass --tokenizer")
+    found.check_fits(spec.padded_vocab_size, directory)
+    tokenizer = found.hf_tokenizer(spec.max_position_embeddings)
+    model = to_transformers(weights, spec, found.special_ids(tokenizer))
+    model.config.use_cache = True
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
     print(f"generate: {kind} {directory}", file=sys.stderr)
     return model, tokenizer
 
 
+def fit_prompts(tokenizer, prompts: list[str], max_new_tokens: int, context: int, say) -> tuple[list[list[int]], int]:
+    """(each prompt's ids, the new-token count) within the model's context of `context` positions, which
+    the prompt and its continuation share: `max_new_tokens` is capped at context - 1, and a longer prompt
+    keeps its last context - max_new_tokens ids (what comes after it depends on those most); `say` tells
+    each once. An empty prompt starts from the tokenizer's BOS (else EOS) token: an unconditional sample."""
+    if max_new_tokens > context - 1:
+        say(f"generate: --max-new-tokens {max_new_tokens} capped at {context - 1}: the model's context is "
+            f"{context} tokens, prompt and continuation together")
+        max_new_tokens = context - 1
+    room = context - max_new_tokens
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    fitted, cut = [], []
+    for number, ids in enumerate(tokenizer(prompts, add_special_tokens=False, verbose=False)["input_ids"], 1):
+        if not ids:
+            if start is None:
+                raise GenerateError(f"--prompt {number} is empty and the tokenizer has no BOS or EOS token to start "
+                                    f"from; give some text")
+            ids = [start]
+        if len(ids) > room:
+            cut.append(str(number))
+            ids = ids[-room:]
+        fitted.append(ids)
+    if cut:
+        say(f"generate: prompt {', '.join(cut)} kept only its last {room} tokens: with {max_new_tokens} new tokens "
+            f"that fills the model's {context}-token context")
+    return fitted, max_new_tokens
+
+
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int,
-             device: str = "cpu", seed: int = 0) -> list[str]:
-    """The continuation of each prompt (special tokens left out), batched and left-padded."""
+             device: str = "cpu", seed: int = 0, say=lambda line: print(line, file=sys.stderr)) -> list[str]:
+    """The continuation of each prompt (special tokens left out), batched and left-padded, within the model's
+    context (fit_prompts)."""
     import torch
 
     torch.manual_seed(seed)
     model = model.to(device).eval()
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    ids, max_new_tokens = fit_prompts(tokenizer, prompts, max_new_tokens, model.config.max_position_embeddings, say)
+    batch = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt").to(device)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k or None} if temperature > 0 else \
         {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     with torch.no_grad():
@@ -111,24 +147,57 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     return tokenizer.batch_decode(new, skip_special_tokens=True)
 
 
+def check_options(args) -> str:
+    """The options that need no model, in one line each; returns the device to run on."""
+    import torch
+
+    if args.max_new_tokens < 1:
+        raise GenerateError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise GenerateError(f"--temperature must be a finite number, 0 (greedy) or more, got {args.temperature}")
+    if args.top_k < 0:
+        raise GenerateError(f"--top-k must be 0 (all tokens) or more, got {args.top_k}")
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise GenerateError(f"--device {args.device}: not a device here; use auto, cpu, cuda or cuda:N")
+    if args.device.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise GenerateError(f"--device {args.device}: no CUDA GPU here; use --device cpu")
+        if int(args.device.partition(":")[2] or 0) >= count:
+            raise GenerateError(f"--device {args.device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    return args.device
+
+
+ONE_LINE = str.maketrans({"\\": "\\\\", "\n": "\\n", "\r": "\\r"})
+
+
+def shown(texts: list[str]) -> list[str]:
+    """What stdout gets: one prompt's continuation as it is; several, one line each, with backslash, newline
+    and carriage return written as \\\\, \\n and \\r, so that each line is one continuation."""
+    if len(texts) == 1:
+        return texts
+    return [text.translate(ONE_LINE) for text in texts]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-            raise GenerateError("--max-new-tokens must be at least 1, --temperature and --top-k not negative")
-        import torch
-
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise GenerateError(f"--device {args.device}: no CUDA GPU here; use --device cpu")
+        device = check_options(args)
         model, tokenizer = load(Path(args.path), args.tokenizer)
+        if args.top_k > model.config.vocab_size:
+            raise GenerateError(f"--top-k {args.top_k} is more than the model's {model.config.vocab_size:,} token "
+                                f"ids; 0 samples from all of them")
         texts = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, device,
                          args.seed)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for prompt, text in zip(args.prompt, texts):
-        print(json.dumps({"prompt": prompt, "continuation": text}, ensure_ascii=False) if args.jsonl else text)
+    lines = ([json.dumps({"prompt": prompt, "continuation": text}, ensure_ascii=False)
+              for prompt, text in zip(args.prompt, texts)] if args.jsonl else shown(texts))
+    for line in lines:
+        print(line)
     return 0
 
 

@@ -37,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="files, folders or globs, or gs://BUCKET/PREFIX (a folder or one object)")
-    p.add_argument("--tokenizer", required=True, help="a tokenizer.json, or an HF tokenizer directory")
+    p.add_argument("--tokenizer", required=True, help="a tokenizer.json, or an HF tokenizer directory (with "
+                                                      "tokenizer.json, or GPT-2-style vocab.json + merges.txt)")
     p.add_argument("--output", required=True,
                    help="the folder to create (empty or absent), or gs://BUCKET/PREFIX, written straight there")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),

@@ -107,6 +107,7 @@ def train(cfg, profile, args) -> int:
     from utils.data.build import build_data
     from utils.debug import BatchTrace
     from utils.checkpoint.format import checkpoint_name
+    from utils.evals.runner import DownstreamEvals
     from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
     from utils.optim import schedule_from_config
     from utils.parallel import make_parallelism
@@ -135,6 +136,7 @@ def train(cfg, profile, args) -> int:
         return 0
     spec, seq_len, init_weights = resolve_model_spec(cfg, log)
     loader, val_batches = build_data(cfg, seq_len, spec.vocab_size, accelerator, log)
+    evals = DownstreamEvals(cfg, spec, accelerator, log, parallel.sharded)  # eval_tasks, read before the model build
     stop.end_setup_if_asked("data index")
     model, optimizer, scheduler = build_training(cfg, spec, init_weights if resume_path is None else None,
                                                  parallel, log)
@@ -175,6 +177,8 @@ def train(cfg, profile, args) -> int:
         if state.step == 0:
             bar.set_description_str("setup: eval")
             run_eval(model, val_batches, accelerator, state, log)
+            if evals.due(state.step):
+                evals.run(core, state.step, state.tokens)
         bar.set_description_str("train")
         window.restart(state.step + 1)
         data_iter = iter(loader)
@@ -206,6 +210,8 @@ def train(cfg, profile, args) -> int:
                 log_step(row, state, window, cfg, bar, log)
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
                 window.exclude(run_eval(model, val_batches, accelerator, state, log))
+            if evals.due(state.step):
+                window.exclude(evals.run(core, state.step, state.tokens))
             if sampler.due(state.step):
                 window.exclude(sampler.sample(core, state.step, state.tokens))
             stopping = stop.agreed()
@@ -263,6 +269,10 @@ def make_accelerator(cfg, log_dir: Path):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
+    elif accelerator.device.type == "cpu":
+        from utils.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
     return accelerator
 
 

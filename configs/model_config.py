@@ -75,8 +75,11 @@ class ModelSpec:
         """A spec from an HF GPT-NeoX config.json (old `rotary_pct`/`rotary_emb_base` keys or transformers 5's
         `rope_parameters`). The embedding rows are the config's `vocab_size`, kept as they are."""
         if config.get("model_type") != "gpt_neox":
-            raise ConfigError(f"{source}: model_type is {config.get('model_type')!r}, not 'gpt_neox'; init_from "
-                              f"takes a GPT-NeoX (e.g. Pythia) model directory")
+            raise ConfigError(f"{source}: model_type is {config.get('model_type')!r}, not 'gpt_neox'; only GPT-NeoX "
+                              f"(e.g. Pythia) model directories are loaded")
+        if config.get("auto_map"):
+            raise ConfigError(f"{source}: names code of its own (auto_map); only transformers' GPT-NeoX is loaded, "
+                              f"and no code from a model directory is run")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ConfigError(f"{source}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; "

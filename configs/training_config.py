@@ -167,6 +167,13 @@ class TrainingConfig:
     upload_timeout_s: int = _field(600, "at exit, wait at most this long for uploads still running", "[0, inf)")
     process_group_timeout_s: int = _field(3600, "collective timeout: long enough for rank 0's checkpoint I/O",
                                           "[1, inf)")
+    # downstream evals (utils/evals/)
+    eval_tasks: dict = field(default_factory=dict, metadata={
+        "help": "task files scored with validation, as lm-evaluation-harness scores them {name: FILE} (or a list of "
+                "files, named after them); on the command line name=FILE,... or FILE,...; empty: none"})
+    eval_tasks_every: int = _field(0, "optimizer steps between downstream evals; 0: with validation "
+                                      "(eval_interval)", "[0, inf)")
+    eval_tasks_limit: int = _field(0, "score the first N examples of each task; 0: all", "[0, inf)")
 
     @property
     def effective_run_name(self) -> str:
@@ -275,6 +282,8 @@ def _coerce(name: str, raw, where: str):
     kind = _SETTABLE[name].type
     if name == "data_mix":
         return parse_data_mix(raw, where)
+    if name == "eval_tasks":
+        return parse_eval_tasks(raw, where)
     try:
         if kind == "bool":
             if isinstance(raw, bool):
@@ -368,6 +377,41 @@ def parse_data_mix(raw, where: str) -> dict:
                               f"whole numbers, got {entry!r}") from None
         mix[str(name)] = clean
     return mix
+
+
+def parse_eval_tasks(raw, where: str) -> dict:
+    """`eval_tasks` from a config file ({name: FILE} or [FILE, ...]) or `--set` ("name=FILE,...", "FILE,..." or
+    either as JSON) -> {name: FILE}; a file without a name is named after it (its name up to the first dot)."""
+    from utils.evals.tasks import TaskFileError, task_name
+
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return {}
+    if isinstance(raw, str) and raw.strip().startswith(("[", "{")):  # --set with a JSON list or mapping
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: eval_tasks: not valid JSON ({exc})") from None
+    elif isinstance(raw, str):
+        raw = [item.strip() for item in raw.split(",") if item.strip()]
+    if isinstance(raw, list):
+        pairs = [item.partition("=")[::2] if isinstance(item, str) and "=" in item else (None, item) for item in raw]
+    elif isinstance(raw, dict):
+        pairs = list(raw.items())
+    else:
+        raise ConfigError(f"{where}: eval_tasks: expected name=FILE,... or a mapping {{name: FILE}}, got "
+                          f"{type(raw).__name__}")
+    tasks = {}
+    for name, path in pairs:
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(f"{where}: eval_tasks: {path!r} is not a file path")
+        try:
+            name = task_name(path.strip(), None if name is None else str(name).strip())
+        except TaskFileError as exc:
+            raise ConfigError(f"{where}: eval_tasks: {exc}") from None
+        if name in tasks:
+            raise ConfigError(f"{where}: eval_tasks: two tasks named '{name}'; name them apart with name=FILE")
+        tasks[name] = path.strip()
+    return tasks
 
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"

@@ -5,8 +5,10 @@ tokens/s against tokens seen, one line per run. For a remote machine without Ten
     python scripts/plot_run.py . -o run.png                      # the run in the repo root (the default)
     python scripts/plot_run.py runs/a runs/b -o compare.png      # two runs side by side
 
-RUN_DIR is a run's --output-dir (its logs/metrics.jsonl is read) or a metrics.jsonl file. Exit status: 0
-written, 2 bad input (a RUN_DIR without metrics, nothing to plot).
+RUN_DIR is a run's --output-dir (its logs/metrics.jsonl is read) or a metrics.jsonl file. `-o` is the file
+to write, its format from its extension (png, svg, pdf, ...; none: .png is added); a directory gets runs.png
+inside it. Exit status: 0 written (the line names the file), 2 bad input (a RUN_DIR without metrics, nothing
+to plot, an extension matplotlib cannot write).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from utils.errors import UserError  # noqa: E402
 
+DEFAULT_OUTPUT = "runs.png"
 PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("tokens_per_sec", "tokens/s"))
 
@@ -27,6 +30,23 @@ def metrics_file(given: str) -> Path:
     path = path if path.is_file() else path / "logs" / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{given}: no logs/metrics.jsonl there (give a run's --output-dir or a metrics.jsonl)")
+    return path
+
+
+def output_file(given: str) -> Path:
+    """The file `-o` names: a directory gets DEFAULT_OUTPUT inside it, a name without an extension gets .png
+    (what matplotlib would write anyway), an extension matplotlib cannot write is refused, listing those it can."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(given)
+    if path.is_dir() or given.endswith("/"):
+        path = path / DEFAULT_OUTPUT
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if path.suffix[1:].lower() not in formats:
+        raise UserError(f"-o {given}: matplotlib cannot write {path.suffix} files; use one of "
+                        f"{', '.join('.' + f for f in formats)}")
     return path
 
 
@@ -60,23 +80,31 @@ def plot(runs: list[str], out: Path) -> int:
         ax.set_xlabel("tokens seen")
     axes[0][0].legend()
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
+    except OSError as exc:
+        raise UserError(f"-o {out}: cannot write it ({exc.strerror or exc}); give a file in a folder you may "
+                        f"write") from None
+    finally:
+        plt.close(fig)
     return drawn
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("-o", "--output", default="runs.png", help="the PNG to write (default runs.png)")
+    p.add_argument("-o", "--output", default=DEFAULT_OUTPUT,
+                   help=f"the image to write, its format from its extension; a directory gets {DEFAULT_OUTPUT} "
+                        f"inside it (default {DEFAULT_OUTPUT})")
     args = p.parse_args(argv)
     try:
-        drawn = plot(args.runs, Path(args.output))
+        out = output_file(args.output)
+        drawn = plot(args.runs, out)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output} ({drawn} points from {len(args.runs)} run(s))")
+    print(f"wrote {out} ({drawn} points from {len(args.runs)} run(s))")
     return 0
 
 

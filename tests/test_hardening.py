@@ -436,6 +436,7 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
         cases += [("generate: missing model", [py, "generate.py", str(tmp / "nope")]),
                   ("generate: a checkpoint whose dcp/.metadata runs code",
                    [py, "generate.py", str(crafted), "--prompt", "x"])]
+    cases += tool_cases(tmp)
     return cases
 
 
@@ -450,6 +451,39 @@ def crafted_sharded_checkpoint(root: Path) -> Path:
     payload = CheckpointPayload(None, {"rng": [{}]}, {"step": 1, "epoch": 0, "tokens": 8, "world_size": 1,
                                                      "model": get_model_spec("tiny").to_dict()})
     return write_checkpoint(root, checkpoint_name(0, 1, 1), payload, {"dcp/.metadata": root / "metadata"})
+
+
+def tool_cases(tmp: Path) -> list[tuple[str, list]]:
+    """Issue 26's inputs to generate.py, export_hf.py, plot_run.py and prepare_data.py's tokenizer."""
+    from configs import get_model_spec
+
+    config = get_model_spec("tiny").to_hf_config().to_dict()
+    for name, extra, weights in (("hf-truncated", {}, b"\x08\x00\x00"), ("hf-llama", {"model_type": "llama"}, b""),
+                                 ("hf-auto-map", {"auto_map": {"AutoModel": "m.M"}}, b""),
+                                 ("hf-no-weights", {}, None)):
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps(config | extra))
+        if weights is not None:
+            (tmp / name / "model.safetensors").write_bytes(weights)
+    (tmp / "run" / "logs").mkdir(parents=True)
+    (tmp / "run" / "logs" / "metrics.jsonl").write_text('{"step": 1, "tokens": 8, "loss": 2.0}\n')
+    (tmp / "half-gpt2").mkdir()
+    (tmp / "half-gpt2" / "vocab.json").write_text('{"a": 0}')
+    py = sys.executable
+    generate = [py, "generate.py", str(tmp / "hf-truncated"), "--prompt", "x"]
+    return [
+        ("generate: --temperature nan", generate + ["--temperature", "nan"]),
+        ("generate: --top-k -1", generate + ["--top-k", "-1"]),
+        ("generate: --device tpu", generate + ["--device", "tpu"]),
+        *((f"generate: {name}", [py, "generate.py", str(tmp / name), "--prompt", "x"])
+          for name in ("hf-truncated", "hf-auto-map", "hf-llama", "hf-no-weights")),
+        ("export: a malformed --tokenizer", [py, "scripts/export_hf.py", str(tmp / "not_a_checkpoint"),
+                                              str(tmp / "e2"), "--tokenizer", str(tmp / "a_file")]),
+        ("plot_run: -o plot.txt", [py, "scripts/plot_run.py", str(tmp / "run"), "-o", str(tmp / "plot.txt")]),
+        ("prepare: vocab.json without merges.txt", [py, "prepare_data.py", "--no-progress", "--input",
+                                                    str(tmp / "corpus.txt"), "--tokenizer", str(tmp / "half-gpt2"),
+                                                    "--output", str(tmp / "p2")]),
+    ]
 
 
 @pytest.mark.slow

@@ -64,9 +64,10 @@ def load_weights(path: Path) -> dict:
     return load_file(str(path))
 
 
-def gpt2_style_tokenizer(path: Path) -> Path:
+def gpt2_style_tokenizer(path: Path, size: int = 50257) -> Path:
     """A GPT-2-shaped byte-level BPE tokenizer.json built locally (no hub download): 256 byte tokens, 50,000
-    merges of byte pairs (common characters first) and `<|endoftext|>` as id 50256: 50,257 ids, as GPT-2."""
+    merges of byte pairs (common characters first) and `<|endoftext|>` as id 50256: 50,257 ids, as GPT-2
+    (`size`: as many ids, fewer merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -76,7 +77,7 @@ def gpt2_style_tokenizer(path: Path) -> Path:
     merges = []
     for a in ordered:
         for b in ordered:
-            if len(vocab) == 50256:
+            if len(vocab) == size - 1:
                 break
             vocab[a + b] = len(vocab)
             merges.append((a, b))
@@ -84,7 +85,7 @@ def gpt2_style_tokenizer(path: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|endoftext|>"])
-    assert tok.get_vocab_size() == 50257 and tok.token_to_id("<|endoftext|>") == 50256
+    assert tok.get_vocab_size() == size and tok.token_to_id("<|endoftext|>") == size - 1
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path

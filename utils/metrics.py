@@ -182,8 +182,9 @@ class RunLogger:
         self._append("metrics.jsonl", json.dumps(clean) + "\n")
         if self._accelerator is None:
             return
-        group = "eval" if "val_loss" in row else "checkpoint" if "checkpoint" in row else "train"
-        scalars = {f"{group}/{k}": v for k, v in row.items()
+        group = ("eval" if "val_loss" in row or "eval_tasks_s" in row else "checkpoint" if "checkpoint" in row
+                 else "train")
+        scalars = {k if k.startswith(f"{group}/") else f"{group}/{k}": v for k, v in row.items()  # eval/<task>/acc
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         try:
             with disk_full_guard(self._tracker_dir()):

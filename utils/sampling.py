@@ -34,9 +34,7 @@ class Sampler:
                     log.warning(f"sample_every={every}: no tokenizer.json in {data_dir}; samples are off for this run")
                 self.every = 0
             else:
-                from tokenizers import Tokenizer
-
-                self.tokenizer = Tokenizer.from_file(str(found.file))
+                self.tokenizer = found.tokenizer
                 self.eos_id = self.tokenizer.token_to_id(found.eos) if found.eos else None
 
     def due(self, step: int) -> bool:

@@ -42,6 +42,8 @@ from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.dataset_info import FORMAT, VERSION
 from utils.data.executors import make_executor
 from utils.data.output_store import LocalOutput, output_store
+from utils.data.tokenizer import EOS_CANDIDATES, GPT2_FILES, read_tokenizer
+from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.data.partition import (DEFAULT_PARTITION_BYTES, PLAN_FILE, VAL_PIECE, DocumentSplit, Plan, ShardWriter,
                                   make_plan, partition_folder, partition_jobs, read_record, validation_rate)
 
@@ -56,7 +58,6 @@ DEFAULT_SPLIT_SEED = 1234
 MIN_TRAIN_SHARDS = 8
 VAL_FOLDER = "val"
 SHARDS_PER_FOLDER = 256
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
 STORE_THREADS = 16  # a bucket's small reads and renames at once
 SHORT_SHARD_TOKENS = 2048  # the seq_len of the GPT-NeoX models: a shorter shard holds no training sequence
 
@@ -65,7 +66,7 @@ SHORT_SHARD_TOKENS = 2048  # the seq_len of the GPT-NeoX models: a shorter shard
 
 @dataclass
 class TokenizerInfo:
-    path: Path  # the tokenizer.json
+    json: bytes  # its tokenizer.json, written beside the shards
     vocab_size: int
     eos_id: int
     eos_token: str
@@ -73,38 +74,23 @@ class TokenizerInfo:
 
 
 def load_tokenizer(spec: str, eos_token: str | None = None) -> tuple[object, TokenizerInfo]:
-    """A `tokenizer.json` file or an HF tokenizer directory holding one (fast tokenizers only)."""
-    from tokenizers import Tokenizer
-
-    path = Path(spec)
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
-        raise PrepareError(f"--tokenizer {spec}: no tokenizer.json there (a fast tokenizer file or an HF tokenizer "
-                           f"directory holding one)")
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as exc:  # tokenizers raises its own exception type for malformed files
-        raise PrepareError(f"--tokenizer {file}: not a tokenizers JSON file ({exc})") from None
-    name = eos_token or _configured_eos(file.parent) or next(
-        (t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+    """The tokenizer `--tokenizer` names (utils/data/tokenizer.py: a tokenizer.json, an HF tokenizer directory
+    holding one, or a GPT-2-style vocab.json + merges.txt) and its end-of-document token, which prepare needs."""
+    loaded = read_tokenizer(spec)
+    if loaded is None:
+        raise PrepareError(f"--tokenizer {spec}: no {TOKENIZER_FILE} there, nor GPT-2-style "
+                           f"{' + '.join(GPT2_FILES)} (give a tokenizers file or an HF tokenizer directory)")
+    tokenizer = loaded.tokenizer
+    name = eos_token or loaded.end_of_document()
     if name is None:
-        raise PrepareError(f"--tokenizer {file}: no end-of-document token found (none configured in "
+        raise PrepareError(f"--tokenizer {spec}: no end-of-document token found (none configured in "
                            f"tokenizer_config.json, none of {', '.join(EOS_CANDIDATES)}); name one with --eos-token")
     eos_id = tokenizer.token_to_id(name)
     if eos_id is None:
-        raise PrepareError(f"--eos-token {name!r} is not in the vocabulary of {file}")
-    info = TokenizerInfo(file, tokenizer.get_vocab_size(with_added_tokens=True), eos_id, name,
-                         hashlib.sha256(file.read_bytes()).hexdigest())
+        raise PrepareError(f"--eos-token {name!r} is not in the vocabulary of {spec}")
+    info = TokenizerInfo(loaded.json, loaded.vocab_size, eos_id, name, hashlib.sha256(loaded.json).hexdigest())
     return tokenizer, info
 
-
-def _configured_eos(directory: Path) -> str | None:
-    try:
-        config = json.loads((directory / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    eos = config.get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
 
 # ------------------------------------------------------------------------------------------------ driver
 
@@ -263,7 +249,7 @@ def _merge(store, plan: Plan, tok: TokenizerInfo, dtype: np.dtype, shard_tokens:
         held_out.close()
     description = {
         "format": FORMAT, "version": VERSION,
-        "tokenizer": {"file": "tokenizer.json", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+        "tokenizer": {"file": TOKENIZER_FILE, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                       "eos_token": tok.eos_token, "sha256": tok.digest},
         "dtype": dtype.name, **counts, "shard_tokens": shard_tokens, "shards": shards,
         "validation": {"documents": sum(r["validation"]["documents"] for r in records),
@@ -273,7 +259,7 @@ def _merge(store, plan: Plan, tok: TokenizerInfo, dtype: np.dtype, shard_tokens:
         "inputs": [{"path": s.location, "bytes": s.bytes} for s in sources],
         "settings": settings, "partitions": plan.count, "plan": PLAN_FILE, "fingerprint": plan.digest,
     }
-    store.write_bytes(f"{store.assembly}/tokenizer.json", tok.path.read_bytes())
+    store.write_bytes(f"{store.assembly}/{TOKENIZER_FILE}", tok.json)
     store.write_bytes(f"{store.assembly}/{PLAN_FILE}", plan.json_bytes())
     store.write_bytes(f"{store.assembly}/{DATASET_FILE}", (json.dumps(description, indent=1) + "\n").encode())
     store.finish()

@@ -24,42 +24,51 @@ import torch
 
 from configs.model_config import ConfigError, ModelSpec
 from utils import files
+from utils.data.tokenizer import TokenizerError
 
 EXPORT_SHARD_SIZE = "5GB"  # larger exports are sharded safetensors with an index json, as transformers writes them
 _NOT_WEIGHTS = re.compile(r"(attention\.(bias|masked_bias)|rotary_emb\.inv_freq)$")
 
 
 class HFLoadError(ConfigError):
-    """An init_from directory that is not a usable HF GPT-NeoX model; the message names the file."""
+    """An HF directory (init_from, generate.py's PATH) that is not a usable GPT-NeoX model; the message names
+    the file."""
 
 
-def load_hf_pretrained(directory) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """(architecture, weights with the engine's names) from an HF GPT-NeoX directory."""
+def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """(architecture, weights with the engine's names) from an HF GPT-NeoX directory; errors name `option`
+    (what the user gave the directory as: init_from, or nothing for generate.py's PATH) and the file."""
+    import pickle
+
     from safetensors.torch import load_file
 
+    where = f"{option} " if option else ""
     directory = Path(directory).expanduser()
     config_path = directory / "config.json"
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
-        raise HFLoadError(f"init_from {directory}: no config.json there; point init_from at an HF model directory "
+        raise HFLoadError(f"{where}{directory}: no config.json there; give an HF model directory "
                           f"(config.json + model.safetensors)") from None
     except (OSError, ValueError) as exc:
-        raise HFLoadError(f"init_from {config_path}: cannot read it ({exc})") from None
+        raise HFLoadError(f"{where}{config_path}: cannot read it ({exc})") from None
     spec = ModelSpec.from_hf_config(config, name=directory.name, source=str(config_path))
     state = {}
-    for shard in _weight_files(directory):
+    for shard in _weight_files(directory, where):
         try:
             if shard.name.endswith(".safetensors"):
                 state |= load_file(str(shard))
             else:  # older checkpoints (e.g. early Pythia revisions) ship only pickled torch files
                 state |= torch.load(shard, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise HFLoadError(f"{where}{shard}: cannot read it (it holds more than tensors, and unpickling that could "
+                              f"run code; convert it to model.safetensors where you trust it)") from None
         except Exception as exc:  # safetensors / torch raise their own error types for truncated or foreign files
-            raise HFLoadError(f"init_from {shard}: cannot read it ({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
+            raise HFLoadError(f"{where}{shard}: cannot read it ({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
     return spec, engine_names(state)
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def _weight_files(directory: Path, where: str) -> list[Path]:
     """The weight files of an HF directory: model.safetensors, its sharded index, or (older models)
     pytorch_model.bin or its sharded index, in that order of preference."""
     for single, index_name in (("model.safetensors", "model.safetensors.index.json"),
@@ -71,14 +80,14 @@ def _weight_files(directory: Path) -> list[Path]:
             try:
                 shards = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise HFLoadError(f"init_from {index}: unreadable shard index ({exc})") from None
+                raise HFLoadError(f"{where}{index}: unreadable shard index ({exc})") from None
             missing = [p.name for p in shards if not p.is_file()]
             if missing:
-                raise HFLoadError(f"init_from {index}: lists {missing[0]}, which is not there; download every shard")
+                raise HFLoadError(f"{where}{index}: lists {missing[0]}, which is not there; download every shard")
             return shards
     other = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != "config.json") or ["nothing else"]
-    raise HFLoadError(f"init_from {directory}: no weights (model.safetensors, pytorch_model.bin or their sharded "
-                      f"index .json; found {', '.join(other[:5])}); point init_from at a complete HF model directory")
+    raise HFLoadError(f"{where}{directory}: no weights (model.safetensors, pytorch_model.bin or their sharded "
+                      f"index .json; found {', '.join(other[:5])}); give a complete HF model directory")
 
 
 def engine_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -89,7 +98,7 @@ def engine_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source) -> None:
+def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source, option: str = "init_from") -> None:
     """One line naming what is missing or of the wrong shape, before a model tries to load it."""
     from utils.model import build_model
 
@@ -104,7 +113,7 @@ def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source) -> No
     if missing or unexpected or wrong:
         parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
                  f"wrong shape {wrong[:3]}" if wrong else ""]
-        raise HFLoadError(f"init_from {source}: its weights do not match its config.json ("
+        raise HFLoadError(f"{option + ' ' if option else ''}{source}: its weights do not match its config.json ("
                           + "; ".join(p for p in parts if p) + ")")
 
 
@@ -147,7 +156,8 @@ def load_checkpoint_model(checkpoint) -> tuple[ModelSpec, dict[str, torch.Tensor
 class ExportTokenizer:
     """The tokenizer a model was trained with and its special tokens, as the export writes them."""
 
-    file: Path  # a tokenizers tokenizer.json
+    tokenizer: object  # tokenizers.Tokenizer (utils/data/tokenizer.py read it)
+    source: Path  # where it was read: named in messages
     eos: str | None  # None: the tokenizer has no end-of-document token anyone named
     bos: str | None
     pad: str | None
@@ -155,12 +165,13 @@ class ExportTokenizer:
     @classmethod
     def find(cls, source) -> "ExportTokenizer | None":
         """`source`: a prepared data directory (its dataset.json names the tokenizer and EOS), an HF tokenizer
-        directory or a directory holding tokenizer.json (a checkpoint), or a tokenizer.json; None when there
-        is no tokenizer there. EOS: dataset.json's, else the tokenizer's own (prepare_data.py's rule); BOS:
+        directory (tokenizer.json, or GPT-2's vocab.json + merges.txt), a directory holding tokenizer.json (a
+        checkpoint), or a tokenizer.json; None when there is no tokenizer there, a TokenizerError when the one
+        there cannot be read. EOS: dataset.json's, else the tokenizer's own (prepare_data.py's rule); BOS:
         tokenizer_config.json's, else EOS (GPT-2/GPT-NeoX use one token for both); padding: the tokenizer's
         own pad token, else EOS."""
         from utils.data.dataset_info import DatasetInfo
-        from utils.data.prepare import PrepareError, load_tokenizer
+        from utils.data.tokenizer import read_tokenizer
 
         source = Path(source).expanduser()
         eos = None
@@ -169,52 +180,36 @@ class ExportTokenizer:
             if info is not None:
                 eos = info.eos_token
                 source = info.tokenizer_file
-            else:
-                source = source / "tokenizer.json"
-        if not source.is_file():
+        loaded = read_tokenizer(source, option="")
+        if loaded is None:
             return None
-        try:
-            tokenizer, tok = load_tokenizer(str(source), eos)
-            eos = tok.eos_token
-        except PrepareError:  # no end-of-document token it can name: the files still go out, without one
-            from tokenizers import Tokenizer
+        if eos is None or loaded.tokenizer.token_to_id(eos) is None:
+            eos = loaded.end_of_document()
+        return cls(loaded.tokenizer, source, eos, loaded.configured("bos_token") or eos,
+                   loaded.configured("pad_token") or eos)
 
-            try:
-                tokenizer, eos = Tokenizer.from_file(str(source)), None
-            except Exception:  # tokenizers raises its own exception type for malformed files
-                return None
-        configured = _tokenizer_config(source.parent)
-        pick = lambda key: next((t for t in (configured.get(key),) if t and tokenizer.token_to_id(t) is not None), None)
-        return cls(source, eos, pick("bos_token") or eos, pick("pad_token") or eos)
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def check_fits(self, embedding_rows: int, model) -> None:
+        """A tokenizer with more ids than the model has embedding rows is refused, naming both sizes."""
+        if self.vocab_size > embedding_rows:
+            raise TokenizerError(f"the tokenizer {self.source} has {self.vocab_size:,} ids but the model {model} has "
+                                 f"{embedding_rows:,} embedding rows; use the tokenizer it was trained with")
 
     def hf_tokenizer(self, model_max_length: int):
-        """transformers' PreTrainedTokenizerFast over the file, with the special tokens set; it pads on the
+        """transformers' PreTrainedTokenizerFast over it (a copy), with the special tokens set; it pads on the
         left, as batched generation with a decoder-only model needs."""
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast(tokenizer_file=str(self.file), bos_token=self.bos, eos_token=self.eos,
+        return PreTrainedTokenizerFast(tokenizer_object=self.tokenizer, bos_token=self.bos, eos_token=self.eos,
                                        pad_token=self.pad, unk_token=None, padding_side="left",
                                        model_max_length=model_max_length)
 
     def special_ids(self, hf_tokenizer) -> dict:
         return {"bos_token_id": hf_tokenizer.bos_token_id, "eos_token_id": hf_tokenizer.eos_token_id,
                 "pad_token_id": hf_tokenizer.pad_token_id}
-
-
-def _tokenizer_config(directory: Path) -> dict:
-    """An HF tokenizer directory's special tokens (names), from tokenizer_config.json / special_tokens_map.json."""
-    names = {}
-    for file in ("special_tokens_map.json", "tokenizer_config.json"):
-        try:
-            raw = json.loads((directory / file).read_text())
-        except (OSError, ValueError):
-            continue
-        for key in ("bos_token", "eos_token", "pad_token"):
-            value = raw.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                names[key] = value
-    return names
 
 
 def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenizer=None) -> Path:
@@ -227,6 +222,8 @@ def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenize
     out_dir = Path(out_dir)
     found = (tokenizer if isinstance(tokenizer, ExportTokenizer) or tokenizer is None
              else ExportTokenizer.find(tokenizer))
+    if found is not None:
+        found.check_fits(spec.padded_vocab_size, f"'{spec.name}'")
     hf_tokenizer = found.hf_tokenizer(spec.max_position_embeddings) if found else None
     special_ids = found.special_ids(hf_tokenizer) if found else None
     from transformers import GenerationConfig
