@@ -252,4 +252,4 @@ echo "+ ${env_args[*]:+${env_args[*]} }${printed% }"
 for assignment in "${env_args[@]}"; do
     export "${assignment?}"
 done
-exec "$python" "$SCRIPT_DIR/utils/launch.py" -- "${cmd[@]}"
+exec "$python" -S "$SCRIPT_DIR/utils/launch.py" -- "${cmd[@]}"  # -S: no site hooks, so it catches signals sooner

@@ -32,17 +32,23 @@ workers and torchrun before train.py could act on it. So:
 """
 from __future__ import annotations
 
-import ctypes
-import json
-import os
-import re
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from pathlib import Path
+
+_EARLY_STOPS: list[int] = []  # stop signals that came before the supervisor had started anything
+if __name__ == "__main__":  # caught from the first line (start_training.sh execs this): it may come at once
+    for _signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(_signum, lambda signum, _frame: _EARLY_STOPS.append(signum))
+
+import ctypes  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's utils package
 
@@ -324,6 +330,10 @@ class Supervisor:
             pass  # not Linux: orphans go to init as usual
         for signum in FORWARDED:
             signal.signal(signum, self.on_signal)
+        if _EARLY_STOPS:
+            print(f"{PROG}: stopped by {_signal_name(_EARLY_STOPS[0])} before training started; nothing to save",
+                  file=sys.stderr)
+            return 0
         fd, status_path = tempfile.mkstemp(prefix="neox-status-", suffix=".json")
         os.close(fd)
         os.unlink(status_path)
