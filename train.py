@@ -312,9 +312,10 @@ def lock_output_dir(output_dir: Path, accelerator):
 
 
 def refuse_another_run(output_dir: Path, defaulted: bool) -> None:
-    """A fresh run (no --resume) never writes into a folder that holds another run's checkpoints (any at all,
-    complete or not) or final_model/: its retention would delete those checkpoints, its export overwrite
-    that model, its rows join that metrics.jsonl, and a later `--resume auto` could take either run's."""
+    """A fresh run (no --resume) never writes into a folder that holds another run's files: any checkpoint
+    (complete or not), final_model/, or rows in logs/metrics.jsonl (a run that trained but never saved).
+    Its retention would delete those checkpoints, its export overwrite that model, its rows mix with those,
+    so the summary, plot_run.py, generate.py and a later `--resume auto` could take either run's."""
     from utils.checkpoint.format import parse_checkpoint_name
 
     try:
@@ -322,14 +323,16 @@ def refuse_another_run(output_dir: Path, defaulted: bool) -> None:
                        key=parse_checkpoint_name)
     except OSError:  # none, or unreadable (said where the run reads them)
         found = []
+    metrics = output_dir / "logs" / "metrics.jsonl"
     held = ([f"{len(found)} checkpoint(s) (newest {found[-1]})"] if found else []) + \
-        (["final_model/"] if (output_dir / "final_model").exists() else [])
+        (["final_model/"] if (output_dir / "final_model").exists() else []) + \
+        (["logs/metrics.jsonl"] if metrics.is_file() and metrics.stat().st_size else [])
     if held:
         elsewhere = ("--set run_name=NAME (its own folder runs/NAME/) or --output-dir DIR" if defaulted
                      else "a new --output-dir")
-        raise UserError(f"{output_dir} holds another run's {' and '.join(held)}, which a fresh run there would "
-                        f"delete or overwrite; continue that run with --resume auto, or start this one elsewhere "
-                        f"with {elsewhere}")
+        raise UserError(f"{output_dir} holds another run's {', '.join(held)}, which a fresh run there would delete, "
+                        f"overwrite or mix with its own; continue that run with --resume auto, or start this one "
+                        f"elsewhere with {elsewhere}")
 
 
 def remote_checkpoint_root(cfg) -> str | None:

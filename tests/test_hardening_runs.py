@@ -314,6 +314,32 @@ def test_a_stopped_run_s_summary_and_a_fresh_run_into_its_folder(tmp_path, subpr
     assert "at step 5" in resumed.stdout and max(train_rows(out)) == 6
 
 
+def test_what_counts_as_another_run_s_files(tmp_path):
+    """Any checkpoint (complete or not), final_model/, or rows in logs/metrics.jsonl (a run that trained and
+    never saved): a fresh run is refused there. An empty folder, or logs without rows (a run stopped during
+    setup), is free."""
+    from train import refuse_another_run
+    from utils.errors import UserError
+
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "training.log").write_text("Stopped: stopped by SIGTERM during setup\n")
+    (out / "logs" / "metrics.jsonl").write_text("")
+    refuse_another_run(out, defaulted=False)
+    (out / "logs" / "metrics.jsonl").write_text('{"step": 0, "tokens": 0, "val_loss": 6.2}\n')
+    with pytest.raises(UserError, match=r"holds another run's logs/metrics\.jsonl, .*--resume auto.*a new --output-dir"):
+        refuse_another_run(out, defaulted=False)
+    (out / "logs" / "metrics.jsonl").unlink()
+    (out / "final_model").mkdir()
+    with pytest.raises(UserError, match=r"holds another run's final_model/, .*--set run_name=NAME"):
+        refuse_another_run(out, defaulted=True)
+    (out / "final_model").rmdir()
+    for step in (9, 10):  # an incomplete one too: no manifest
+        (out / "checkpoints" / f"checkpoint-epoch0-step{step}-files0").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"holds another run's 2 checkpoint\(s\) \(newest checkpoint-epoch0-step10-"):
+        refuse_another_run(out, defaulted=False)
+
+
 @pytest.mark.slow
 def test_each_run_has_its_own_folder_under_runs_by_default(tmp_path, subprocess_env):
     """Without --output-dir a run writes runs/<run name>/ in the repository (git-ignored): the demo's and an
