@@ -198,7 +198,7 @@ class Checkpointer:
             if self.accelerator.is_local_main_process and not self.is_main and path.parent == self.root:
                 files.remove_tree(path)
         old_global = saved.get("global_batch_sequences")
-        if old_global and old_global != run["global_batch_sequences"]:
+        if old_global and old_global != run["global_batch_sequences"] and self.is_main:  # the same on every rank
             self.log.warning(f"  global batch changes from {old_global} to {run['global_batch_sequences']} "
                              f"sequences per step; the LR schedule is per optimizer step and is not rescaled")
 
@@ -371,6 +371,10 @@ def _check_fits(path: Path, saved: dict, run: dict) -> None:
     """One clear line for a checkpoint that cannot continue this run."""
     old, new = saved.get("model") or {}, run["model"]
     diff = [f"{k} {old.get(k)} vs {new.get(k)}" for k in _MUST_MATCH if k in old and old.get(k) != new.get(k)]
+    if diff and old.get("name") == new.get("name"):  # e.g. the vocabulary, set by another dataset's tokenizer
+        raise CheckpointError(f"checkpoint {path} was written for another shape of model '{new.get('name')}' "
+                              f"({', '.join(diff)}: checkpoint vs this run); resume it with the data and settings "
+                              f"it was trained with, or start a fresh run in another --output-dir")
     if diff:
         raise CheckpointError(f"checkpoint {path} was written for model '{old.get('name')}' but this run builds "
                               f"'{new.get('name')}' ({', '.join(diff)}); resume with --set model={old.get('name')} "
