@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Continue prompts with a trained model: a checkpoint, a run's output directory, or an HF model directory.
 
-    python generate.py final_model --prompt "def fibonacci(n):" --max-new-tokens 64
-    python generate.py . --prompt "Once upon" --prompt "The engine" --temperature 0     # a run's newest checkpoint
-    python generate.py checkpoints/checkpoint-epoch0-step400-files20 --prompt "import" --top-k 20
+    python generate.py runs/demo/final_model --prompt "def fibonacci(n):" --max-new-tokens 64
+    python generate.py runs/demo --prompt "Once upon" --prompt "The engine" --temperature 0  # its newest checkpoint
+    python generate.py runs/demo/checkpoints/checkpoint-epoch0-step400-files20 --prompt "import" --top-k 20
 
 PATH: an engine checkpoint directory; a run's output directory (its newest complete checkpoint, under
 checkpoints/); or an HF directory (final_model/, scripts/export_hf.py's output). The tokenizer is the one

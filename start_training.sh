@@ -54,7 +54,8 @@ Forwarded to train.py:
   --mixed-precision M      $PRECISION_CHOICES (default: the preset's)
   --no-background-upload   upload checkpoints in the foreground
   --set KEY=VALUE          any training-config field (repeatable; python train.py --help lists them)
-  -- ARGS...               everything after -- goes to train.py unchanged (e.g. --output-dir runs/a)
+  -- ARGS...               everything after -- goes to train.py unchanged (e.g. --output-dir DIR;
+                           default: runs/RUN_NAME/ here, RUN_NAME being run_name or the preset's name)
 
 Other:
   --dry-run                print the accelerate command and exit without running it
@@ -86,14 +87,12 @@ Examples:
 EOF
 }
 
-usage_error() {
-    echo "$PROG: $1" >&2
-    usage | sed -n 1p >&2
-    echo "Run ./$PROG --help for the options." >&2
+usage_error() {  # a mistake on the command line: one line, exit 2
+    echo "$PROG: error: $1" >&2
     exit 2
 }
 
-fail() {
+fail() {  # the machine is not set up for it: one line, exit 1
     echo "$PROG: error: $1" >&2
     exit 1
 }
@@ -139,11 +138,11 @@ while [[ $# -gt 0 ]]; do
         --dry-run) dry_run=1; shift ;;
         --) shift; extra_args=("$@"); break ;;
         --output-dir|--data-dir|--print-config) usage_error "$1 is a train.py option: put it after -- (e.g. -- $1 ...)" ;;
-        *) usage_error "unknown option '$1' (train.py options go after --)" ;;
+        *) usage_error "unknown option '$1' (train.py options go after --; ./$PROG --help lists the options)" ;;
     esac
 done
 
-[[ -n "$config" ]] || { load_choices; usage_error "--config NAME is required ($PRESET_CHOICES, or a .yaml/.json file)"; }
+[[ -n "$config" ]] || { load_choices; usage_error "--config NAME is required ($PRESET_CHOICES, or a .yaml/.json file; ./$PROG --help lists the options)"; }
 [[ -z "$gpus" ]] || is_count "$gpus" || usage_error "--gpus '$gpus' is not a whole number"
 [[ -z "$gpus" || "$gpus" -ge 1 ]] || usage_error "--gpus must be at least 1"
 is_count "$nodes" && [[ "$nodes" -ge 1 ]] || usage_error "--nodes '$nodes' must be a whole number >= 1"
@@ -200,7 +199,7 @@ if [[ "$cpu" -eq 1 ]]; then
     per_node="${gpus:-1}"
 elif [[ "$visible" -eq 0 ]]; then
     if [[ -n "$gpus" ]]; then
-        fail "asked for $gpus GPU(s) but no NVIDIA GPU is visible; add --cpu to run $gpus process(es) on the CPU"
+        usage_error "--gpus $gpus: asked for $gpus GPU(s) but no NVIDIA GPU is visible; add --cpu to run $gpus process(es) on the CPU"
     fi
     echo "$PROG: no NVIDIA GPU visible: running one CPU process (--cpu --gpus N runs N CPU processes)"
     cpu=1
@@ -209,7 +208,7 @@ else
     per_node="${gpus:-$visible}"
     if [[ "$per_node" -gt "$visible" ]]; then
         [[ "$visible" -eq 1 ]] && verb="is" || verb="are"
-        fail "asked for $per_node GPUs but $visible $verb visible (nvidia-smi -L, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset})"
+        usage_error "--gpus $per_node: asked for $per_node GPUs but $visible $verb visible (nvidia-smi -L, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset})"
     fi
 fi
 total=$((per_node * nodes))
@@ -253,4 +252,4 @@ echo "+ ${env_args[*]:+${env_args[*]} }${printed% }"
 for assignment in "${env_args[@]}"; do
     export "${assignment?}"
 done
-exec "$python" "$SCRIPT_DIR/utils/launch.py" -- "${cmd[@]}"
+exec "$python" -S "$SCRIPT_DIR/utils/launch.py" -- "${cmd[@]}"  # -S: no site hooks, so it catches signals sooner

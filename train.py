@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"a preset ({' | '.join(PRESETS)}: configs/presets/) or a .yaml/.json file of fields "
                         "(`base: PRESET` starts it from a preset)")
     p.add_argument("--max-steps", type=int, help="optimizer steps to train to (overrides the preset)")
-    p.add_argument("--output-dir", default=str(REPO_ROOT), help="where checkpoints/ and logs/ go (default: repo root)")
+    p.add_argument("--output-dir", help="where checkpoints/, logs/ and final_model/ go (default: runs/RUN_NAME/ in "
+                                        "the repo, RUN_NAME being run_name or the preset's name)")
     p.add_argument("--data-dir", help="local shard directory (overrides the preset's data_dir)")
     p.add_argument("--resume", help=" | ".join(RESUME_FORMS) + " (auto: the newest checkpoint if there is one, "
                                     "else a fresh start)")
@@ -72,10 +73,19 @@ def write_run_status(**fields) -> None:
         pass  # the status record is a courtesy to the launcher; the run's own output says the same
 
 
-def main(argv=None) -> int:
-    from utils.signals import catch_early
+def default_output_dir(cfg) -> Path:
+    """runs/<run name>/ in the repo: each run its own folder unless --output-dir says otherwise."""
+    name = Path(cfg.effective_run_name).name  # a config file's path names its run by its file name
+    return REPO_ROOT / "runs" / (name if name not in ("", ".", "..") else "run")
 
+
+def main(argv=None) -> int:
+    from utils.console import survive_lost_console
+    from utils.signals import catch_early, watch_supervisor
+
+    survive_lost_console()  # a console gone (`| tee` and Ctrl-C, a killed launcher) never stops the run
     catch_early()  # from the start: a stop signal during setup (imports, data index, build) ends it cleanly
+    watch_supervisor()  # under the launcher: stop as on SIGTERM once it is gone
     args = parse_args(argv)
     try:
         cfg, profile = settle_config(args.config, args.set, cli_aliases(args))
@@ -107,6 +117,7 @@ def train(cfg, profile, args) -> int:
     from utils.data.build import build_data
     from utils.debug import BatchTrace
     from utils.checkpoint.format import checkpoint_name
+    from utils.distributed import main_process_only
     from utils.evals.runner import DownstreamEvals
     from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
     from utils.optim import schedule_from_config
@@ -115,13 +126,15 @@ def train(cfg, profile, args) -> int:
     from utils.signals import StopSignal
     from utils.state import RngState, TrainState
 
-    output_dir = Path(args.output_dir).resolve()
+    output_dir = Path(args.output_dir or default_output_dir(cfg)).resolve()
     accelerator = make_accelerator(cfg, output_dir / "logs")
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     parallel = make_parallelism(cfg, accelerator)
     stop = StopSignal(distributed=world > 1)
     RngState.seed(cfg.seed + rank)
     lock = lock_output_dir(output_dir, accelerator)
+    if not args.resume:
+        main_process_only(accelerator, lambda: refuse_another_run(output_dir, args.output_dir is None))
     log = RunLogger(output_dir / "logs", is_main=accelerator.is_main_process)
     remote_root = remote_checkpoint_root(cfg)
     node_uploads = parallel.sharded and not shared_output_dir(output_dir, accelerator, remote_root, log)
@@ -230,14 +243,17 @@ def train(cfg, profile, args) -> int:
         if stopped_by is None:
             export_dir, in_sync = finish(model, spec, cfg, state, output_dir, parallel, log)
             exit_code = 0 if in_sync else 1
-        log.info(closing_summary(output_dir / "logs" / "metrics.jsonl", time.perf_counter() - PROCESS_STARTED,
-                                 last_checkpoint, export_dir))
+        log.info(closing_summary(output_dir / "logs" / "metrics.jsonl", step=state.step, tokens=state.tokens,
+                                 session_s=time.perf_counter() - PROCESS_STARTED, window=window,
+                                 checkpoint=last_checkpoint, final_model=export_dir))
     finally:
         bar.close()
         loader.close()
         exit_code = max(exit_code, ckpt.close())
         log.close()
         lock.release()
+        if sys.exc_info()[0] is not None:  # leaving on an error (main() says 2 for a UserError)
+            exit_code = max(exit_code, 1)
         write_run_status(exit_code=exit_code, stopped_by=stopped_by, step=state.step,
                          checkpoint=str(last_checkpoint) if last_checkpoint else None,
                          final_model=str(export_dir) if export_dir else None)
@@ -285,7 +301,8 @@ def make_trackers(cfg, log_dir: Path) -> list:
     made = {"tensorboard": lambda: tensorboard_tracker(log_dir),
             "wandb": lambda: WandBTracker(cfg.effective_run_name),
             "mlflow": lambda: MLflowTracker(cfg.effective_run_name, logging_dir=str(log_dir / "mlruns"))}
-    return [made[name]() for name in usable_trackers(cfg.report_to)]
+    quiet = os.environ.get("RANK", "0") != "0"  # every rank finds the same missing package: rank 0 says it
+    return [made[name]() for name in usable_trackers(cfg.report_to, warn=(lambda msg: None) if quiet else None)]
 
 
 def lock_output_dir(output_dir: Path, accelerator):
@@ -296,6 +313,30 @@ def lock_output_dir(output_dir: Path, accelerator):
     lock = OutputDirLock(output_dir)
     main_process_only(accelerator, lambda: lock.acquire(log=print))
     return lock
+
+
+def refuse_another_run(output_dir: Path, defaulted: bool) -> None:
+    """A fresh run (no --resume) never writes into a folder that holds another run's files: any checkpoint
+    (complete or not), final_model/, or rows in logs/metrics.jsonl (a run that trained but never saved).
+    Its retention would delete those checkpoints, its export overwrite that model, its rows mix with those,
+    so the summary, plot_run.py, generate.py and a later `--resume auto` could take either run's."""
+    from utils.checkpoint.format import parse_checkpoint_name
+
+    try:
+        found = sorted((p.name for p in (output_dir / "checkpoints").iterdir() if parse_checkpoint_name(p.name)),
+                       key=parse_checkpoint_name)
+    except OSError:  # none, or unreadable (said where the run reads them)
+        found = []
+    metrics = output_dir / "logs" / "metrics.jsonl"
+    held = ([f"{len(found)} checkpoint(s) (newest {found[-1]})"] if found else []) + \
+        (["final_model/"] if (output_dir / "final_model").exists() else []) + \
+        (["logs/metrics.jsonl"] if metrics.is_file() and metrics.stat().st_size else [])
+    if held:
+        elsewhere = ("--set run_name=NAME (its own folder runs/NAME/) or --output-dir DIR" if defaulted
+                     else "a new --output-dir")
+        raise UserError(f"{output_dir} holds another run's {', '.join(held)}, which a fresh run there would delete, "
+                        f"overwrite or mix with its own; continue that run with --resume auto, or start this one "
+                        f"elsewhere with {elsewhere}")
 
 
 def remote_checkpoint_root(cfg) -> str | None:

@@ -2,8 +2,8 @@
 """Plot one or more runs from their logs/metrics.jsonl: training loss, validation loss, learning rate and
 tokens/s against tokens seen, one line per run. For a remote machine without TensorBoard: copy the PNG.
 
-    python scripts/plot_run.py . -o run.png                      # the run in the repo root (the default)
-    python scripts/plot_run.py runs/a runs/b -o compare.png      # two runs side by side
+    python scripts/plot_run.py runs/demo -o run.png              # the demo's run (runs/RUN_NAME/ by default)
+    python scripts/plot_run.py runs/demo runs/cpu -o compare.png # two runs side by side
 
 RUN_DIR is a run's --output-dir (its logs/metrics.jsonl is read) or a metrics.jsonl file. `-o` is the file
 to write, its format from its extension (png, svg, pdf, ...; none: .png is added); a directory gets runs.png

@@ -164,21 +164,31 @@ def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
     assert any("Resumed from" in line for line in log.lines)
 
 
-def test_closing_summary_reads_the_whole_run_from_metrics_jsonl(tmp_path):
-    """Steps, tokens, mean tok/s and MFU, first/last val loss with the change, the checkpoint and the model;
-    a resumed session's rewritten step counts once, and a torn last line is skipped."""
+def test_closing_summary_reads_the_whole_run_from_metrics_jsonl(tmp_path, accelerator):
+    """The step and tokens reached, this session's tok/s and MFU from the window's counters, first/last val
+    loss with the change (a resumed session's rewritten step counts once; a crashed session's rows past
+    the step reached do not count; a torn last line is skipped), the checkpoint and the model."""
     import json
 
-    from utils.metrics import closing_summary
+    from utils.metrics import MetricsWindow, closing_summary
 
     rows = [{"step": 0, "tokens": 0, "val_loss": 8.0},
             {"step": 10, "tokens": 1000, "loss": 7.0, "tokens_per_sec": 100.0, "mfu": 0.2},
-            {"step": 20, "tokens": 2000, "loss": 6.0, "tokens_per_sec": 999.0, "mfu": 0.9},  # crashed session
-            {"step": 20, "tokens": 2000, "loss": 6.0, "tokens_per_sec": 300.0, "mfu": 0.4},  # its resume
-            {"step": 20, "tokens": 2000, "val_loss": 6.0}]
+            {"step": 20, "tokens": 2000, "val_loss": 9.0},  # crashed session
+            {"step": 20, "tokens": 2000, "val_loss": 6.0},  # its resume
+            {"step": 30, "tokens": 3000, "val_loss": 1.0}]  # a crashed session's, past the step reached
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3')
-    text = closing_summary(path, 12.0, tmp_path / "ck", tmp_path / "final_model")
-    assert text.splitlines()[0] == "Summary: 20 steps, 2,000 tokens; this session 12 s; mean 200 tok/s, MFU 30.0%"
+    window = MetricsWindow(accelerator, tokens_per_step=100, flops_per_token=6e6, peak=1e12, precision="no")
+    window.restart(first_step=1)
+    for _ in range(4):
+        window.add(torch.tensor(1.0))
+    text = closing_summary(path, step=22, tokens=2200, session_s=12.0, window=window, checkpoint=tmp_path / "ck",
+                           final_model=tmp_path / "final_model")
+    tokens, seconds, tps, util = window.session()
+    assert tokens == 400 and tps == 400 / seconds and util == tps * 6e6 / 1e12
+    assert text.splitlines()[0] == (f"Summary: 22 steps, 2,200 tokens; this session 12 s, 400 tokens trained in "
+                                    f"{seconds:,.1f} s of training steps (eval, samples and checkpoints left out): "
+                                    f"{tps:,.0f} tok/s, MFU {100 * util:.1f}%")
     assert "val_loss 8.0000 at step 0 -> 6.0000 at step 20 (-25.0%)" in text
     assert f"checkpoint: {tmp_path / 'ck'}" in text and f"model: {tmp_path / 'final_model'}" in text

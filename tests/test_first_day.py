@@ -17,8 +17,10 @@ import pytest
 from tests.conftest import make_subprocess_env
 from tests.trainkit import REPO_ROOT, gpt2_style_tokenizer, run
 
+# the README's `--config cpu` run writes runs/cpu/ in the repository; here the same folder in the scratch one
+RUN = Path("runs") / "cpu"
 # what the README's commands get on top, to train in seconds: the tiny model, 4 steps, an eval and a checkpoint
-QUICK = ["--max-steps", "4", "--", "--output-dir", ".", "--set", "model=tiny", "--set", "seq_len=64",
+QUICK = ["--max-steps", "4", "--", "--output-dir", str(RUN), "--set", "model=tiny", "--set", "seq_len=64",
          "--set", "per_device_train_batch_size=4", "--set", "eval_interval=2", "--set", "save_steps=2",
          "--set", "dataloader_num_workers=0", "--set", "sample_every=2", "--set", "sample_max_new_tokens=4"]
 KINDS = {"animals": "the quick brown fox jumps over the lazy dog while a cat sleeps".split(),
@@ -83,7 +85,7 @@ def test_readme_own_data_ends_with_a_model_transformers_generates_with(first_day
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root, _ = first_day
-    final = root / "final_model"
+    final = root / RUN / "final_model"
     assert {"tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"} <= \
         {p.name for p in final.iterdir()}
     tokenizer = AutoTokenizer.from_pretrained(final)
@@ -109,11 +111,11 @@ def test_samples_and_tensorboard_of_the_run(first_day):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     root, _ = first_day
-    samples = [json.loads(line) for line in (root / "logs" / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (root / RUN / "logs" / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["prompt"]) for r in samples] == [(2, "The"), (2, "In the beginning"), (4, "The"),
                                                            (4, "In the beginning")]
     assert all(isinstance(r["continuation"], str) and r["tokens"] == 256 * r["step"] for r in samples)
-    board = root / "logs" / "tensorboard"
+    board = root / RUN / "logs" / "tensorboard"
     assert [p.name for p in board.iterdir() if p.is_dir()] == [] and (board / "hparams.yml").is_file()
     events = EventAccumulator(str(board), size_guidance={"tensors": 0})
     events.Reload()
@@ -127,11 +129,11 @@ def test_generate_prints_the_same_greedy_text_from_a_checkpoint_the_run_and_fina
 
     root, commands = first_day
     readme = as_run(next(c for c in commands if "generate.py" in c))
-    args = readme[readme.index("final_model"):] + ["--temperature", "0", "--max-new-tokens", "6"]
-    args[0] = str(root / "final_model")
-    checkpoint = sorted((root / "checkpoints").iterdir())[-1]
+    args = readme[readme.index(str(RUN / "final_model")):] + ["--temperature", "0", "--max-new-tokens", "6"]
+    args[0] = str(root / RUN / "final_model")
+    checkpoint = sorted((root / RUN / "checkpoints").iterdir())[-1]
     texts = {}
-    for path in (root / "final_model", root, checkpoint):
+    for path in (root / RUN / "final_model", root / RUN, checkpoint):
         assert generate.main([str(path)] + args[1:]) == 0
         texts[path.name] = capsys.readouterr().out
     assert len(set(texts.values())) == 1, texts
@@ -151,16 +153,16 @@ def test_resume_auto_on_the_finished_run_does_nothing_unless_final_model_is_miss
     env = make_subprocess_env()
     args = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "cpu", "--set", "data_dir=data/mine",
             "--max-steps", "4", "--resume", "auto"] + QUICK[3:]
-    rows = (run_dir / "logs" / "metrics.jsonl").read_text()
-    weights = (run_dir / "final_model" / "model.safetensors").read_bytes()
+    rows = (run_dir / RUN / "logs" / "metrics.jsonl").read_text()
+    weights = (run_dir / RUN / "final_model" / "model.safetensors").read_bytes()
     proc = run(args, env, cwd=run_dir)
     assert "The run already finished: checkpoint checkpoint-epoch0-step4-files0 is at max_steps=4" in proc.stdout
-    assert "Preflight" not in proc.stdout and (run_dir / "logs" / "metrics.jsonl").read_text() == rows
-    shutil.rmtree(run_dir / "final_model")
+    assert "Preflight" not in proc.stdout and (run_dir / RUN / "logs" / "metrics.jsonl").read_text() == rows
+    shutil.rmtree(run_dir / RUN / "final_model")
     proc = run(args, env, cwd=run_dir)
     assert "final_model/ was missing: exported it" in proc.stdout
-    assert (run_dir / "final_model" / "model.safetensors").read_bytes() == weights
-    assert json.loads((run_dir / "final_model" / "config.json").read_text())["eos_token_id"] == 50256
+    assert (run_dir / RUN / "final_model" / "model.safetensors").read_bytes() == weights
+    assert json.loads((run_dir / RUN / "final_model" / "config.json").read_text())["eos_token_id"] == 50256
 
 
 @pytest.mark.slow
@@ -173,7 +175,7 @@ def test_transformers_loads_the_model_without_torchao_noise(first_day, tmp_path)
     root, _ = first_day
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = ("import transformers, torch; transformers.AutoModelForCausalLM; "
-            f"transformers.AutoModelForCausalLM.from_pretrained({str(root / 'final_model')!r})")
+            f"transformers.AutoModelForCausalLM.from_pretrained({str(root / RUN / 'final_model')!r})")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr

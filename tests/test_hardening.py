@@ -376,6 +376,7 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
     (tmp / "a_file").write_text("x")
     (tmp / "not_a_checkpoint").mkdir()
     (tmp / "corpus.txt").write_text("some text")
+    (tmp / "other_run" / "checkpoints" / "checkpoint-epoch0-step2-files0").mkdir(parents=True)
     py = sys.executable
     train = [py, "train.py", "--config", "demo", "--set", "model=tiny", "--output-dir", str(tmp / "out"),
              "--data-dir", str(data)]
@@ -389,6 +390,11 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
         ("train: resume from a non-checkpoint dir", train + ["--resume", str(tmp / "not_a_checkpoint")]),
         ("start_training.sh: unknown preset", ["bash", "start_training.sh", "--cpu", "--config", "nope"]),
         ("start_training.sh: bad --gpus", ["bash", "start_training.sh", "--cpu", "--config", "demo", "--gpus", "x"]),
+        ("start_training.sh: --gpus 0", ["bash", "start_training.sh", "--config", "demo", "--gpus", "0"]),
+        ("start_training.sh: unknown option", ["bash", "start_training.sh", "--config", "demo", "--bogus"]),
+        ("start_training.sh: no --config", ["bash", "start_training.sh", "--cpu"]),
+        ("launch.py: no command", [py, "utils/launch.py"]),
+        ("train: a fresh run into another run's folder", train[:6] + [str(tmp / "other_run")] + train[7:]),
         ("prepare: missing input", prepare + ["--input", str(tmp / "nope"), "--tokenizer", "t", "--output",
                                                    str(tmp / "o")]),
         ("prepare: missing tokenizer", prepare + ["--input", str(tmp / "corpus.txt"), "--tokenizer",

@@ -317,11 +317,12 @@ def test_a_50k_vocabulary_does_not_page_fault_its_buffers_in_every_step(tmp_path
 
     rng = random.Random(0)
     words = ["".join(rng.choice("etaoinshrdlu") for _ in range(rng.randint(2, 8))) for _ in range(2000)]
-    (tmp_path / "corpus.txt").write_text("".join(" ".join(rng.choices(words, k=100)) + "\n" for _ in range(400)))
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=100))}) + "\n"
+                                                   for _ in range(400)))  # 400 documents
     faults = {}
     for vocab in (50257, 512):
         data = tmp_path / f"data-{vocab}"
-        prepare([str(tmp_path / "corpus.txt")], str(gpt2_style_tokenizer(tmp_path / f"{vocab}.json", vocab)), data,
+        prepare([str(tmp_path / "corpus.jsonl")], str(gpt2_style_tokenizer(tmp_path / f"{vocab}.json", vocab)), data,
                 shard_tokens=1 << 14)
         cmd = train_cmd(tmp_path / f"out-{vocab}", data, "per_device_train_batch_size=16", "eval_interval=1000",
                         "save_steps=1000", extra=("--max-steps", "12"))

@@ -24,22 +24,36 @@ workers and torchrun before train.py could act on it. So:
   a terminal, so progress bars still draw and stay in order with the log lines), which leaves out the
   traceback accelerate or torchrun print after a rank failed: that rank has already said what went wrong.
 
-Limits: if the supervisor itself is SIGKILLed, nothing is forwarded (the scheduler is then killing the
-whole job anyway).
+- the ranks get this supervisor's pid (`NEOX_SUPERVISOR_PID`): if it is SIGKILLed, so that it can forward
+  nothing, each rank notices (utils/signals.py `watch_supervisor`) and stops as on SIGTERM, with a checkpoint;
+- a rank killed by a signal (SIGKILL, the OOM killer) is one line naming it and the signal, not the other
+  ranks' tracebacks about the peer they lost, nor torchrun's report;
+- a console that goes away (`| tee log` and Ctrl-C, a closed terminal) never stops it (utils/console.py).
 """
 from __future__ import annotations
 
-import ctypes
-import json
-import os
-import re
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from pathlib import Path
+
+_EARLY_STOPS: list[int] = []  # stop signals that came before the supervisor had started anything
+if __name__ == "__main__":  # caught from the first line (start_training.sh execs this): it may come at once
+    for _signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(_signum, lambda signum, _frame: _EARLY_STOPS.append(signum))
+
+import ctypes  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's utils package
+
+from utils.console import survive_lost_console  # noqa: E402
+from utils.signals import SUPERVISOR_PID, parent_pid  # noqa: E402
 
 PROG = "start_training.sh"
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM, signal.SIGUSR1: signal.SIGTERM,
@@ -52,17 +66,25 @@ LATE_RANK_WAIT_S = 600.0  # how long a stop signal waits for ranks that are stil
 class StderrFilter:
     """Copies the command's stderr to `sink` as it comes, leaving out what only repeats a rank's failure:
     a launcher's traceback after a failed rank (its last line `subprocess.CalledProcessError: ...` from
-    accelerate or `...ChildFailedError` from torchrun) and everything after it (torchrun's failure report),
-    torchrun's log lines about stopping the other ranks and about a rank's exit status 2 (a user error, said
-    by the rank), an `error:` line another rank already printed, C++ stack dumps (`Exception raised from
-    ...` and its `frame #N` lines), and, on a node whose ranks all finished, torchrun's traceback for an exit
-    barrier that node 0's launcher left first (it ended the run with another status): one line says that
-    instead. Other tracebacks pass through whole."""
+    accelerate or `...ChildFailedError` from torchrun) and everything after it (torchrun's failure report,
+    read for the rank a signal killed: `killed_rank`), a rank's traceback for a peer it lost (the rank that
+    died is named instead; its last line is kept in `peer_lost`), torchrun's log lines about stopping the
+    other ranks and about a rank's exit status 2 (a user error, said by the rank) or a signal, an `error:`
+    line another rank already printed, C++ stack dumps (`Exception raised from ...` and its `frame #N`
+    lines), and, on a node whose ranks all finished, torchrun's traceback for an exit barrier that node 0's
+    launcher left first (it ended the run with another status): one line says that instead. Other
+    tracebacks pass through whole (also those torch prefixes with `[rankN]: `)."""
 
     START = b"Traceback (most recent call last):"
     LAUNCHER_ERRORS = (b"subprocess.CalledProcessError:", b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
     NOISE = re.compile(rb"torch/distributed/elastic/multiprocessing/api\.py:\d+\] "
-                       rb"(Sending process \d+ closing signal|failed \(exitcode: 2\))")
+                       rb"(Sending process \d+ closing signal|failed \(exitcode: (2|-\d+)\))")
+    RANK_PREFIX = re.compile(rb"^\[rank\d+\]: ")  # torch's excepthook, once a process group exists
+    PARTIAL_RANK_PREFIX = re.compile(rb"\[(r(a(n(k(\d+(\](:)?)?)?)?)?)?)?")
+    PEER_LOST = re.compile(rb"Connection (closed|reset) by peer")  # gloo's words for a rank that died
+    DIED_WITH = re.compile(rb"died with <Signals\.\w+: (\d+)>")  # accelerate's one-process launch
+    ROOT_CAUSE = b"Root Cause (first observed failure):"  # torchrun's report: then `rank`, `exitcode` fields
+    REPORT_FIELD = re.compile(rb"^\s+(rank|exitcode)\s*: (-?\d+) \((?:local_rank|pid): (\d+)\)")
     CPP_DUMP = b"Exception raised from "  # ... (most recent call first):, then frame lines up to a blank line
     EXIT_BARRIER = re.compile(rb"(elastic/agent/server/api\.py:\d+\] )Error waiting on exit barrier")
     EXIT_BARRIER_SAID = (b"note: this node's processes finished, but node 0's launcher had already exited (the "
@@ -76,43 +98,80 @@ class StderrFilter:
         self.dropping = False
         self.in_cpp_dump = False
         self.barrier_log: bytes | None = None  # the log-record prefix of an exit-barrier report being dropped
+        self.held_prefix = b""  # a held traceback's `[rankN]: `: other lines may come between its lines
+        self.killed_rank: tuple[int, int | None, int] | None = None  # (rank, pid, signal) of the root cause
+        self.peer_lost: str | None = None
+        self._in_root_cause, self._report_rank = False, None
 
     def feed(self, data: bytes) -> None:
-        if self.dropping:
-            return
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
         for line in lines:
             self._line(line + b"\n")
-            if self.dropping:
-                return
-        if self.held is None:  # show an incomplete line at once (a progress bar's `\r...` updates), all but
-            head, sep, last = self.partial.rpartition(b"\r")  # what may yet become "Traceback ..."
-            keep = last if last and self.START.startswith(last) else b""
+        if self.held is None and not self.dropping:
+            # an incomplete line is shown at once (a progress bar's `\r...` updates), all but what may yet
+            # become "Traceback ..." (or "[rankN]: Traceback ...")
+            head, sep, last = self.partial.rpartition(b"\r")
+            keep = last if last and self._may_start_traceback(last) else b""
             self._write(self.partial[:len(self.partial) - len(keep)])
             self.partial = keep
 
     def _line(self, line: bytes) -> None:
         text = line.lstrip(b"\r")
+        if self.dropping:
+            self._read_failure_report(text)
+            return
         if self._torch_noise(text):
             return
-        if self.held is None:
-            if text.startswith(self.START):
-                self.held = [line]
-            elif text.startswith(b"error: ") and text in self.errors_shown or self.NOISE.search(text):
-                pass
-            else:
-                if text.startswith(b"error: "):
-                    self.errors_shown.add(text)
-                self._write(line)
+        if self.held is None or (self.held_prefix and text.strip() and not text.startswith(self.held_prefix)):
+            self._plain(line, text)
             return
         self.held.append(line)
-        if text.strip() and not text.startswith((b" ", b"\t")):  # the exception line ends the traceback
-            if text.startswith(self.LAUNCHER_ERRORS):
+        bare = text[len(self.held_prefix):]
+        if bare.strip() and not bare.startswith((b" ", b"\t")):  # the exception line ends the traceback
+            if bare.startswith(self.LAUNCHER_ERRORS):
                 self.dropping = True
+                died = self.DIED_WITH.search(bare)
+                if died:
+                    self.killed_rank = (0, None, int(died.group(1)))
+            elif self.PEER_LOST.search(bare):
+                self.peer_lost = bare.strip().decode(errors="replace")
             else:
                 self._write(b"".join(self.held))
             self.held = None
+
+    def _may_start_traceback(self, partial: bytes) -> bool:
+        prefix = self.RANK_PREFIX.match(partial)
+        if prefix is None and self.PARTIAL_RANK_PREFIX.fullmatch(partial):
+            return True
+        return self.START.startswith(partial[prefix.end():] if prefix else partial)
+
+    def _plain(self, line: bytes, text: bytes) -> None:
+        """A line outside a held traceback: shown, unless it starts one, repeats an error or is noise."""
+        prefix = self.RANK_PREFIX.match(text)
+        prefix = prefix.group(0) if prefix else b""
+        if self.held is None and text[len(prefix):].startswith(self.START):
+            self.held, self.held_prefix = [line], prefix
+        elif text.startswith(b"error: ") and text in self.errors_shown or self.NOISE.search(text):
+            pass
+        else:
+            if text.startswith(b"error: "):
+                self.errors_shown.add(text)
+            self._write(line)
+
+    def _read_failure_report(self, text: bytes) -> None:
+        """torchrun's report after its traceback: the root cause's rank, pid and exit code (negative: the
+        signal that killed it)."""
+        if text.startswith(self.ROOT_CAUSE):
+            self._in_root_cause = True
+        field = self.REPORT_FIELD.match(text)
+        if not (field and self._in_root_cause):
+            return
+        value, extra = int(field.group(2)), int(field.group(3))
+        if field.group(1) == b"rank":
+            self._report_rank = value
+        elif value < 0 and self._report_rank is not None:
+            self.killed_rank = (self._report_rank, extra, -value)
 
     def _torch_noise(self, text: bytes) -> bool:
         """C++ stack dumps and an unmet exit barrier's report (see the class docstring): dropped."""
@@ -205,19 +264,7 @@ def _catches(pid: int, signum: int) -> bool:
 
 
 def _children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # pid (comm) state ppid ...; comm may hold spaces and parentheses: split after the last ')'
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
-    return found
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and parent_pid(int(entry)) == pid]
 
 
 class Supervisor:
@@ -283,10 +330,14 @@ class Supervisor:
             pass  # not Linux: orphans go to init as usual
         for signum in FORWARDED:
             signal.signal(signum, self.on_signal)
+        if _EARLY_STOPS:
+            print(f"{PROG}: stopped by {_signal_name(_EARLY_STOPS[0])} before training started; nothing to save",
+                  file=sys.stderr)
+            return 0
         fd, status_path = tempfile.mkstemp(prefix="neox-status-", suffix=".json")
         os.close(fd)
         os.unlink(status_path)
-        env = dict(os.environ, NEOX_STATUS_FILE=status_path)
+        env = dict(os.environ, NEOX_STATUS_FILE=status_path, **{SUPERVISOR_PID: str(os.getpid())})
         read_end, write_end, merged = _stderr_channel()
         try:
             self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, stderr=write_end,
@@ -297,7 +348,8 @@ class Supervisor:
         finally:
             os.close(write_end)
         sink = (sys.stdout if merged else sys.stderr).buffer
-        pump = threading.Thread(target=StderrFilter(sink).pump, args=(read_end,), daemon=True)
+        output = StderrFilter(sink)
+        pump = threading.Thread(target=output.pump, args=(read_end,), daemon=True)
         pump.start()
         code = self._wait_all()
         pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
@@ -306,7 +358,7 @@ class Supervisor:
             os.unlink(status_path)
         except OSError:
             pass
-        return self._report(code, status)
+        return self._report(code, status, output)
 
     def _wait_all(self) -> int:
         """Reaps every child (ours and the orphans reparented to us) until none is left; returns the
@@ -331,10 +383,19 @@ class Supervisor:
                 code = os.waitstatus_to_exitcode(status)
                 child_done_at = time.monotonic()
 
-    def _report(self, code: int, status: dict | None) -> int:
+    def _report(self, code: int, status: dict | None, output: StderrFilter) -> int:
         if code < 0:  # killed by a signal nobody caught
-            print(f"{PROG}: training was killed by {signal.Signals(-code).name}", file=sys.stderr)
+            print(f"{PROG}: training was killed by {_signal_name(-code)}", file=sys.stderr)
             return 128 - code
+        if code != 0 and output.killed_rank is not None:
+            rank, pid, signum = output.killed_rank
+            saved = (status or {}).get("checkpoint")
+            print(f"{PROG}: rank {rank}{f' (pid {pid})' if pid else ''} was killed by {_signal_name(signum)}, and "
+                  f"the other ranks stopped with it; " + (f"last checkpoint {saved}; " if saved else "") +
+                  "continue from the newest checkpoint with --resume auto", file=sys.stderr, flush=True)
+            return 128 + signum
+        if code != 0 and output.peer_lost is not None:
+            print(f"{PROG}: a rank lost its connection to the others: {output.peer_lost}", file=sys.stderr, flush=True)
         if status and status.get("exit_code"):
             return int(status["exit_code"])  # train.py's own status, not the launcher's (accelerate: always 1)
         if not status or code != 0:
@@ -352,6 +413,13 @@ class Supervisor:
         return 0
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def _read_status(path: str) -> dict | None:
     try:
         return json.loads(Path(path).read_text())
@@ -364,8 +432,10 @@ def main(argv=None) -> int:
     if "--" in argv:
         argv = argv[argv.index("--") + 1:]
     if not argv:
-        print(f"usage: python {Path(__file__).name} -- COMMAND [ARGS...]", file=sys.stderr)
+        print(f"{Path(__file__).name}: error: no command to run; usage: python utils/{Path(__file__).name} -- COMMAND "
+              f"[ARGS...] (start_training.sh runs it for you)", file=sys.stderr)
         return 2
+    survive_lost_console()
     return Supervisor(argv).run()
 
 

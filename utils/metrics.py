@@ -127,6 +127,17 @@ class RunLogger:
                 self._drop_files()
                 raise UserError(f"cannot write {path} ({exc.strerror}){owner_of(path)}; use an --output-dir you "
                                 f"may write, or fix its permissions") from None
+            from utils.console import on_lost
+
+            on_lost(self._console_lost)
+
+    def _console_lost(self, stream: str, why: str) -> None:
+        """utils/console.py dropped the console: the log files say so, and go on."""
+        try:
+            self._append("training.log", f"{time.strftime('%Y-%m-%d %H:%M:%S')} console: {stream} went away "
+                                         f"({why}); the run goes on, its lines continue in this file only\n")
+        except UserError:
+            pass  # the log file's own failure is said by the next line that fails the same way
 
     def start_trackers(self, accelerator, run_name: str, config: dict, resume_step: int | None) -> None:
         """accelerate's trackers, with the resolved config as hyperparameters. On a resume, TensorBoard
@@ -271,7 +282,8 @@ class NonFiniteLoss(UserError):
 
 class MetricsWindow:
     """The steps since the last log line: their losses (device tensors, no host sync until `row`), the
-    time they took minus eval/checkpoint time, and the time spent waiting for data."""
+    time they took minus eval/checkpoint time, and the time spent waiting for data. It also counts the
+    session's training steps and their time over every window (`session`), for the closing summary."""
 
     def __init__(self, accelerator, tokens_per_step: int, flops_per_token: float, peak: float | None,
                  precision: str, process_started: float | None = None):
@@ -282,13 +294,18 @@ class MetricsWindow:
         self.process_started = process_started  # perf_counter() at process start: for time to first step
         self.first_step_s: float | None = None
         self._first_step_reported = False
+        self.trained_steps, self.trained_s = 0, 0.0  # this session's, over every window
         self.restart(first_step=1)
 
     def restart(self, first_step: int) -> None:
+        """A new window from `first_step`, its clock starting now."""
+        self._new_window(first_step)
+        self._clock, self._excluded_s = time.perf_counter(), 0.0
+
+    def _new_window(self, first_step: int) -> None:
         self.losses: list[torch.Tensor] = []
         self.first_step = first_step
-        self.data_wait_s = self.excluded_s = 0.0
-        self.started = time.perf_counter()
+        self.data_wait_s = self.window_s = 0.0
 
     def add(self, step_loss: torch.Tensor) -> None:
         if self.first_step_s is None and self.process_started is not None:  # once: imports, setup, compile
@@ -296,10 +313,29 @@ class MetricsWindow:
                 torch.cuda.synchronize(self.accelerator.device)
             self.first_step_s = time.perf_counter() - self.process_started
         self.losses.append(step_loss)
+        self.trained_steps += 1
+        self._charge()
 
     def exclude(self, seconds: float) -> None:
         """Time inside the window that is not training (eval, checkpoint): kept out of tokens/s and MFU."""
-        self.excluded_s += seconds
+        self._excluded_s += seconds
+
+    def _charge(self) -> None:
+        """The time since the last charge, less what was excluded in it, is training time."""
+        now = time.perf_counter()
+        seconds = max(0.0, now - self._clock - self._excluded_s)
+        self._clock, self._excluded_s = now, 0.0
+        self.window_s += seconds
+        self.trained_s += seconds
+
+    def session(self) -> tuple[int, float, float | None, float | None]:
+        """(tokens, seconds, tokens/s, MFU) of this session's training steps (tokens of every rank): eval,
+        samples and checkpoints are left out, as in each window's row."""
+        tokens = self.trained_steps * self.tokens_per_step
+        if not self.trained_s:
+            return tokens, 0.0, None, None
+        tps = tokens / self.trained_s
+        return tokens, self.trained_s, tps, mfu(tps, self.flops_per_token, self.peak, self.accelerator.num_processes)
 
     def checked_losses(self) -> torch.Tensor:
         """Per-step losses averaged over ranks (one host sync); stops the run at the first non-finite one,
@@ -318,7 +354,8 @@ class MetricsWindow:
     def row(self, step: int, tokens: int, lr: float, grad_norm: torch.Tensor) -> dict:
         """The logging row for the window ending at `step`; the window starts again after it."""
         losses = self.checked_losses()
-        elapsed = max(1e-9, time.perf_counter() - self.started - self.excluded_s)
+        self._charge()  # the host sync just now finished the window's device work
+        elapsed = max(1e-9, self.window_s)
         n = len(self.losses)
         tps = n * self.tokens_per_step / elapsed
         row = {"step": step, "tokens": tokens, "loss": float(losses.mean()), "lr": lr,
@@ -329,7 +366,7 @@ class MetricsWindow:
         if self.first_step_s is not None and not self._first_step_reported:
             row["first_step_s"] = self.first_step_s
             self._first_step_reported = True
-        self.restart(step + 1)
+        self._new_window(step + 1)
         return row
 
     def _device_stats(self) -> dict:
@@ -378,24 +415,36 @@ def rows_with(rows: list[dict], key: str) -> list[dict]:
     return sorted({r["step"]: r for r in rows if r.get(key) is not None}.values(), key=lambda r: r["step"])
 
 
-def closing_summary(metrics_path, session_s: float, checkpoint: Path | None, final_model: Path | None) -> str:
-    """The lines that end a run, from its whole metrics.jsonl (every resumed session): steps, tokens, mean
-    tokens/s and MFU, the first and last validation loss, and where the checkpoint and the model are."""
-    rows = read_metrics(metrics_path)
-    train = {r["step"]: r for r in rows_with(rows, "loss")}
-    evals = {r["step"]: r["val_loss"] for r in rows_with(rows, "val_loss")}
-    if not train:
-        return "Summary: no training step was logged"
-    last = train[max(train)]
-    speeds = [r["tokens_per_sec"] for r in train.values() if r.get("tokens_per_sec")]
-    mfus = [r["mfu"] for r in train.values() if r.get("mfu") is not None]
-    lines = [f"Summary: {last['step']:,} steps, {last['tokens']:,} tokens; this session {session_s:,.0f} s; mean "
-             f"{sum(speeds) / max(1, len(speeds)):,.0f} tok/s" + (f", MFU {100 * sum(mfus) / len(mfus):.1f}%" if mfus else "")]
-    if evals:
-        first_step, last_step = min(evals), max(evals)
-        first, final = evals[first_step], evals[last_step]
-        change = f" ({100 * (final - first) / first:+.1f}%)" if first and last_step != first_step else ""
-        lines.append(f"  val_loss {first:.4f} at step {first_step} -> {final:.4f} at step {last_step}{change}")
+def closing_summary(metrics_path, *, step: int, tokens: int, session_s: float, window: MetricsWindow,
+                    checkpoint: Path | None, final_model: Path | None) -> str:
+    """The lines that end a run: the step and tokens reached, this session's training throughput (from
+    the window's counters: the tokens it trained over the time of its training steps, eval, samples and
+    checkpoints left out), the first and last validation loss up to `step` from the run's whole
+    metrics.jsonl (every resumed session), and where the checkpoint and the model are. A mixture's sources
+    are compared each on its own validation loss: their weighted mean changes meaning when a resume changes
+    the weights, so it is given at the end only."""
+    trained, trained_s, tps, util = window.session()
+    head = f"Summary: {step:,} steps, {tokens:,} tokens; this session {session_s:,.0f} s"
+    if tps is None:
+        head += ", no training step"
+    else:
+        head += (f", {trained:,} tokens trained in {trained_s:,.1f} s of training steps (eval, samples and "
+                 f"checkpoints left out): {tps:,.0f} tok/s" + (f", MFU {100 * util:.1f}%" if util is not None else ""))
+    lines = [head]
+    evals = [r for r in rows_with(read_metrics(metrics_path), "val_loss") if r["step"] <= step]
+    sources = sorted({k for r in evals for k in r if k.startswith("val_loss/") and r[k] is not None})
+    for key in sources or ["val_loss"]:
+        points = [(r["step"], r[key]) for r in evals if r.get(key) is not None]
+        if not points:
+            continue
+        (first_step, first), (last_step, final) = points[0], points[-1]
+        if last_step == first_step:
+            lines.append(f"  {key} {first:.4f} at step {first_step}")
+            continue
+        change = f" ({100 * (final - first) / first:+.1f}%)" if first else ""
+        lines.append(f"  {key} {first:.4f} at step {first_step} -> {final:.4f} at step {last_step}{change}")
+    if sources and evals:
+        lines.append(f"  val_loss (the sources' weighted mean) {evals[-1]['val_loss']:.4f} at step {evals[-1]['step']}")
     lines.append(f"  checkpoint: {checkpoint or 'none'}")
     if final_model is not None:
         lines.append(f"  model: {final_model} (python generate.py {final_model} --prompt \"...\")")

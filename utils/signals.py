@@ -1,17 +1,67 @@
 """Stopping on SIGTERM/SIGINT at an optimizer-step boundary, every rank at the same step; before the first
-step, between setup phases, with nothing to save."""
+step, between setup phases, with nothing to save. Under the launcher, also when the launcher is gone."""
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import time
 
+SUPERVISOR_PID = "NEOX_SUPERVISOR_PID"  # set by utils/launch.py for the command it supervises
 _EARLY: list[str] = []  # signals received after catch_early() and before the StopSignal existed
+_SUPERVISOR_LOST: list[str] = []  # why the SIGTERM the watchdog sent came, once it has sent it
+
+
+def _reason(signum: int) -> str:
+    if signum == signal.SIGTERM and _SUPERVISOR_LOST:
+        return _SUPERVISOR_LOST[0]
+    return signal.Signals(signum).name
+
+
+def watch_supervisor(interval_s: float = 0.5) -> None:
+    """Under the launcher, stop as on SIGTERM once the launcher is gone. Killed with SIGKILL, it forwards
+    nothing, and the ranks (children of torchrun or accelerate, which outlive it) would train on as orphans
+    holding the output dir's lock. A parent-death signal (PR_SET_PDEATHSIG) cannot tell: it fires when the
+    parent dies, and the parent is torchrun, not the launcher above it. So a daemon thread checks that the
+    launcher is still among this process's ancestors (a pid reused by another process is not); when it is
+    not, the process sends itself SIGTERM, and the run stops at the next step with a checkpoint."""
+    pid = os.environ.get(SUPERVISOR_PID, "")
+    if not pid.isdigit():
+        return
+
+    def watch():
+        while int(pid) in _ancestors():
+            time.sleep(interval_s)
+        _SUPERVISOR_LOST.append(f"the loss of its launcher (pid {pid})")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
+
+
+def _ancestors() -> set[int]:
+    found, pid = set(), os.getppid()
+    while pid and pid not in found:
+        found.add(pid)
+        pid = parent_pid(pid)
+    return found
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process `pid` from /proc (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # pid (comm) state ppid ...; comm may hold spaces and parentheses: split after the last ')'
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def catch_early() -> None:
     """From here until the StopSignal exists (it needs the process group), SIGTERM/SIGINT are remembered
     instead of killing the process mid-setup; the StopSignal then acts on them. A second SIGINT interrupts."""
     def remember(signum, frame):
-        _EARLY.append(signal.Signals(signum).name)
+        _EARLY.append(_reason(signum))
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -44,7 +94,7 @@ class StopSignal:
 
     def _handle(self, signum, frame):
         self.requested = True
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name = _reason(signum)
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -234,7 +234,7 @@ class Checkpointer:
             if self.accelerator.is_local_main_process and not self.is_main and path.parent == self.root:
                 files.remove_tree(path)
         old_global = saved.global_batch_sequences
-        if old_global and old_global != self.run.global_batch_sequences:
+        if old_global and old_global != self.run.global_batch_sequences and self.is_main:  # the same on every rank
             self.log.warning(f"  global batch changes from {old_global} to {self.run.global_batch_sequences} "
                              f"sequences per step; the LR schedule is per optimizer step and is not rescaled")
 
@@ -398,6 +398,10 @@ def _check_fits(path: Path, saved: RunRecord, step: int, run: RunRecord) -> None
     """One clear line for a checkpoint (`saved` at `step`) that cannot continue this run."""
     old, new = saved.model, run.model
     diff = [f"{k} {old.get(k)} vs {new.get(k)}" for k in _MUST_MATCH if k in old and old.get(k) != new.get(k)]
+    if diff and old.get("name") == new.get("name"):  # e.g. the vocabulary, set by another dataset's tokenizer
+        raise CheckpointError(f"checkpoint {path} was written for another shape of model '{new.get('name')}' "
+                              f"({', '.join(diff)}: checkpoint vs this run); resume it with the data and settings "
+                              f"it was trained with, or start a fresh run in another --output-dir")
     if diff:
         raise CheckpointError(f"checkpoint {path} was written for model '{old.get('name')}' but this run builds "
                               f"'{new.get('name')}' ({', '.join(diff)}); resume with --set model={old.get('name')} "

@@ -15,14 +15,12 @@ from utils.evals.tasks import Task, load_task
 def load_encoder(source, max_length: int, advice: str) -> RequestEncoder:
     """The RequestEncoder of the tokenizer at `source` (a data directory, a checkpoint, an HF directory or a
     tokenizer.json; see ExportTokenizer.find); `advice` ends the error when there is none."""
-    from tokenizers import Tokenizer
-
     from utils.model.hf import ExportTokenizer
 
     found = ExportTokenizer.find(Path(source).expanduser())
     if found is None:
         raise UserError(f"no tokenizer.json in {source}, so the tasks' text cannot be tokenized; {advice}")
-    tokenizer = Tokenizer.from_file(str(found.file))
+    tokenizer = found.tokenizer
     prefix = found.bos or found.eos
     return RequestEncoder(tokenizer, tokenizer.token_to_id(prefix) if prefix else None, max_length)
 
