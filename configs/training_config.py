@@ -17,10 +17,11 @@ import yaml
 from configs.model_config import ConfigError, get_model_spec
 from utils.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
 from utils.schedules import SCHEDULES
+from utils.trackers import TRACKERS
 
 MIXED_PRECISION_MODES = ("bf16", "fp16", "fp8", "no")
 MODEL_IMPLS = ("native", "hf")
-REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
+REPORT_TO = (*TRACKERS, "none")  # utils/trackers.py: the registry
 MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 STRATEGIES = ("ddp", "fsdp")  # utils/parallel.py: one class each

@@ -78,7 +78,7 @@ def test_metrics_window_excludes_eval_and_checkpoint_time(accelerator):
 
 
 def test_evaluate_is_the_mean_batch_loss(accelerator):
-    from train import evaluate
+    from utils.evals.validation import evaluate
     from utils.model import build_model
 
     model = build_model(get_model_spec("tiny"), seed=0)

@@ -174,7 +174,7 @@ def test_warmup_longer_than_the_run_warns(capsys):
 def test_a_tracker_without_its_package_is_one_line_and_others_keep_working(monkeypatch):
     import importlib.util
 
-    from utils.metrics import usable_trackers
+    from utils.trackers import usable_trackers
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

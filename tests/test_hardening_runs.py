@@ -318,7 +318,7 @@ def test_what_counts_as_another_run_s_files(tmp_path):
     """Any checkpoint (complete or not), final_model/, or rows in logs/metrics.jsonl (a run that trained and
     never saved): a fresh run is refused there. An empty folder, or logs without rows (a run stopped during
     setup), is free."""
-    from train import refuse_another_run
+    from utils.run_dir import refuse_another_run
     from utils.errors import UserError
 
     out = tmp_path / "out"
@@ -344,17 +344,17 @@ def test_what_counts_as_another_run_s_files(tmp_path):
 def test_each_run_has_its_own_folder_under_runs_by_default(tmp_path, subprocess_env):
     """Without --output-dir a run writes runs/<run name>/ in the repository (git-ignored): the demo's and an
     own-data run's (`cpu`) folders differ, a config file's run is named by its file."""
-    import train
+    from utils.run_dir import default_output_dir
     from configs.settle import settle_config
 
     name = f"pytest-{uuid.uuid4().hex[:8]}"
-    folders = {preset: train.default_output_dir(settle_config(preset, [], {})[0]) for preset in ("demo", "cpu")}
+    folders = {preset: default_output_dir(settle_config(preset, [], {})[0], REPO_ROOT) for preset in ("demo", "cpu")}
     assert folders == {"demo": REPO_ROOT / "runs" / "demo", "cpu": REPO_ROOT / "runs" / "cpu"}
     config = tmp_path / "configs" / "my-run.yaml"
     config.parent.mkdir()
     config.write_text("base: demo\n")
-    assert train.default_output_dir(settle_config(str(config), [], {})[0]).parent == REPO_ROOT / "runs"
-    assert train.default_output_dir(settle_config(str(config), [], {})[0]).name.startswith("my-run")
+    assert default_output_dir(settle_config(str(config), [], {})[0], REPO_ROOT).parent == REPO_ROOT / "runs"
+    assert default_output_dir(settle_config(str(config), [], {})[0], REPO_ROOT).name.startswith("my-run")
     data = make_shards(tmp_path / "data")
     cmd = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "demo", "--data-dir", str(data)]
     for s in TINY + ["max_steps=1", "save_steps=100", f"run_name={name}"]:
@@ -376,7 +376,7 @@ def test_each_run_has_its_own_folder_under_runs_by_default(tmp_path, subprocess_
 def test_readme_commands_put_each_run_in_its_own_folder():
     """README.md's demo and own-data commands train into different folders, and the generate and plot
     commands name those folders (final_model is runs/<name>/final_model)."""
-    import train
+    from utils.run_dir import default_output_dir
     from configs.settle import settle_config
 
     text = (REPO_ROOT / "README.md").read_text()
@@ -388,7 +388,7 @@ def test_readme_commands_put_each_run_in_its_own_folder():
     for command in trains:
         words = shlex.split(command)
         preset = words[words.index("--config") + 1]
-        folders.add(train.default_output_dir(settle_config(preset, [], {})[0]).relative_to(REPO_ROOT))
+        folders.add(default_output_dir(settle_config(preset, [], {})[0], REPO_ROOT).relative_to(REPO_ROOT))
     assert {Path("runs/demo"), Path("runs/cpu")} <= folders
     generate = next(c for c in commands if "generate.py" in c)
     assert shlex.split(generate)[2] == "runs/cpu/final_model"
@@ -401,11 +401,12 @@ def test_a_checkpoint_of_another_shape_of_the_same_named_model_is_said_plainly()
     it already has."""
     from utils.checkpoint.checkpointer import _check_fits
     from utils.checkpoint.format import CheckpointError
+    from utils.checkpoint.run_record import RunRecord
 
-    saved = {"model": {"name": "demo", "padded_vocab_size": 2048}, "seq_len": 64, "step": 2}
-    run_now = {"model": {"name": "demo", "padded_vocab_size": 50304}, "seq_len": 64, "data": None, "max_steps": 10}
+    saved = RunRecord(1, model={"name": "demo", "padded_vocab_size": 2048}, seq_len=64)
+    run_now = RunRecord(1, model={"name": "demo", "padded_vocab_size": 50304}, seq_len=64, max_steps=10)
     with pytest.raises(CheckpointError) as caught:
-        _check_fits(Path("ck"), saved, run_now)
+        _check_fits(Path("ck"), saved, 2, run_now)
     message = str(caught.value)
     assert "another shape of model 'demo' (padded_vocab_size 2048 vs 50304" in message and "--set model=" not in message
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from configs import ConfigError, get_model_spec, get_training_config
-from utils.model import build_model, preflight_problem
+from utils.model import build_model
+from utils.model.preflight import preflight_problem
 from utils.optim import BF16MomentAdamW
 from configs.profiles import PROFILES, apply_profile, choose_profile, resolve_profile
 

@@ -65,3 +65,17 @@ def survive_lost_console() -> None:
 def on_lost(listener) -> None:
     """`listener(stream_name, why)` is called once for each stream that goes away; it must not raise."""
     _LISTENERS.append(listener)
+
+
+def progress_bar(total: int, initial: int, is_main: bool):
+    """A tqdm bar on an interactive terminal (rank 0); none when output goes to a file (SLURM, nohup, CI),
+    where the step lines already show progress and bar fragments would glue onto them."""
+    from tqdm import tqdm
+
+    interactive = sys.stderr.isatty()
+    if not interactive:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                disable=not (is_main and interactive))

@@ -17,7 +17,7 @@ workers and torchrun before train.py could act on it. So:
 - the supervisor is a child subreaper (PID 1 is one anyway): whatever the ranks leave behind is reparented
   here and waited for, so nothing outlives the launcher;
 - the last line says how the run ended and names the checkpoint, from the record rank 0 writes to
-  `NEOX_STATUS_FILE`. Exit status: 0 for a finished run or a clean stop on a signal, train.py's own status
+  `NEOX_STATUS_FILE` (utils/run_status.py). Exit status: 0 for a finished run or a clean stop on a signal, train.py's own status
   otherwise (2: a problem the user fixes, already explained on stderr in one `error:` line), not the
   launcher's (accelerate exits 1 whatever its rank's status);
 - the command's stderr passes through `StderrFilter` (with its stdout, over a pseudo-terminal, when ours is
@@ -40,7 +40,6 @@ if __name__ == "__main__":  # caught from the first line (start_training.sh exec
         signal.signal(_signum, lambda signum, _frame: _EARLY_STOPS.append(signum))
 
 import ctypes  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -53,6 +52,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's utils package
 
 from utils.console import survive_lost_console  # noqa: E402
+from utils.run_status import STATUS_FILE_ENV, RunStatus  # noqa: E402
 from utils.signals import SUPERVISOR_PID, parent_pid  # noqa: E402
 
 PROG = "start_training.sh"
@@ -337,7 +337,7 @@ class Supervisor:
         fd, status_path = tempfile.mkstemp(prefix="neox-status-", suffix=".json")
         os.close(fd)
         os.unlink(status_path)
-        env = dict(os.environ, NEOX_STATUS_FILE=status_path, **{SUPERVISOR_PID: str(os.getpid())})
+        env = dict(os.environ, **{STATUS_FILE_ENV: status_path, SUPERVISOR_PID: str(os.getpid())})
         read_end, write_end, merged = _stderr_channel()
         try:
             self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, stderr=write_end,
@@ -353,7 +353,7 @@ class Supervisor:
         pump.start()
         code = self._wait_all()
         pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
-        status = _read_status(status_path)
+        status = RunStatus.read(status_path)
         try:
             os.unlink(status_path)
         except OSError:
@@ -383,33 +383,33 @@ class Supervisor:
                 code = os.waitstatus_to_exitcode(status)
                 child_done_at = time.monotonic()
 
-    def _report(self, code: int, status: dict | None, output: StderrFilter) -> int:
+    def _report(self, code: int, status: RunStatus | None, output: StderrFilter) -> int:
         if code < 0:  # killed by a signal nobody caught
             print(f"{PROG}: training was killed by {_signal_name(-code)}", file=sys.stderr)
             return 128 - code
         if code != 0 and output.killed_rank is not None:
             rank, pid, signum = output.killed_rank
-            saved = (status or {}).get("checkpoint")
+            saved = status.checkpoint if status else None
             print(f"{PROG}: rank {rank}{f' (pid {pid})' if pid else ''} was killed by {_signal_name(signum)}, and "
                   f"the other ranks stopped with it; " + (f"last checkpoint {saved}; " if saved else "") +
                   "continue from the newest checkpoint with --resume auto", file=sys.stderr, flush=True)
             return 128 + signum
         if code != 0 and output.peer_lost is not None:
             print(f"{PROG}: a rank lost its connection to the others: {output.peer_lost}", file=sys.stderr, flush=True)
-        if status and status.get("exit_code"):
-            return int(status["exit_code"])  # train.py's own status, not the launcher's (accelerate: always 1)
+        if status and status.exit_code:
+            return int(status.exit_code)  # train.py's own status, not the launcher's (accelerate: always 1)
         if not status or code != 0:
             return code
-        if status.get("stopped_by") and status.get("step") is None:
-            print(f"{PROG}: stopped by {status['stopped_by']} during setup, before any training step; nothing to "
+        if status.stopped_by and status.step is None:
+            print(f"{PROG}: stopped by {status.stopped_by} during setup, before any training step; nothing to "
                   f"save", flush=True)
-        elif status.get("stopped_by"):
-            where = status.get("checkpoint") or "(none written)"
-            print(f"{PROG}: stopped by {status['stopped_by']} after step {status.get('step')}; checkpoint {where} "
+        elif status.stopped_by:
+            where = status.checkpoint or "(none written)"
+            print(f"{PROG}: stopped by {status.stopped_by} after step {status.step}; checkpoint {where} "
                   f"(continue with --resume auto)", flush=True)
-        elif status.get("final_model"):
-            print(f"{PROG}: finished after step {status.get('step')}; last checkpoint {status.get('checkpoint')}, "
-                  f"model in {status['final_model']}", flush=True)
+        elif status.final_model:
+            print(f"{PROG}: finished after step {status.step}; last checkpoint {status.checkpoint}, "
+                  f"model in {status.final_model}", flush=True)
         return 0
 
 
@@ -418,13 +418,6 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def _read_status(path: str) -> dict | None:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,6 @@ import json
 import math
 import resource
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -37,7 +36,6 @@ PEAK_BF16_FLOPS = (
 
 # The keys every training row of logs/metrics.jsonl carries (DESIGN.md "Files a run writes").
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu")
-TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -83,28 +81,6 @@ def _nvml_handle(index: int):
         return pynvml.nvmlDeviceGetHandleByIndex(index)
     except Exception:
         return None
-
-
-def tracker_names(report_to: str) -> list[str]:
-    """`report_to` ("tensorboard", "wandb,mlflow", "none") -> accelerate's tracker names."""
-    names = [n.strip().lower() for n in report_to.split(",") if n.strip()]
-    return [] if names in ([], ["none"]) else names
-
-
-def usable_trackers(report_to: str, warn=None) -> list[str]:
-    """`tracker_names`, less those whose package is not installed: one warning line each with the pip
-    command, and the others keep working (accelerate would fail them all at once)."""
-    import importlib.util
-
-    warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    usable = []
-    for name in tracker_names(report_to):
-        if importlib.util.find_spec(name) is None:
-            warn(f"warning: report_to={name}: the {name} package is not installed, so nothing is logged to it; "
-                 f"pip install {name} (or drop it from report_to)")
-        else:
-            usable.append(name)
-    return usable
 
 
 class RunLogger:
@@ -242,38 +218,6 @@ class RunLogger:
                 print(f"warning: closing trackers: {exc}", file=sys.stderr)
             self._accelerator = None
         self._drop_files()
-
-
-def _quiet_tensorboard_thread(args, _previous=threading.excepthook) -> None:
-    """TensorBoard's writer thread re-raises its write error (a full disk) in its own thread, then again in
-    the next `add_scalar` on ours, where it becomes the one-line DiskFullError: print it once, there.
-    Installed by `tensorboard_tracker` (a run that writes TensorBoard files), not by importing this module."""
-    if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
-        return
-    _previous(args)
-
-
-def tensorboard_tracker(log_dir: Path):
-    """accelerate's TensorBoard tracker writing into log_dir/tensorboard/, with the hyperparameters in that
-    same run: accelerate's own stores them through `add_hparams`, which opens a second run named by the
-    time, and `hparams.yml` in a third (TensorBoard then lists two stray runs)."""
-    from accelerate.tracking import TensorBoardTracker, on_main_process
-
-    threading.excepthook = _quiet_tensorboard_thread
-
-    class OneRunTensorBoard(TensorBoardTracker):
-        @on_main_process
-        def store_init_configuration(self, values: dict):
-            import yaml
-            from torch.utils.tensorboard.summary import hparams
-
-            flat = {k: v if isinstance(v, (bool, int, float, str)) or v is None else str(v) for k, v in values.items()}
-            for event in hparams({k: "" if v is None else v for k, v in flat.items()}, metric_dict={}):
-                self.writer.file_writer.add_summary(event)
-            self.writer.flush()
-            Path(self.logging_dir, "hparams.yml").write_text(yaml.safe_dump(values, sort_keys=False))
-
-    return OneRunTensorBoard("tensorboard", str(log_dir))
 
 
 class NonFiniteLoss(UserError):

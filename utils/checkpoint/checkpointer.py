@@ -117,6 +117,12 @@ def find_checkpoint(resume: str, accelerator, root: Path, remote_root: str | Non
 MODEL, OPTIMIZER, TRAIN = "model", "optimizer", "train"  # the states the format itself saves
 
 
+def remote_checkpoint_root(cfg) -> str | None:
+    """gs://BUCKET/PREFIX/checkpoints/RUN: where the run's checkpoints upload (None: no bucket)."""
+    prefix = "/".join(p for p in (cfg.gcs_prefix.strip("/"), "checkpoints", cfg.effective_run_name) if p)
+    return f"gs://{cfg.gcs_bucket}/{prefix}" if cfg.gcs_bucket else None
+
+
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """When and where checkpoints go."""

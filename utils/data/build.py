@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from utils.data.dataset_info import DatasetInfo
+from utils.data.dataset_info import DatasetInfo, end_of_document_id
 from utils.data.loader import EvalBatches, ResumableLoader, build_eval_batches
 from utils.data.mixture import check_sources
 from utils.data.shard_source import SHARDS
@@ -47,3 +47,12 @@ def build_data(cfg, seq_len: int, vocab_size: int, accelerator, log) -> tuple[Re
                              num_workers=cfg.dataloader_num_workers, prefetch_factor=cfg.prefetch_factor,
                              pin_memory=accelerator.device.type == "cuda", log=log.info)
     return loader, EvalBatches(val_batches, {s.name: s.weight for s in sources})
+
+
+def end_of_document(cfg) -> int:
+    """attention=document: the id documents end with, from `eos_id` or the data."""
+    eos = cfg.eos_id if cfg.eos_id >= 0 else end_of_document_id(s.path for s in sources_from_config(cfg))
+    if eos is None:
+        raise UserError(f"attention=document needs the id documents end with, and {cfg.data_dir} has no dataset.json "
+                        f"(prepare_data.py writes one): set it with --set eos_id=N")
+    return eos

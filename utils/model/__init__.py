@@ -64,27 +64,3 @@ def hf_model_class():
 
 
 _HFGPTNeoX = None
-
-
-def preflight_problem(model: nn.Module, batches: list[torch.Tensor], before_each=None) -> str | None:
-    """Forward + backward on each batch in the run's precision. None when the loss and every gradient are
-    finite, else what was not. Gradients are cleared afterwards; no weight changes. `before_each()` runs
-    before every pass (e.g. to end the run on a stop signal: a pass of a big model on a CPU takes minutes)."""
-    from utils.distributed import local_tensor
-
-    problem = None
-    for i, batch in enumerate(batches, 1):
-        if before_each is not None:
-            before_each()
-        loss = model(batch)
-        loss.backward()
-        grads = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
-        if not bool(torch.isfinite(loss.detach())):
-            problem = f"the loss is {loss.item()} on preflight batch {i}"
-        elif grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
-            problem = f"gradients are not finite on preflight batch {i}"
-        for p in model.parameters():
-            p.grad = None
-        if problem:
-            break
-    return problem

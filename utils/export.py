@@ -1,0 +1,51 @@
+"""The end of a run: the exported model (final_model/, HF format) of a run that finished, and of a resume
+that finds its run already finished."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from utils import files
+from utils.checkpoint.format import parse_checkpoint_name
+from utils.model.hf import export_hf, load_checkpoint_model
+
+
+def export_final_model(model, spec, cfg, state, output_dir: Path, parallel, log) -> tuple[Path | None, bool]:
+    """End of a completed run: check the ranks agree on the weights, export final_model/ (rank 0).
+    Returns (export dir or None, weights in sync). Collective: every rank calls it."""
+    weights = parallel.full_state_dict(model)  # rank 0 gets it
+    in_sync, all_sums = parallel.weights_in_sync(model)
+    if not in_sync:
+        log.error(f"weights differ between ranks after training: {all_sums}")
+    if weights is None:
+        return None, in_sync
+    with files.write_guard(output_dir / "final_model", advice="the checkpoints are intact: export one with "
+                           "scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into a folder you may write"):
+        export_dir = export_hf(weights, spec, output_dir / "final_model",
+                               tokenizer=Path(cfg.data_dir).expanduser())  # its dataset.json names EOS
+    log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
+                   "final": True})
+    log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")
+    return export_dir, in_sync
+
+
+def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log) -> Path | None:
+    """A checkpoint at `max_steps` is a finished run: says so and returns final_model/, exporting it from the
+    checkpoint (rank 0) only when it is missing; None when there are steps left to train."""
+    parsed = parse_checkpoint_name(Path(resume_path).name)
+    step = parsed[1] if parsed else None
+    if step != cfg.max_steps:
+        return None
+    final = output_dir / "final_model"
+    if accelerator.is_main_process:
+        if (final / "config.json").is_file():
+            log.info(f"The run already finished: checkpoint {resume_path.name} is at max_steps={step}, and the model "
+                     f"is in {final}; nothing to do (raise --max-steps to train further)")
+        else:
+            spec, weights, _ = load_checkpoint_model(resume_path)
+            data_dir = Path(cfg.data_dir).expanduser()
+            has_tokenizer = (data_dir / "dataset.json").is_file() or (data_dir / "tokenizer.json").is_file()
+            export_hf(weights, spec, final, tokenizer=data_dir if has_tokenizer else resume_path)
+            log.info(f"The run already finished at step {step} ({resume_path.name}); final_model/ was missing: "
+                     f"exported it to {final}")
+    accelerator.wait_for_everyone()
+    return final

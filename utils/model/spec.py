@@ -1,0 +1,43 @@
+"""The architecture a run builds: the `model` preset, or with `init_from` the HF directory's own, with the
+vocabulary a prepared dataset's tokenizer sets (its dataset.json)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from configs import get_model_spec
+from configs.training_config import check_seq_len
+from utils.data.dataset_info import DatasetInfo
+from utils.errors import UserError
+from utils.model.hf import check_weights, load_hf_pretrained
+
+
+def resolve_model_spec(cfg, log):
+    """(architecture, seq_len, weights to start from or None). The architecture is the `model` preset, or
+    with `init_from` the HF model directory's own; a dataset.json in the data directory (prepare_data.py)
+    sets the vocabulary to its tokenizer's."""
+    weights = None
+    if cfg.init_from:
+        spec, weights = load_hf_pretrained(cfg.init_from)
+        check_weights(spec, weights, cfg.init_from)
+        log.info(f"init_from {cfg.init_from}: architecture from its config.json (hidden {spec.hidden_size}, "
+                 f"{spec.num_hidden_layers} layers, vocab {spec.vocab_size}); the model field ('{cfg.model}') is "
+                 f"ignored; a fresh run starts from these weights with a new optimizer and schedule (with "
+                 f"--resume, the checkpoint's weights, optimizer and schedule are restored instead)")
+    else:
+        spec = get_model_spec(cfg.model)
+    info = DatasetInfo.load(Path(cfg.data_dir).expanduser())
+    if info is not None and cfg.init_from:
+        if info.vocab_size > spec.padded_vocab_size:
+            raise UserError(f"{info.path}: its tokenizer has {info.vocab_size:,} ids but the init_from model "
+                            f"{cfg.init_from} has {spec.padded_vocab_size:,} embedding rows; prepare the data with "
+                            f"that model's tokenizer")
+        # ids are checked against the tokenizer's size; the embedding keeps the model's own rows
+        spec = replace(spec, vocab_size=info.vocab_size, pad_vocab_multiple=spec.padded_vocab_size)
+    elif info is not None and info.vocab_size != spec.vocab_size:
+        log.info(f"vocabulary from {info.path}: {info.vocab_size:,} token ids (model '{spec.name}' had "
+                 f"{spec.vocab_size:,}); {replace(spec, vocab_size=info.vocab_size).padded_vocab_size:,} "
+                 f"embedding rows")
+        spec = replace(spec, vocab_size=info.vocab_size)
+    check_seq_len(cfg.seq_len, spec)
+    return spec, cfg.seq_len_for(spec), weights

@@ -1,0 +1,51 @@
+"""How a run ended, as rank 0 tells the launcher: the one definition both sides import.
+
+The launcher (utils/launch.py) names a file in `NEOX_STATUS_FILE`; rank 0 of train.py writes a RunStatus
+there as it exits (how it ended, what stopped it, the step, the last checkpoint, the exported model, or
+the error it said), and the launcher's last line reads it back. Standard library only: the launcher
+imports it without site-packages (`python -S`)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+STATUS_FILE_ENV = "NEOX_STATUS_FILE"
+
+
+def rank_zero() -> bool:
+    """Whether this process is rank 0 (or the only one), as the launcher's environment says."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    exit_code: int
+    stopped_by: str | None = None  # a signal's name or "stop_at_step"; None for a finished run or an error
+    step: int | None = None  # the last optimizer step done (None: stopped during setup)
+    checkpoint: str | None = None  # the last checkpoint written
+    final_model: str | None = None  # where the exported model is
+    error: str | None = None  # the one line a user error said
+
+    def write(self) -> None:
+        """Rank 0, where the launcher asks for it: the record, atomically. A courtesy to the launcher: the
+        run's own output says the same, so a failure to write it is ignored."""
+        path = os.environ.get(STATUS_FILE_ENV)
+        if not path or not rank_zero():
+            return
+        try:
+            from utils.files import write_text
+
+            write_text(path, json.dumps(asdict(self)))
+        except OSError:
+            pass
+
+    @classmethod
+    def read(cls, path) -> "RunStatus | None":
+        """The record at `path`, or None when there is none (the run died before writing it)."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
