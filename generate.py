@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from utils import layout  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 
@@ -64,8 +65,8 @@ def resolve_model_path(path: Path) -> tuple[str, Path]:
         return "hf", path
     if parse_checkpoint_name(path.name):
         return "checkpoint", path
-    if (path / "checkpoints").is_dir():
-        newest = find_latest_local(path / "checkpoints", log=lambda msg: print(msg, file=sys.stderr))
+    if (path / layout.CHECKPOINTS).is_dir():
+        newest = find_latest_local(path / layout.CHECKPOINTS, log=lambda msg: print(msg, file=sys.stderr))
         if newest is not None:
             return "checkpoint", newest
     raise GenerateError(f"{path}: not a checkpoint, an HF model directory (config.json) or a run's output directory "

@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from configs.settle import settle_config  # noqa: E402
 from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields,  # noqa: E402
                                      precision_name, to_yaml)
+from utils import layout  # noqa: E402
 from utils.console import progress_bar, survive_lost_console  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 from utils.run_status import RunStatus, rank_zero  # noqa: E402
@@ -125,7 +126,7 @@ def train(cfg, profile, args) -> int:
     from utils.state import RngState, TrainState
 
     output_dir = Path(args.output_dir or default_output_dir(cfg, REPO_ROOT)).resolve()
-    accelerator = make_accelerator(cfg, output_dir / "logs")
+    accelerator = make_accelerator(cfg, output_dir / layout.LOGS)
     device, world = accelerator.device, accelerator.num_processes
     parallel = make_parallelism(cfg, accelerator)
     stop = StopSignal(distributed=world > 1)
@@ -133,11 +134,11 @@ def train(cfg, profile, args) -> int:
     lock = lock_output_dir(output_dir, accelerator)
     if not args.resume:
         main_process_only(accelerator, lambda: refuse_another_run(output_dir, args.output_dir is None))
-    log = RunLogger(output_dir / "logs", is_main=accelerator.is_main_process)
+    log = RunLogger(output_dir / layout.LOGS, is_main=accelerator.is_main_process)
     run = Run(cfg, args, accelerator, parallel, output_dir, log)
     remote_root = remote_checkpoint_root(cfg)
     node_uploads = parallel.sharded and not shared_output_dir(output_dir, accelerator, remote_root, log)
-    resume_path = (find_checkpoint(args.resume, accelerator, output_dir / "checkpoints", remote_root, log)
+    resume_path = (find_checkpoint(args.resume, accelerator, output_dir / layout.CHECKPOINTS, remote_root, log)
                    if args.resume else None)
     finished = resume_path and finished_run(resume_path, cfg, output_dir, accelerator, log)
     if finished:  # nothing to train: no preflight, no export unless final_model/ is missing
@@ -160,7 +161,7 @@ def train(cfg, profile, args) -> int:
     window = MetricsWindow(accelerator, tokens_per_step, core.flops_per_token(seq_len), peak_flops(device),
                            precision_name(cfg.mixed_precision), process_started=PROCESS_STARTED)
     ckpt = Checkpointer(accelerator, states,
-                        CheckpointPolicy.from_config(cfg, output_dir / "checkpoints", remote_root, node_uploads),
+                        CheckpointPolicy.from_config(cfg, output_dir / layout.CHECKPOINTS, remote_root, node_uploads),
                         RunRecord(world, parallel.name, global_batch, seq_len, cfg.to_dict(), spec.to_dict(),
                                   loader.fingerprint(), cfg.max_steps),
                         lambda: checkpoint_name(loader.epoch, state.step, loader.files_consumed()), log,
@@ -239,7 +240,7 @@ def train(cfg, profile, args) -> int:
         if stopped_by is None:
             export_dir, in_sync = export_final_model(model, spec, cfg, state, output_dir, parallel, log)
             exit_code = 0 if in_sync else 1
-        log.info(closing_summary(output_dir / "logs" / "metrics.jsonl", step=state.step, tokens=state.tokens,
+        log.info(closing_summary(output_dir / layout.LOGS / layout.METRICS, step=state.step, tokens=state.tokens,
                                  session_s=time.perf_counter() - PROCESS_STARTED, window=window,
                                  checkpoint=last_checkpoint, final_model=export_dir))
     finally:

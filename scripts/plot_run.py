@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from utils import layout  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 
 DEFAULT_OUTPUT = "runs.png"
@@ -27,7 +28,7 @@ PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "le
 
 def metrics_file(given: str) -> Path:
     path = Path(given)
-    path = path if path.is_file() else path / "logs" / "metrics.jsonl"
+    path = path if path.is_file() else path / layout.LOGS / layout.METRICS
     if not path.is_file():
         raise UserError(f"{given}: no logs/metrics.jsonl there (give a run's --output-dir or a metrics.jsonl)")
     return path
@@ -64,7 +65,7 @@ def plot(runs: list[str], out: Path) -> int:
     for given in runs:
         path = metrics_file(given)
         rows = read_metrics(path)
-        label = path.parent.parent.resolve().name if path.name == "metrics.jsonl" and path.parent.name == "logs" \
+        label = path.parent.parent.resolve().name if path.name == layout.METRICS and path.parent.name == layout.LOGS \
             else path.stem
         for ax, (key, title) in zip(axes.flat, PANELS):
             points = [r for r in rows_with(rows, key) if r.get("tokens") is not None]

@@ -18,6 +18,8 @@ import os
 import zlib
 from pathlib import Path
 
+from utils import layout
+
 
 def fp8_emulated() -> bool:
     return os.environ.get("NEOX_FP8_EMULATE") == "1"
@@ -31,7 +33,7 @@ class BatchTrace:
     """`NEOX_TRACE_BATCHES=1` (see the module docstring)."""
 
     def __init__(self, output_dir: Path, accelerator):
-        self.path, self.accelerator = Path(output_dir) / "logs" / "batch_trace.jsonl", accelerator
+        self.path, self.accelerator = Path(output_dir) / layout.LOGS / layout.BATCH_TRACE, accelerator
 
     @classmethod
     def if_asked(cls, output_dir: Path, accelerator) -> "BatchTrace | None":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from utils import files
+from utils import files, layout
+from utils.data.dataset_info import FILE as DATASET_FILE
+from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.checkpoint.format import parse_checkpoint_name
 from utils.model.hf import export_hf, load_checkpoint_model
 
@@ -18,9 +20,9 @@ def export_final_model(model, spec, cfg, state, output_dir: Path, parallel, log)
         log.error(f"weights differ between ranks after training: {all_sums}")
     if weights is None:
         return None, in_sync
-    with files.write_guard(output_dir / "final_model", advice="the checkpoints are intact: export one with "
+    with files.write_guard(output_dir / layout.FINAL_MODEL, advice="the checkpoints are intact: export one with "
                            "scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into a folder you may write"):
-        export_dir = export_hf(weights, spec, output_dir / "final_model",
+        export_dir = export_hf(weights, spec, output_dir / layout.FINAL_MODEL,
                                tokenizer=Path(cfg.data_dir).expanduser())  # its dataset.json names EOS
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
@@ -35,7 +37,7 @@ def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log) -> 
     step = parsed[1] if parsed else None
     if step != cfg.max_steps:
         return None
-    final = output_dir / "final_model"
+    final = output_dir / layout.FINAL_MODEL
     if accelerator.is_main_process:
         if (final / "config.json").is_file():
             log.info(f"The run already finished: checkpoint {resume_path.name} is at max_steps={step}, and the model "
@@ -43,7 +45,7 @@ def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log) -> 
         else:
             spec, weights, _ = load_checkpoint_model(resume_path)
             data_dir = Path(cfg.data_dir).expanduser()
-            has_tokenizer = (data_dir / "dataset.json").is_file() or (data_dir / "tokenizer.json").is_file()
+            has_tokenizer = (data_dir / DATASET_FILE).is_file() or (data_dir / TOKENIZER_FILE).is_file()
             export_hf(weights, spec, final, tokenizer=data_dir if has_tokenizer else resume_path)
             log.info(f"The run already finished at step {step} ({resume_path.name}); final_model/ was missing: "
                      f"exported it to {final}")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from utils import layout
 from utils.errors import DiskFullError, UserError
 from utils.files import disk_full_guard, owner_of
 
@@ -96,7 +97,7 @@ class RunLogger:
             path = self.log_dir
             try:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
-                for name in ("training.log", "metrics.jsonl"):
+                for name in (layout.TRAINING_LOG, layout.METRICS):
                     path = self.log_dir / name
                     self._files[name] = open(path, "a", buffering=1)
             except OSError as exc:  # e.g. logs/ or a log file left by another user
@@ -110,7 +111,7 @@ class RunLogger:
     def _console_lost(self, stream: str, why: str) -> None:
         """utils/console.py dropped the console: the log files say so, and go on."""
         try:
-            self._append("training.log", f"{time.strftime('%Y-%m-%d %H:%M:%S')} console: {stream} went away "
+            self._append(layout.TRAINING_LOG, f"{time.strftime('%Y-%m-%d %H:%M:%S')} console: {stream} went away "
                                          f"({why}); the run goes on, its lines continue in this file only\n")
         except UserError:
             pass  # the log file's own failure is said by the next line that fails the same way
@@ -152,11 +153,11 @@ class RunLogger:
 
             with tqdm.external_write_mode():  # a progress bar on the terminal is cleared, then redrawn below
                 print(msg, flush=True)
-            self._append("training.log", f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+            self._append(layout.TRAINING_LOG, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
 
     def warning(self, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
-        self._append("training.log", f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+        self._append(layout.TRAINING_LOG, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
 
     error = warning
 
@@ -166,7 +167,7 @@ class RunLogger:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         clean["time"] = round(time.time(), 3)
-        self._append("metrics.jsonl", json.dumps(clean) + "\n")
+        self._append(layout.METRICS, json.dumps(clean) + "\n")
         if self._accelerator is None:
             return
         group = ("eval" if "val_loss" in row or "eval_tasks_s" in row else "checkpoint" if "checkpoint" in row
@@ -192,10 +193,10 @@ class RunLogger:
         """Samples of the model's text (utils/sampling.py): logs/samples.jsonl, the log, TensorBoard's text tab."""
         if not self.is_main:
             return
-        if "samples.jsonl" not in self._files:
-            self._files["samples.jsonl"] = open(self.log_dir / "samples.jsonl", "a", buffering=1)
+        if layout.SAMPLES not in self._files:
+            self._files[layout.SAMPLES] = open(self.log_dir / layout.SAMPLES, "a", buffering=1)
         for prompt, text in samples:
-            self._append("samples.jsonl", json.dumps({"step": step, "tokens": tokens, "prompt": prompt,
+            self._append(layout.SAMPLES, json.dumps({"step": step, "tokens": tokens, "prompt": prompt,
                                                       "continuation": text, "time": round(time.time(), 3)}) + "\n")
             self.info(f"Sample at step {step}: {prompt!r} -> {text!r}")
         if self._tensorboard is not None:

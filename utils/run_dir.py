@@ -7,6 +7,7 @@ import os
 import secrets
 from pathlib import Path
 
+from utils import layout
 from utils.checkpoint.format import parse_checkpoint_name
 from utils.distributed import main_process_only
 from utils.errors import UserError
@@ -32,14 +33,14 @@ def refuse_another_run(output_dir: Path, defaulted: bool) -> None:
     Its retention would delete those checkpoints, its export overwrite that model, its rows mix with those,
     so the summary, plot_run.py, generate.py and a later `--resume auto` could take either run's."""
     try:
-        found = sorted((p.name for p in (output_dir / "checkpoints").iterdir() if parse_checkpoint_name(p.name)),
+        found = sorted((p.name for p in (output_dir / layout.CHECKPOINTS).iterdir() if parse_checkpoint_name(p.name)),
                        key=parse_checkpoint_name)
     except OSError:  # none, or unreadable (said where the run reads them)
         found = []
-    metrics = output_dir / "logs" / "metrics.jsonl"
+    metrics = output_dir / layout.LOGS / layout.METRICS
     held = ([f"{len(found)} checkpoint(s) (newest {found[-1]})"] if found else []) + \
-        (["final_model/"] if (output_dir / "final_model").exists() else []) + \
-        (["logs/metrics.jsonl"] if metrics.is_file() and metrics.stat().st_size else [])
+        ([f"{layout.FINAL_MODEL}/"] if (output_dir / layout.FINAL_MODEL).exists() else []) + \
+        ([f"{layout.LOGS}/{layout.METRICS}"] if metrics.is_file() and metrics.stat().st_size else [])
     if held:
         elsewhere = ("--set run_name=NAME (its own folder runs/NAME/) or --output-dir DIR" if defaulted
                      else "a new --output-dir")

@@ -39,13 +39,14 @@ from typing import Callable, Mapping
 
 import torch
 
-from utils import files
-from utils.checkpoint.format import (CheckpointError, CheckpointPayload, HostBuffers, NoCheckpointFound,
+from utils import files, layout
+from utils.checkpoint.format import (SHARDED_DIR, CheckpointError, CheckpointPayload, HostBuffers, NoCheckpointFound,
                                      ShardedPart, apply_retention, read_checkpoint, snapshot_to_cpu)
 from utils.checkpoint.resume import resolve_resume
 from utils.checkpoint.run_record import RunRecord
 from utils.checkpoint.upload import BackgroundUploader
 from utils.checkpoint.writer import AsyncCheckpointWriter
+from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.distributed import local_tensor, main_process_first, main_process_only
 from utils.errors import DiskFullError, UserError
 from utils.state import RngState
@@ -119,7 +120,7 @@ MODEL, OPTIMIZER, TRAIN = "model", "optimizer", "train"  # the states the format
 
 def remote_checkpoint_root(cfg) -> str | None:
     """gs://BUCKET/PREFIX/checkpoints/RUN: where the run's checkpoints upload (None: no bucket)."""
-    prefix = "/".join(p for p in (cfg.gcs_prefix.strip("/"), "checkpoints", cfg.effective_run_name) if p)
+    prefix = "/".join(p for p in (cfg.gcs_prefix.strip("/"), layout.CHECKPOINTS, cfg.effective_run_name) if p)
     return f"gs://{cfg.gcs_bucket}/{prefix}" if cfg.gcs_bucket else None
 
 
@@ -139,7 +140,7 @@ class CheckpointPolicy:
     def from_config(cls, cfg, root: Path, remote_root: str | None, node_uploads: bool = False) -> "CheckpointPolicy":
         return cls(Path(root), cfg.save_steps, cfg.save_total_limit, remote_root, cfg.background_upload,
                    cfg.upload_timeout_s, node_uploads,
-                   {"tokenizer.json": Path(cfg.data_dir).expanduser() / "tokenizer.json"})
+                   {TOKENIZER_FILE: Path(cfg.data_dir).expanduser() / TOKENIZER_FILE})
 
 
 class Checkpointer:
@@ -288,8 +289,6 @@ class Checkpointer:
     def _start_sharded(self, path: Path) -> ShardedPart | None:
         """Every rank stages its shards and starts writing them into the temporary directory rank 0 names."""
         from accelerate.utils import broadcast_object_list
-
-        from utils.checkpoint.sharded import SHARDED_DIR
 
         self._wait_shards()  # this rank's previous shards are on disk (the writer may still finish it)
         tmp = files.temp_path(path).name if self.is_main else None

@@ -47,6 +47,7 @@ from utils.storage import file_crc32c
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.json"
+SHARDED_DIR = "dcp"  # FSDP: every rank's shards of model and optimizer (utils/checkpoint/sharded.py)
 FORMAT_VERSION = 1
 
 _NAME_RE = re.compile(r"checkpoint-epoch(\d+)-step(\d+)-files(\d+)")
@@ -445,7 +446,7 @@ def read_checkpoint(path, map_location="cpu", verify: bool = True, objects: bool
     manifest = verify_checkpoint(path) if verify else _read_manifest(path)
     device = str(map_location)
     model_state = None  # a sharded checkpoint's weights are in dcp/ (utils/checkpoint/sharded.py)
-    if MODEL_FILE in manifest["files"] or not any(rel.startswith("dcp/") for rel in manifest["files"]):
+    if MODEL_FILE in manifest["files"] or not any(rel.startswith(f"{SHARDED_DIR}/") for rel in manifest["files"]):
         try:
             model_state = load_safetensors(str(path / MODEL_FILE), device=device)
         except Exception as e:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from utils import files, storage
-from utils.checkpoint.format import (MANIFEST, CheckpointError, NoCheckpointFound, PartialCheckpoint,
+from utils import files, layout, storage
+from utils.checkpoint.format import (MANIFEST, MODEL_FILE, CheckpointError, NoCheckpointFound, PartialCheckpoint,
                                      find_latest_local, list_checkpoints, parse_checkpoint_name,
                                      verify_checkpoint)
 
@@ -73,14 +73,14 @@ def _explain_local_folder(path: Path) -> None:
     checkpoints/ folder: say so, what it holds, and what to pass instead."""
     if parse_checkpoint_name(path.name):
         return
-    for root, what in ((path, "a folder of checkpoints"), (path / "checkpoints", "a run's output directory")):
+    for root, what in ((path, "a folder of checkpoints"), (path / layout.CHECKPOINTS, "a run's output directory")):
         names = [p.name for p in list_checkpoints(root)]
         if names:
             newest = max(names, key=lambda n: parse_checkpoint_name(n)[1])
-            latest = (f", or with --output-dir {root.parent} --resume latest" if root.name == "checkpoints" else "")
+            latest = (f", or with --output-dir {root.parent} --resume latest" if root.name == layout.CHECKPOINTS else "")
             raise CheckpointError(f"{path} is {what}, not a checkpoint; it holds {_held(names)}. Resume from one "
                                   f"with --resume {root / newest}{latest}")
-    if (path / MANIFEST).exists() or (path / "model.safetensors").exists():
+    if (path / MANIFEST).exists() or (path / MODEL_FILE).exists():
         return  # a checkpoint under another name: verify_checkpoint says what is wrong with it
     raise CheckpointError(f"{path} is neither a checkpoint nor a folder holding any (no checkpoint-epoch*-step*-files* "
                           f"directories in it or in its checkpoints/); give a checkpoint directory, a checkpoint name, "

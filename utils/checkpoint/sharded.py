@@ -49,10 +49,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
 from utils import files
-from utils.checkpoint.format import CheckpointError
+from utils.checkpoint.format import SHARDED_DIR, CheckpointError
 from utils.errors import UserError
 
-SHARDED_DIR = "dcp"  # inside a checkpoint directory
 METADATA = ".metadata"
 # The saver's gloo group also waits for the nodes' uploads (NodeUploads): far longer than a collective.
 SAVER_GROUP_TIMEOUT = timedelta(hours=3)

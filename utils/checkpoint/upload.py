@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from utils.checkpoint.format import MANIFEST
 from utils.storage import (StorageError, check_writable, list_objects, make_client, parse_gs_url, retry_call,
                            upload_directory)
 
@@ -269,8 +270,8 @@ def main(argv=None) -> int:
     p.add_argument("local_dir")
     p.add_argument("gs_url", help="gs://BUCKET/PREFIX/checkpoints/RUN/NAME")
     args = p.parse_args(argv)
-    if not Path(args.local_dir, "manifest.json").is_file():
-        print(f"error: {args.local_dir} is not a complete checkpoint (no manifest.json)", file=sys.stderr)
+    if not Path(args.local_dir, MANIFEST).is_file():
+        print(f"error: {args.local_dir} is not a complete checkpoint (no {MANIFEST})", file=sys.stderr)
         return 2
     try:
         names = upload_directory(make_client(), args.local_dir, args.gs_url.rstrip("/"))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils import files
+from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import UserError
 
 FILE = "dataset.json"
@@ -66,7 +67,7 @@ class DatasetInfo:
 
     @property
     def tokenizer_file(self) -> Path:
-        return self.path.parent / self.raw["tokenizer"].get("file", "tokenizer.json")
+        return self.path.parent / self.raw["tokenizer"].get("file", TOKENIZER_FILE)
 
     @classmethod
     def load(cls, data_dir) -> "DatasetInfo | None":
@@ -95,7 +96,7 @@ class DatasetInfo:
         """Every path this file names stays in its folder (a crafted one could name any file on the machine,
         and the tokenizer is copied into final_model/)."""
         try:
-            named = [("tokenizer.file", self.raw["tokenizer"].get("file", "tokenizer.json"))]
+            named = [("tokenizer.file", self.raw["tokenizer"].get("file", TOKENIZER_FILE))]
             named += [("shards", p) for p in self.train_paths] + [("validation.shards", p) for p in self.val_paths]
         except (AttributeError, KeyError, TypeError) as exc:
             raise DatasetInfoError(f"{self.path}: a shard entry has no path ({type(exc).__name__}: {exc}); rerun "

@@ -24,12 +24,12 @@ from typing import Callable
 import numpy as np
 
 from utils import files
+from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import UserError
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 0
 MANIFEST = "demo_data.json"
-TOKENIZER_FILE = "tokenizer.json"
 CORPUS_BYTES = 6_000_000  # ~1.9M tokens at vocab 2048: enough for the demo preset, built in seconds
 NUM_SHARDS = 20
 SHARDS_PER_PART = 5

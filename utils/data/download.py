@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from utils import files
+from utils.data.dataset_info import FILE as DATASET_FILE
+from utils.data.partition import PLAN_FILE
+from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import DiskFullError
 from utils.storage import (RemoteObject, StorageError, clean_stale_partials, download_verified, folder_prefix, gs_url,
                            join_name, list_objects, local_matches, parse_gs_url, short_error)
@@ -59,7 +62,7 @@ class SyncReport:
 
 def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max_files: int = -1,
                 dry_run: bool = False, suffix: str = ".npz", progress: bool = True,
-                with_root_files: tuple[str, ...] = ("dataset.json", "tokenizer.json", "plan.json")) -> SyncReport:
+                with_root_files: tuple[str, ...] = (DATASET_FILE, TOKENIZER_FILE, PLAN_FILE)) -> SyncReport:
     """Mirror every object ending in `suffix` under `source_url` into `dest_dir` (same relative paths), and
     the `with_root_files` found directly under it (prepare_data.py's dataset description, tokenizer and plan).
     A local file is skipped only when its size and crc32c match; everything else is downloaded, verified
