@@ -32,6 +32,7 @@ LR_SCHEDULES = tuple(SCHEDULES)  # utils/schedules.py: the registry
 DECAY_SHAPES = tuple(SCHEDULE_DECAY_SHAPES)
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 SOURCE_KEYS = ("path", "weight", "epochs", "val_files")
+TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # it names metrics: eval/<task>/acc
 # what `--resume` takes (train.py and the launcher's help both show this list)
 RESUME_FORMS = ("auto", "latest", "a checkpoint name", "a local path", "a gs:// URL")
 
@@ -380,11 +381,19 @@ def parse_data_mix(raw, where: str) -> dict:
     return mix
 
 
+def task_name(path, name: str | None = None) -> str:
+    """A downstream eval task's name in metrics (eval/<name>/acc): `name`, else the file's name up to its
+    first dot."""
+    name = name or Path(path).name.split(".")[0]
+    if not TASK_NAME.fullmatch(name):
+        raise ConfigError(f"task name '{name}' ({path}): use letters, digits, '_', '.' or '-' (give it as "
+                          f"NAME=FILE)")
+    return name
+
+
 def parse_eval_tasks(raw, where: str) -> dict:
     """`eval_tasks` from a config file ({name: FILE} or [FILE, ...]) or `--set` ("name=FILE,...", "FILE,..." or
     either as JSON) -> {name: FILE}; a file without a name is named after it (its name up to the first dot)."""
-    from utils.evals.tasks import TaskFileError, task_name
-
     if raw is None or (isinstance(raw, str) and not raw.strip()):
         return {}
     if isinstance(raw, str) and raw.strip().startswith(("[", "{")):  # --set with a JSON list or mapping
@@ -407,7 +416,7 @@ def parse_eval_tasks(raw, where: str) -> dict:
             raise ConfigError(f"{where}: eval_tasks: {path!r} is not a file path")
         try:
             name = task_name(path.strip(), None if name is None else str(name).strip())
-        except TaskFileError as exc:
+        except ConfigError as exc:
             raise ConfigError(f"{where}: eval_tasks: {exc}") from None
         if name in tasks:
             raise ConfigError(f"{where}: eval_tasks: two tasks named '{name}'; name them apart with name=FILE")

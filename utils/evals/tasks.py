@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from configs.training_config import task_name
 from utils.errors import UserError
 
 MULTIPLE_CHOICE, CLOZE = "multiple_choice", "cloze"
 METRICS = {MULTIPLE_CHOICE: ("acc", "acc_norm"), CLOZE: ("acc", "ppl")}
-TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # it names metrics: eval/<task>/acc
 
 
 class TaskFileError(UserError):
@@ -176,15 +176,6 @@ LAYOUTS: dict[str, tuple[Callable[[dict], bool], Callable, str]] = {
 LAYOUT_FIELDS = ("hellaswag (ctx_a, ctx_b, activity_label, endings, label), piqa (goal, sol1, sol2), arc (question "
                  "{stem, choices}, answerKey), multiple_choice (context, choices, gold), cloze (context, target), "
                  "lambada (text)")
-
-
-def task_name(path, name: str | None = None) -> str:
-    """The task's name in metrics (eval/<name>/acc): `name`, else the file's stem."""
-    name = name or Path(path).name.split(".")[0]
-    if not TASK_NAME.fullmatch(name):
-        raise TaskFileError(f"task name '{name}' ({path}): use letters, digits, '_', '.' or '-' (give it as "
-                            f"NAME=FILE)")
-    return name
 
 
 def load_task(path, name: str | None = None, limit: int = 0) -> Task:

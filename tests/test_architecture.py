@@ -1,0 +1,110 @@
+"""The seams hold (docs/ARCHITECTURE.md): each layer imports only from the layers below it, the training loop
+never tests the parallelism strategy, the Checkpointer stays small and knows nothing of metrics, train.py
+stays the loop and its assembly, and each registry is where the config's choices come from."""
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+
+import pytest
+
+from tests.trainkit import REPO_ROOT
+
+# Lowest first: a module may import from its own layer and the ones before it, never from a later one.
+LAYERS = [
+    ("base", ["utils", "utils.errors", "utils.files", "utils.layout", "utils.debug", "utils.distributed",
+              "utils.storage", "utils.lock", "utils.console", "utils.signals", "utils.state", "utils.run_status",
+              "utils.schedules", "utils.trackers", "utils.quiet_imports", "utils.host_memory", "utils.launch"]),
+    ("configs", ["configs"]),
+    ("data", ["utils.data"]),
+    ("checkpoint", ["utils.checkpoint"]),
+    ("model", ["utils.model"]),
+    ("engine", ["utils.parallel", "utils.optim", "utils.metrics", "utils.sampling", "utils.evals"]),
+    ("run", ["utils.export", "utils.run_dir"]),
+]
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for number, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (number, len(prefix))
+    assert best is not None, f"{module} is in no layer of tests/test_architecture.py: add it"
+    return best[0]
+
+
+def project_imports(path) -> set[str]:
+    """Every module of the project `path` imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in ("utils", "configs") and _is_module(name):
+                found.add(name)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    parts = name.split(".")
+    return (REPO_ROOT.joinpath(*parts).with_suffix(".py").is_file()
+            or REPO_ROOT.joinpath(*parts, "__init__.py").is_file())
+
+
+def module_name(path) -> str:
+    name = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def test_no_layer_imports_from_a_layer_above_it():
+    wrong = []
+    for path in sorted([*REPO_ROOT.glob("utils/**/*.py"), *REPO_ROOT.glob("configs/*.py")]):
+        me = module_name(path)
+        for other in project_imports(path):
+            if layer_of(other) > layer_of(me):
+                wrong.append(f"{me} ({LAYERS[layer_of(me)][0]}) imports {other} ({LAYERS[layer_of(other)][0]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_loop_passes_the_strategy_on_and_never_tests_it():
+    text = (REPO_ROOT / "train.py").read_text()
+    assert not re.search(r"strategy\s*[!=]=|[!=]=\s*[\"'](ddp|fsdp)[\"']|\.strategy\b", text)
+    assert len(text.splitlines()) < 450
+
+
+def test_the_checkpointer_takes_at_most_8_parameters_and_nothing_from_metrics():
+    from utils.checkpoint.checkpointer import Checkpointer
+
+    assert len(inspect.signature(Checkpointer.__init__).parameters) - 1 <= 8  # self aside
+    imported = project_imports(REPO_ROOT / "utils" / "checkpoint" / "checkpointer.py")
+    assert not any(m.startswith(("utils.metrics", "utils.model", "utils.parallel")) for m in imported), imported
+
+
+@pytest.mark.parametrize("choices, registry", [
+    ("configs.training_config:LR_SCHEDULES", "utils.schedules:SCHEDULES"),
+    ("configs.training_config:DECAY_SHAPES", "utils.schedules:DECAY_SHAPES"),
+    ("configs.training_config:STRATEGIES", "utils.parallel:STRATEGIES"),
+    ("configs.training_config:MODEL_IMPLS", "utils.model:MODEL_IMPLS"),
+])
+def test_a_config_choice_comes_from_its_registry(choices, registry):
+    import importlib
+
+    def get(ref):
+        module, name = ref.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    assert tuple(get(choices)) == tuple(get(registry))
+
+
+def test_trackers_and_the_report_to_choices_are_one_registry():
+    from configs.training_config import REPORT_TO
+    from utils.trackers import TRACKERS
+
+    assert REPORT_TO == (*TRACKERS, "none")
