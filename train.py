@@ -109,7 +109,7 @@ def train(cfg, profile, args) -> int:
     from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer, find_checkpoint, remote_checkpoint_root
     from utils.checkpoint.format import checkpoint_name
     from utils.checkpoint.run_record import RunRecord
-    from utils.data.build import build_data
+    from utils.data.build import build_data, description_dir
     from utils.debug import BatchTrace
     from utils.distributed import main_process_only
     from utils.evals.runner import DownstreamEvals
@@ -174,7 +174,7 @@ def train(cfg, profile, args) -> int:
     log.start_trackers(accelerator, cfg.effective_run_name, cfg.to_dict(), state.step if resume_path else None)
     describe_run(run, profile, spec, core, loader, len(val_batches), state, remote_root)
     lr_at = schedule_from_config(cfg)
-    sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, cfg.data_dir, seq_len, cfg.seed,
+    sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, description_dir(cfg), seq_len, cfg.seed,
                       accelerator, log, sharded=parallel.sharded)
     grad_norm = torch.zeros((), device=device)
     trace = BatchTrace.if_asked(output_dir, accelerator)
@@ -224,14 +224,19 @@ def train(cfg, profile, args) -> int:
                 window.exclude(evals.run(core, state.step, state.tokens))
             if sampler.due(state.step):
                 window.exclude(sampler.sample(core, state.step, state.tokens))
-            stopping = stop.agreed()
             planned_stop = state.step == cfg.stop_at_step
+            t0 = time.perf_counter()  # a source that fetches ahead: its next step's files, or the one that failed
+            failed = None if planned_stop or state.step == cfg.max_steps else loader.unavailable(
+                cfg.gradient_accumulation_steps)
+            window.data_wait_s += time.perf_counter() - t0
+            stopping = stop.agreed(failed)
             if stopping or planned_stop or state.step == cfg.max_steps or ckpt.due(state.step):
                 window.checked_losses()  # a non-finite loss stops the run before anything is saved
                 last_checkpoint, blocked_s = ckpt.save(state.step)
                 window.exclude(blocked_s)
             if stopping or planned_stop:
                 stopped_by = stop.reason if stopping else "stop_at_step"
+                exit_code = int(stop.failed)
                 ckpt.wait()
                 log.info(f"Stopped by {stopped_by} after step {state.step}: checkpoint {last_checkpoint}")
                 break

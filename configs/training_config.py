@@ -30,6 +30,7 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
 ATTENTION = ("causal", "document")  # utils/model/gpt_neox.py: use_document_masking
 LR_SCHEDULES = tuple(SCHEDULES)  # utils/schedules.py: the registry
 DECAY_SHAPES = tuple(SCHEDULE_DECAY_SHAPES)
+SHUFFLES = ("global", "blocks")  # utils/data/mixture.py: Shuffle
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 SOURCE_KEYS = ("path", "weight", "epochs", "val_files")
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # it names metrics: eval/<task>/acc
@@ -99,13 +100,22 @@ class TrainingConfig:
     init_from: str = _field("", "an HF GPT-NeoX directory (config.json + safetensors): start from its weights")
     seq_len: int = _field(0, "tokens per training sequence; 0: the model's max_position_embeddings", "[0, inf)")
     # data
-    data_dir: str = _field("data/training", "local shard directory (a dataset.json there sets the vocabulary)")
+    data_dir: str = _field("data/training", "local shard directory, or gs://BUCKET/PREFIX of a prepared dataset to "
+                                            "stream from (a dataset.json there sets the vocabulary)")
     max_files: int = _field(-1, "use the first N shard files (by path); -1: all", "[1, inf)", {-1: "all files"})
     val_files: int = _field(1, "shard files held out (the last by path) for validation", "[0, inf)")
     demo_data: bool = _field(False, "build the demo corpus into data_dir when it has no shards")
     dataloader_num_workers: int = _field(4, "DataLoader worker processes per rank (0: read in the main process)",
                                          "[0, inf)")
     prefetch_factor: int = _field(4, "batches each worker prepares ahead", "[1, inf)")
+    shuffle: str = _field("global", "each epoch's order: global (every sequence permuted) | blocks (shards permuted, "
+                                    "sequences shuffled within blocks of shuffle_block_shards shards: few shards "
+                                    "at a time, for a bounded data cache)")
+    shuffle_block_shards: int = _field(16, "shuffle=blocks: shards per block", "[1, inf)")
+    data_cache_gb: float = _field(0.0, "gs:// data: local disk its cache of shards may fill on each node (split over "
+                                       "the node's processes); 0: no bound", "[0, inf)")
+    data_cache_dir: str = _field("", "gs:// data: where shards are cached (empty: a folder in the system's temporary "
+                                     "directory)")
     data_mix: dict = field(default_factory=dict, metadata={
         "help": "weighted sources {name: {path, weight, epochs?, val_files?}}, or on the command line "
                 "name=PATH:WEIGHT[:EPOCHS],...; data_dir becomes the first source's folder; empty: data_dir alone"})
@@ -234,6 +244,8 @@ class TrainingConfig:
             raise ConfigError(f"sample_every={self.sample_every} needs sample_prompts (a list of prompts)")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"lr_schedule='{self.lr_schedule}' is not valid; use one of {', '.join(LR_SCHEDULES)}")
+        if self.shuffle not in SHUFFLES:
+            raise ConfigError(f"shuffle='{self.shuffle}' is not valid; use one of {', '.join(SHUFFLES)}")
         if self.decay_shape not in DECAY_SHAPES:
             raise ConfigError(f"decay_shape='{self.decay_shape}' is not valid; use one of {', '.join(DECAY_SHAPES)}")
         self._validate_data_mix()

@@ -42,6 +42,15 @@ class Emulator:
             self._server.stop()
             self.running = False
 
+    def restart(self):
+        """Serves again, on the same port, what it held when stopped (a GCS outage that ends)."""
+        from gcp_storage_emulator.server import APIThread
+
+        if not self.running:
+            self._server._api = APIThread("127.0.0.1", self.port, self._server._storage)
+            self._server.start()
+            self.running = True
+
 
 @pytest.fixture
 def gcs_emulator(monkeypatch):

@@ -92,6 +92,7 @@ def test_the_checkpointer_takes_at_most_8_parameters_and_nothing_from_metrics():
     ("configs.training_config:DECAY_SHAPES", "utils.schedules:DECAY_SHAPES"),
     ("configs.training_config:STRATEGIES", "utils.parallel:STRATEGIES"),
     ("configs.training_config:MODEL_IMPLS", "utils.model:MODEL_IMPLS"),
+    ("configs.training_config:SHUFFLES", "utils.data.mixture:SHUFFLES"),
 ])
 def test_a_config_choice_comes_from_its_registry(choices, registry):
     import importlib

@@ -43,6 +43,9 @@ class InMemorySource:
     def files_consumed(self, sequences: int) -> int:
         return sequences // self.per_file
 
+    def file_sequences(self) -> np.ndarray:
+        return np.diff(np.r_[0:len(self.tokens):self.per_file, len(self.tokens)])
+
     def describe(self) -> str:
         return "memory"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from utils import files, layout
+from utils.data.build import description_dir
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.checkpoint.format import parse_checkpoint_name
@@ -23,7 +24,7 @@ def export_final_model(model, spec, cfg, state, output_dir: Path, parallel, log)
     with files.write_guard(output_dir / layout.FINAL_MODEL, advice="the checkpoints are intact: export one with "
                            "scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into a folder you may write"):
         export_dir = export_hf(weights, spec, output_dir / layout.FINAL_MODEL,
-                               tokenizer=Path(cfg.data_dir).expanduser())  # its dataset.json names EOS
+                               tokenizer=description_dir(cfg))  # its dataset.json names EOS
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
     log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")
@@ -44,7 +45,7 @@ def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log) -> 
                      f"is in {final}; nothing to do (raise --max-steps to train further)")
         else:
             spec, weights, _ = load_checkpoint_model(resume_path)
-            data_dir = Path(cfg.data_dir).expanduser()
+            data_dir = description_dir(cfg)
             has_tokenizer = (data_dir / DATASET_FILE).is_file() or (data_dir / TOKENIZER_FILE).is_file()
             export_hf(weights, spec, final, tokenizer=data_dir if has_tokenizer else resume_path)
             log.info(f"The run already finished at step {step} ({resume_path.name}); final_model/ was missing: "

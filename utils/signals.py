@@ -1,9 +1,11 @@
 """Stopping on SIGTERM/SIGINT at an optimizer-step boundary, every rank at the same step; before the first
-step, between setup phases, with nothing to save. Under the launcher, also when the launcher is gone."""
+step, between setup phases, with nothing to save. Under the launcher, also when the launcher is gone, and
+when a rank cannot go on (a failure it names at a step boundary: a data file that stayed unavailable)."""
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -80,13 +82,15 @@ class StoppedInSetup(Exception):
 class StopSignal:
     """SIGTERM/SIGINT set a flag; the loop stops after the current optimizer step. With several processes
     the flag is all-reduced over a CPU (gloo) group, so every rank stops at the same step and the check
-    never synchronises the GPU. A second SIGINT interrupts at once."""
+    never synchronises the GPU. A second SIGINT interrupts at once. A `failure` handed to agreed() stops
+    every rank the same way; `failed` then says so (the run exits non-zero)."""
 
     def __init__(self, distributed: bool):
         import torch.distributed as dist
 
         self.requested = bool(_EARLY)
         self.signal_name = _EARLY[0] if _EARLY else None
+        self.failed = False
         self._group = dist.new_group(backend="gloo") if distributed else None
         signal.signal(signal.SIGTERM, self._handle)
         if "SIGINT" not in _EARLY:  # after one Ctrl-C, the next one interrupts at once
@@ -98,14 +102,22 @@ class StopSignal:
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    def agreed(self) -> bool:
+    def agreed(self, failure: str | None = None) -> bool:
+        """Whether any rank asks to stop. `failure`: this rank cannot go on, and the line says why (a rank other
+        than 0 prints it: rank 0 alone writes the log)."""
+        if failure is not None and not self.failed:
+            self.requested, self.failed, self.signal_name = True, True, failure
         if self._group is None:
             return self.requested
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        if failure is not None and dist.get_rank() != 0:
+            print(f"rank {dist.get_rank()}: {failure}", file=sys.stderr, flush=True)
+        flag = torch.tensor([2 if self.failed else 1 if self.requested else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item() == 2 and not self.failed:
+            self.failed, self.signal_name = True, "a failure on another rank (its line above names it)"
         return bool(flag.item())
 
     def end_setup_if_asked(self, phase: str) -> None:

@@ -46,6 +46,7 @@ from utils.checkpoint.resume import resolve_resume
 from utils.checkpoint.run_record import RunRecord
 from utils.checkpoint.upload import BackgroundUploader
 from utils.checkpoint.writer import AsyncCheckpointWriter
+from utils.data.build import description_dir
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.distributed import local_tensor, main_process_first, main_process_only
 from utils.errors import DiskFullError, UserError
@@ -140,7 +141,7 @@ class CheckpointPolicy:
     def from_config(cls, cfg, root: Path, remote_root: str | None, node_uploads: bool = False) -> "CheckpointPolicy":
         return cls(Path(root), cfg.save_steps, cfg.save_total_limit, remote_root, cfg.background_upload,
                    cfg.upload_timeout_s, node_uploads,
-                   {TOKENIZER_FILE: Path(cfg.data_dir).expanduser() / TOKENIZER_FILE})
+                   {TOKENIZER_FILE: description_dir(cfg) / TOKENIZER_FILE})
 
 
 class Checkpointer:

@@ -1,31 +1,47 @@
 """Building a run's data: its sources, opened by their types, this rank's resumable loader over them and its
-eval batches per source (what train.py asks for in one call).
+eval batches per source (what train.py asks for in one call), and where the data's dataset.json and
+tokenizer.json are on this machine (`description_dir`: what sizes the vocabulary, samples and exports).
 
 `SOURCE_TYPES` is the registration of source types (utils/data/source.py): the first whose `handles`
 accepts a configured source opens it. A new type is a module defining its SourceType plus its line here.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+from pathlib import Path
 
 from utils.data.dataset_info import DatasetInfo, end_of_document_id
 from utils.data.loader import EvalBatches, ResumableLoader, build_eval_batches
-from utils.data.mixture import check_sources
+from utils.data.mixture import Shuffle, check_sources
 from utils.data.shard_source import SHARDS
-from utils.data.source import OpenRequest, SequenceSource, Source, SourceType, sources_from_config
+from utils.data.source import (DEFAULT_SOURCE, CacheBudget, OpenRequest, SequenceSource, Source, SourceType, location,
+                               sources_from_config)
+from utils.data.stream_source import STREAM
 from utils.distributed import main_process_first
 from utils.errors import UserError
 
-SOURCE_TYPES: list[SourceType] = [SHARDS]
+SOURCE_TYPES: list[SourceType] = [STREAM, SHARDS]
+
+
+def source_type(source: Source) -> SourceType:
+    for kind in SOURCE_TYPES:
+        if kind.handles(source):
+            return kind
+    raise UserError(f"data source {source.name} ({source.path}): no source type reads it "
+                    f"(known: {', '.join(t.name for t in SOURCE_TYPES)})")
 
 
 def open_source(source: Source, request: OpenRequest) -> tuple[SequenceSource, SequenceSource | None]:
     """(training, validation) sequences of `source`, by the first registered type that handles it."""
-    for kind in SOURCE_TYPES:
-        if kind.handles(source):
-            return kind.open(source, request)
-    raise UserError(f"data source {source.name} ({source.path}): no source type reads it "
-                    f"(known: {', '.join(t.name for t in SOURCE_TYPES)})")
+    return source_type(source).open(source, request)
+
+
+def description_dir(cfg, path: str | None = None) -> Path:
+    """The local folder holding the dataset.json and tokenizer.json of `data_dir` (or of `path`, a source's):
+    the shard folder itself, or where a gs:// dataset's were fetched (under data_cache_dir)."""
+    source = Source(DEFAULT_SOURCE, path=location(path or cfg.data_dir))
+    return source_type(source).description_dir(source, cfg.data_cache_dir)
 
 
 def build_data(cfg, seq_len: int, vocab_size: int, accelerator, log) -> tuple[ResumableLoader, EvalBatches]:
@@ -34,10 +50,14 @@ def build_data(cfg, seq_len: int, vocab_size: int, accelerator, log) -> tuple[Re
     rank, world = accelerator.process_index, accelerator.num_processes
     sources = sources_from_config(cfg)
     if cfg.data_mix:
-        check_sources(sources, {s.name: DatasetInfo.load(s.path) for s in sources},
-                      log.warning if accelerator.is_main_process else lambda _line: None, demo_data=cfg.demo_data)
+        infos = {s.name: DatasetInfo.load(source_type(s).description_dir(s, cfg.data_cache_dir)) for s in sources}
+        check_sources(sources, infos, log.warning if accelerator.is_main_process else lambda _line: None,
+                      demo_data=cfg.demo_data)
+    shuffle = Shuffle.from_config(cfg)
     request = OpenRequest(seq_len, vocab_size, cfg.max_files, build_demo=cfg.demo_data and not cfg.data_mix,
-                          log=log.info)
+                          log=log.info, rank=rank, shuffle=shuffle, cache_dir=cfg.data_cache_dir,
+                          step_sequences=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world,
+                          cache=CacheBudget(cfg.data_cache_gb, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     opened = main_process_first(accelerator, lambda: [open_source(s, request) for s in sources])
     val_batches = {s.name: (build_eval_batches(val, cfg.per_device_train_batch_size, rank, world, cfg.eval_batches)
                             if val is not None and len(val) else [])
@@ -45,13 +65,14 @@ def build_data(cfg, seq_len: int, vocab_size: int, accelerator, log) -> tuple[Re
     loader = ResumableLoader([replace(s, data=train) for s, (train, _) in zip(sources, opened)],
                              cfg.per_device_train_batch_size, rank=rank, world_size=world, seed=cfg.seed,
                              num_workers=cfg.dataloader_num_workers, prefetch_factor=cfg.prefetch_factor,
-                             pin_memory=accelerator.device.type == "cuda", log=log.info)
+                             pin_memory=accelerator.device.type == "cuda", log=log.info, shuffle=shuffle)
     return loader, EvalBatches(val_batches, {s.name: s.weight for s in sources})
 
 
 def end_of_document(cfg) -> int:
     """attention=document: the id documents end with, from `eos_id` or the data."""
-    eos = cfg.eos_id if cfg.eos_id >= 0 else end_of_document_id(s.path for s in sources_from_config(cfg))
+    eos = cfg.eos_id if cfg.eos_id >= 0 else end_of_document_id(
+        description_dir(cfg, str(s.path)) for s in sources_from_config(cfg))
     if eos is None:
         raise UserError(f"attention=document needs the id documents end with, and {cfg.data_dir} has no dataset.json "
                         f"(prepare_data.py writes one): set it with --set eos_id=N")

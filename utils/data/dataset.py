@@ -131,6 +131,9 @@ class TokenSequenceDataset(Dataset):
     def describe(self) -> str:
         return str(self.index.root)
 
+    def file_sequences(self) -> np.ndarray:
+        return np.array([s.num_sequences for s in self.index.shards], dtype=np.int64)
+
     @property
     def wire_dtype(self) -> np.dtype:
         """The smallest dtype that holds every id (< vocab_size): what workers send to the main process."""

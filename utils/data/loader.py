@@ -5,6 +5,13 @@
 stream comes from). Global micro-batch b is stream positions [b * G, (b + 1) * G), G = micro * world, and
 rank r takes [r * micro, (r + 1) * micro) of it. The state is the number of sequences consumed from each
 source (plus the mixture's phase), so restoring it is O(1) and valid across a change of process count.
+Each source's order within an epoch is the run's `Shuffle` (global or blocks, utils/data/mixture.py).
+
+A source that fetches its files (a `ReadAhead`, the gs:// stream) is handed this rank's schedule of reads
+of it when an iterator starts (`source_schedule`, computed like the sampler's batches), told of each
+micro-batch handed to a reader and of each returned to the loop, and the loop asks `unavailable()` at every
+step boundary, which waits for the next step's files: so a file that stays unavailable stops the run
+between steps, every rank at the same one, never halfway through a step.
 `build_eval_batches` gives each rank its share of the first validation batches, in file order;
 `EvalBatches` holds them per source.
 """
@@ -18,8 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from utils.data.mixture import EpochOrder, MixtureError, MixturePlan, describe_change, epoch_permutation, source_key
-from utils.data.source import DEFAULT_SOURCE, SequenceSource, Source
+from utils.data.mixture import MixtureError, MixturePlan, Shuffle, describe_change, epoch_permutation
+from utils.data.source import DEFAULT_SOURCE, DataUnavailable, ReadAhead, SequenceSource, Source
 
 __all__ = ["EvalBatches", "ResumableLoader", "build_eval_batches", "epoch_permutation"]
 
@@ -85,18 +92,20 @@ def _check_sampling(num_samples: int, micro_batch_size: int, rank: int, world_si
 
 class MixtureBatchSampler(Sampler):
     """Rank r's micro-batches of the mixture's global stream, from the plan state `start`: yields
-    (source numbers, sequence numbers, (plan state after this global micro-batch, sources dropped in it))."""
+    (source numbers, sequence numbers, (plan state after this global micro-batch, sources dropped in it,
+    the micro-batch's number b from 0)); `handed_out(b)` is called before each is yielded."""
 
     def __init__(self, specs: list[Source], micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 start: tuple):
+                 start: tuple, shuffle: Shuffle, handed_out: Callable[[int], None] | None = None):
         self.specs, self.micro, self.rank, self.world = specs, micro_batch_size, rank, world_size
-        self.orders = [EpochOrder(s.num_samples, source_key(seed, s.name)) for s in specs]
-        self.start = start
+        self.orders = [shuffle.order(s, seed) for s in specs]
+        self.start, self.handed_out = start, handed_out
 
     def __iter__(self):
         plan = MixturePlan(self.specs)
         plan.restore(self.start)
         mine = slice(self.rank * self.micro, (self.rank + 1) * self.micro)
+        b = 0
         while True:
             sources, positions, dropped = plan.take(self.micro * self.world)
             sources, positions = sources[mine], positions[mine]
@@ -104,7 +113,34 @@ class MixtureBatchSampler(Sampler):
             for s in np.unique(sources).tolist():
                 mask = sources == s
                 indices[mask] = self.orders[s].at(positions[mask])
-            yield sources, indices, (plan.snapshot(), dropped)
+            if self.handed_out is not None:
+                self.handed_out(b)
+            yield sources, indices, (plan.snapshot(), dropped, b)
+            b += 1
+
+
+def source_schedule(specs: list[Source], micro_batch_size: int, rank: int, world_size: int, seed: int,
+                    start: tuple, shuffle: Shuffle, source: int, chunk: int = 256):
+    """Rank r's sequence numbers of source `source`, one array per micro-batch, from the plan state `start`:
+    what MixtureBatchSampler's batches take of it, computed `chunk` global micro-batches at a time (the plan
+    gives the same stream however it is cut). Ends where the mixture runs out (every source capped)."""
+    plan = MixturePlan(specs)
+    plan.restore(start)
+    order = shuffle.order(specs[source], seed)
+    g, mine = micro_batch_size * world_size, slice(rank * micro_batch_size, (rank + 1) * micro_batch_size)
+    while True:
+        snapshot = plan.snapshot()
+        try:
+            sources, positions, _ = plan.take(g * chunk)
+        except MixtureError:  # runs out within this chunk: the batches before it, one at a time
+            if chunk == 1:
+                return
+            plan.restore(snapshot)
+            yield from source_schedule(specs, micro_batch_size, rank, world_size, seed, snapshot, shuffle, source, 1)
+            return
+        picked = sources.reshape(chunk, g)[:, mine] == source
+        indices = order.at(positions.reshape(chunk, g)[:, mine][picked])
+        yield from np.split(indices, np.cumsum(picked.sum(axis=1))[:-1])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -121,7 +157,8 @@ class ResumableLoader:
     recreates the DataLoader iterator (one permutation per source, no batches read)."""
 
     def __init__(self, data, micro_batch_size: int, rank: int, world_size: int, seed: int, num_workers: int = 0,
-                 prefetch_factor: int = 2, pin_memory: bool = False, log: Callable[[str], None] | None = None):
+                 prefetch_factor: int = 2, pin_memory: bool = False, log: Callable[[str], None] | None = None,
+                 shuffle: Shuffle | None = None):
         sources = list(data) if isinstance(data, (list, tuple)) else [Source(DEFAULT_SOURCE, data=data)]
         if not sources or any(s.data is None or len(s.data) < 1 for s in sources):
             raise ValueError("ResumableLoader needs sources with at least one sequence")
@@ -129,6 +166,9 @@ class ResumableLoader:
             raise MixtureError(f"data_mix: source names must be unique, got {[s.name for s in sources]}")
         self.specs = sources
         self.datasets = [s.data for s in sources]
+        self.shuffle = shuffle or Shuffle()
+        self._read_ahead = [(i, d) for i, d in enumerate(self.datasets) if isinstance(d, ReadAhead)]
+        self._returned = -1  # the last micro-batch of the current iterator returned to the loop
         self.dataset = self.datasets[0]
         self.micro_batch_size, self.rank, self.world_size, self.seed = micro_batch_size, rank, world_size, seed
         self.log = log or (lambda _msg: None)
@@ -205,9 +245,18 @@ class ResumableLoader:
                          f"epoch(s) through it")
         return lines
 
+    def _handed_out(self, batch: int) -> None:
+        for _, d in self._read_ahead:
+            d.handed_out(batch)
+
     def _make_iterator(self):
+        start = self._plan.snapshot()
         sampler = MixtureBatchSampler(self.specs, self.micro_batch_size, self.rank, self.world_size, self.seed,
-                                      self._plan.snapshot())
+                                      start, self.shuffle, self._handed_out if self._read_ahead else None)
+        self._returned = -1
+        for i, d in self._read_ahead:
+            d.read_from(source_schedule(self.specs, self.micro_batch_size, self.rank, self.world_size, self.seed,
+                                        start, self.shuffle, i))
         wire = self.dataset.wire_dtype
         if self.num_workers == 0:
             # Read here, without a DataLoader (its per-batch bookkeeping costs more than the read), in the
@@ -215,9 +264,12 @@ class ResumableLoader:
             return ((read_picks(self.datasets, sources, indices, wire), meta) for sources, indices, meta in sampler)
         # batch_size=None: the sampler already yields whole micro-batches, each produced once in this
         # process and handed to one worker, which returns a ready [B, seq_len] array (no collate).
+        # Sources that fetch ahead run threads in this process: a fork would copy a lock one of them holds mid-call
+        # (an import's, a library's) into a worker, which could then wait on it forever. Their workers are spawned.
         loader = DataLoader(_BatchView(self.datasets, wire), sampler=sampler, batch_size=None,
                             collate_fn=_as_is, num_workers=self.num_workers, worker_init_fn=_ignore_stop_signals,
-                            prefetch_factor=self.prefetch_factor, persistent_workers=False)
+                            prefetch_factor=self.prefetch_factor, persistent_workers=False,
+                            multiprocessing_context="spawn" if self._read_ahead else None)
         return iter(loader)
 
     def __iter__(self) -> "ResumableLoader":
@@ -226,11 +278,17 @@ class ResumableLoader:
     def __next__(self) -> torch.Tensor:
         if self._iterator is None:
             self._iterator = self._make_iterator()
-        array, (plan_state, dropped) = next(self._iterator)
+        failed = self._wait_ready(self._returned + 1)
+        if failed:  # said in one line here, not from inside a DataLoader worker
+            raise DataUnavailable(failed)
+        array, (plan_state, dropped, number) = next(self._iterator)
         batch = torch.from_numpy(array.astype(np.int64, copy=False))
         if self.pin_memory:
             batch = batch.pin_memory()
         self._plan.restore(plan_state)
+        self._returned = number
+        for _, d in self._read_ahead:
+            d.returned(number)
         for name in dropped:
             spec = self.specs[self.names.index(name)]
             now = ", ".join(f"{n} {w:.4g}" for n, w in zip(self.names, self._plan.weights) if w > 0)
@@ -238,15 +296,34 @@ class ResumableLoader:
                      f"{self.position:,} sequences and drops out; the others are renormalised: {now}")
         return batch
 
+    def unavailable(self, micro_batches: int) -> str | None:
+        """Before a step of `micro_batches` micro-batches: waits until the files they read are here (sources that
+        fetch ahead; at once for the others) and returns None, or the one line naming a file that stayed
+        unavailable; the loop then stops with a checkpoint instead of starting a step it could not finish."""
+        if not self._read_ahead:
+            return None
+        if self._iterator is None:
+            self._iterator = self._make_iterator()
+        return self._wait_ready(self._returned + micro_batches)
+
+    def _wait_ready(self, last_batch: int) -> str | None:
+        for _, d in self._read_ahead:
+            failed = d.wait_ready(last_batch)
+            if failed:
+                return failed
+        return None
+
     # ------------------------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
+        order = {"shuffle": self.shuffle.state()} if self.shuffle.state() else {}  # global: the original format
         if self.single:
             epoch, consumed = divmod(self.position, self.num_samples)
             return {"position": self.position, "epoch": epoch, "consumed_in_epoch": consumed,
-                    "seed": self.seed, "num_samples": self.num_samples, "global_batch": self.global_batch}
+                    "seed": self.seed, "num_samples": self.num_samples, "global_batch": self.global_batch, **order}
         plan = self._plan
         return {"format": "mixture", "seed": self.seed, "position": self.position, "seq_len": self.dataset.seq_len,
+                **order,
                 "global_batch": self.global_batch,
                 "sources": {s.name: {"consumed": c, "num_samples": s.num_samples,
                                      "sha256": d.fingerprint()["sha256"]}
@@ -277,6 +354,12 @@ class ResumableLoader:
         if not any(n in saved for n in self.names):
             raise MixtureError(f"data_mix: none of the checkpoint's sources ({', '.join(saved)}) is in this run's "
                                f"mixture ({', '.join(self.names)}); keep at least one, or start a fresh run")
+        saved_order = state.get("shuffle") or None
+        if saved_order != self.shuffle.state():
+            was = Shuffle(**saved_order) if saved_order else Shuffle()
+            raise MixtureError(f"the checkpoint's data cursor follows {was.describe()} but this run asks for "
+                               f"{self.shuffle.describe()}; resume with the checkpoint's order (--set "
+                               f"shuffle={was.kind} --set shuffle_block_shards={was.block_files}) or start a fresh run")
         if state.get("seq_len") not in (None, self.dataset.seq_len):
             raise MixtureError(f"the checkpoint's data cursor was saved with seq_len={state['seq_len']} but this run "
                                f"has seq_len={self.dataset.seq_len}; resume with --set seq_len={state['seq_len']}")
@@ -311,7 +394,9 @@ class ResumableLoader:
         self._plan = plan
 
     def close(self) -> None:
-        """Stop DataLoader workers (also done when the loader is garbage-collected)."""
+        """Stop DataLoader workers (also done when the loader is garbage-collected) and fetching ahead."""
+        for _, d in self._read_ahead:
+            d.stop_reading()
         it, self._iterator = self._iterator, None
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()

@@ -15,11 +15,20 @@ sequences consumed, and consumed when the phase began, plus the phase's weights:
 The source named `data` (what `data_dir` alone is) keeps the single-source order of the engine before
 mixtures (`SeedSequence([seed, epoch])`), so a `data_dir` run's stream and cursor are unchanged; other
 sources' orders are keyed by their name, so adding or reordering sources never changes another's order.
+
+Within an epoch a source's order is its `Shuffle`: `global` (the default, the engine's order) permutes all its
+sequences; `blocks` permutes its files, then shuffles the sequences within consecutive blocks of
+`shuffle_block_shards` files (MosaicML streaming's block shuffle), so a stretch of steps reads a few files
+rather than all of them: what a bounded cache of streamed shards needs (utils/data/stream_source.py). Either
+way the order is a function of (seed, source, epoch) alone: world-size independent, O(1) to resume.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -47,17 +56,82 @@ def epoch_permutation(seed, epoch: int, n: int) -> np.ndarray:
     return perm
 
 
-class EpochOrder:
-    """One source's own stream: position p -> sequence perm(key, p // n)[p % n], two epochs cached."""
+def block_permutation(seed, epoch: int, file_sequences, block_files: int) -> np.ndarray:
+    """The sample order of one epoch under shuffle=blocks: the files permuted by (seed, epoch), cut into
+    consecutive blocks of `block_files` files, and the sequences of each block shuffled among themselves.
+    `file_sequences[f]`: how many sequences file f holds (its sequences follow the earlier files')."""
+    key = list(seed) if isinstance(seed, (list, tuple)) else [seed]
+    sizes = np.asarray(file_sequences, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    n = int(starts[-1])
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(key + [epoch])))
+    files = rng.permutation(len(sizes))
+    perm = np.empty(n, dtype=np.int32 if n < 2**31 else np.int64)
+    done = 0
+    for first in range(0, len(files), block_files):
+        block = np.concatenate([np.arange(starts[f], starts[f + 1]) for f in files[first:first + block_files]])
+        rng.shuffle(block)
+        perm[done:done + len(block)] = block
+        done += len(block)
+    return perm
 
-    def __init__(self, num_samples: int, key: list[int]):
+
+SHUFFLES = ("global", "blocks")
+
+
+@dataclass(frozen=True)
+class Shuffle:
+    """How each source orders its sequences within an epoch (the module docstring): `global` or `blocks` of
+    `block_files` files."""
+    kind: str = "global"
+    block_files: int = 16
+
+    def __post_init__(self):
+        if self.kind not in SHUFFLES or self.block_files < 1:
+            raise ValueError(f"shuffle must be one of {', '.join(SHUFFLES)} with at least one file per block, got "
+                             f"{self.kind!r} with {self.block_files}")
+
+    @classmethod
+    def from_config(cls, cfg) -> "Shuffle":
+        return cls(cfg.shuffle, cfg.shuffle_block_shards)
+
+    def describe(self) -> str:
+        return "shuffle=global" if self.kind == "global" else f"shuffle=blocks of {self.block_files} shard(s)"
+
+    def state(self) -> dict | None:
+        """What a cursor records of the order (None for global: its cursor keeps the engine's original format)."""
+        return None if self.kind == "global" else {"kind": self.kind, "block_files": self.block_files}
+
+    def order(self, source: Source, seed: int) -> "EpochOrder":
+        key = source_key(seed, source.name)
+        if self.kind == "global":
+            return EpochOrder(source.num_samples, key)
+        sizes = source.data.file_sequences()
+        return EpochOrder(source.num_samples, key,
+                          lambda epoch: block_permutation(key, epoch, sizes, self.block_files))
+
+    def files_at_once(self, file_sequences, step_sequences: int) -> int:
+        """How many of a source's files a stretch of steps reads from, at most: every file under global; under
+        blocks, two blocks (the one being read and the next) plus the files one step's sequences can span."""
+        sizes = np.asarray(file_sequences, dtype=np.int64)
+        if self.kind == "global" or not len(sizes):
+            return len(sizes)
+        return min(len(sizes), 2 * self.block_files + math.ceil(step_sequences / max(1, int(sizes.min()))))
+
+
+class EpochOrder:
+    """One source's own stream: position p -> sequence perm(p // n)[p % n], two epochs cached. `permute(epoch)`
+    gives an epoch's order (default: the global `epoch_permutation` of the source's key)."""
+
+    def __init__(self, num_samples: int, key: list[int], permute: Callable[[int], np.ndarray] | None = None):
         self.n, self.key = num_samples, key
+        self.permute = permute or (lambda epoch: epoch_permutation(key, epoch, num_samples))
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def perm(self, epoch: int) -> np.ndarray:
         perm = self._perms.get(epoch)
         if perm is None:
-            perm = self._perms[epoch] = epoch_permutation(self.key, epoch, self.n)
+            perm = self._perms[epoch] = self.permute(epoch)
             while len(self._perms) > 2:
                 self._perms.popitem(last=False)
         return perm
@@ -167,9 +241,12 @@ def describe_change(old_weights: dict, new_weights: dict) -> str:
 
 def check_sources(sources: list[Source], infos: dict, warn: Callable[[str], None],
                   demo_data: bool = False) -> None:
-    """Before a mixture is indexed: every source's folder holds shards (the demo's data is built for a
-    `data_dir` run only, never into a source), and its tokenizer is the others' (see check_tokenizers)."""
+    """Before a mixture is indexed: every local source's folder holds shards (the demo's data is built for a
+    `data_dir` run only, never into a source), and its tokenizer is the others' (see check_tokenizers). A
+    remote source (a URL) is checked by its type when opened."""
     for s in sources:
+        if not isinstance(s.path, Path):
+            continue
         missing = "does not exist" if not s.path.is_dir() else (
             "holds no .npz shards" if not any(s.path.rglob("*.npz")) else None)
         if missing:

@@ -4,6 +4,8 @@ cached), builds the demo's data into an empty `data_dir` under the demo preset, 
 the dataset.json's own split by documents where there is one, else the last `val_files` files."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.dataset_info import DatasetInfo
 from utils.data.demo import build_demo_data
@@ -31,4 +33,4 @@ def open_shards(source: Source, request: OpenRequest) -> tuple[TokenSequenceData
     return TokenSequenceDataset(train), TokenSequenceDataset(val)
 
 
-SHARDS = SourceType("shards", handles=lambda source: source.path is not None, open=open_shards)
+SHARDS = SourceType("shards", handles=lambda source: isinstance(source.path, Path), open=open_shards)

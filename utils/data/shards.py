@@ -216,6 +216,20 @@ def _inspect_compressed(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, s
     return ShardLayout(True, -1, dtype.str, tuple(int(s) for s in shape), bool(fortran), lo, hi)
 
 
+def read_layout(path) -> ShardLayout:
+    """Where a shard's array lives, from its zip and npy headers alone (no id scan: min_id and max_id are -1):
+    for a reader of a file already checked by inspect_shard in another thread or process."""
+    with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
+        info = zf.getinfo(INPUT_KEY + ".npy")
+        if info.compress_type != zipfile.ZIP_STORED:
+            with zf.open(info) as fp:
+                shape, fortran, dtype = _read_npy_header(fp, str(path))
+            return ShardLayout(True, -1, dtype.str, tuple(int(s) for s in shape), bool(fortran), -1, -1)
+        fh.seek(_local_data_start(fh, info, str(path)))
+        shape, fortran, dtype = _read_npy_header(fh, str(path))
+        return ShardLayout(False, fh.tell(), dtype.str, tuple(int(s) for s in shape), bool(fortran), -1, -1)
+
+
 def check_vocab(name: str, layout: ShardLayout, vocab_size: int) -> None:
     if layout.min_id < 0:
         raise shard_error(name, f"holds id {layout.min_id} < 0", "token ids must be non-negative: check the tokenizer output")

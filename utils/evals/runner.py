@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from utils.data.build import description_dir
 from utils.errors import UserError
 from utils.evals.scoring import RequestEncoder, loglikelihoods, task_metrics
 from utils.evals.tasks import Task, load_task
@@ -77,7 +78,7 @@ class DownstreamEvals:
         self.tasks: list[PreparedTask] = []
         if cfg.eval_tasks:
             tasks = load_tasks(cfg.eval_tasks, cfg.eval_tasks_limit)
-            encoder = load_encoder(cfg.data_dir, self.max_length, advice="eval_tasks needs the data's tokenizer "
+            encoder = load_encoder(description_dir(cfg), self.max_length, advice="eval_tasks needs the data's tokenizer "
                                    "there (prepare_data.py writes it), or leave eval_tasks empty")
             self.tasks = prepare_tasks(tasks, encoder)
             log.info("eval_tasks: " + "; ".join(

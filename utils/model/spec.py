@@ -3,10 +3,10 @@ vocabulary a prepared dataset's tokenizer sets (its dataset.json)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 from configs import get_model_spec
 from configs.training_config import check_seq_len
+from utils.data.build import description_dir
 from utils.data.dataset_info import DatasetInfo
 from utils.errors import UserError
 from utils.model.hf import check_weights, load_hf_pretrained
@@ -26,7 +26,7 @@ def resolve_model_spec(cfg, log):
                  f"--resume, the checkpoint's weights, optimizer and schedule are restored instead)")
     else:
         spec = get_model_spec(cfg.model)
-    info = DatasetInfo.load(Path(cfg.data_dir).expanduser())
+    info = DatasetInfo.load(description_dir(cfg))
     if info is not None and cfg.init_from:
         if info.vocab_size > spec.padded_vocab_size:
             raise UserError(f"{info.path}: its tokenizer has {info.vocab_size:,} ids but the init_from model "
