@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.trainkit import load_weights, make_shards, metrics, run, train_cmd, train_rows
+from tests.trainkit import load_weights, make_shards, run, train_cmd, train_rows
 
 COMMON = ("per_device_train_batch_size=4", "gradient_accumulation_steps=2", "max_steps=8", "save_steps=4",
           "dataloader_num_workers=2")
