@@ -6,8 +6,8 @@ one call) and then runs the loop, every step of it visible: accumulate, backward
 optimizer step / schedule / zero, then log, eval and checkpoint when due. The parts live in utils/ (see
 docs/ARCHITECTURE.md): the parallelism seam (utils/parallel.py) builds and wraps the model, the data package
 (utils/data/build.py) the loader, the Checkpointer (utils/checkpoint/checkpointer.py) saves and restores every
-stateful thing, and TrainState, the metrics window, the stop signal and the output folder are small
-objects beside them.
+stateful thing, the spike guard (utils/spike_guard.py) judges each step before its update, and TrainState, the
+metrics window, the stop signal and the output folder are small objects beside them.
 """
 from __future__ import annotations
 
