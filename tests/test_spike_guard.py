@@ -16,6 +16,7 @@ import torch
 from configs.training_config import TrainingConfig
 from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
 from utils.metrics import RunLogger, read_metrics
+from utils.spike_guard import MIN_SPREAD
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +54,16 @@ def test_a_step_far_above_the_window_is_a_spike_and_never_joins_it(tmp_path, acc
     assert feed(guard, 1, [(5.0, 1.0), (50.0, 30.0)]) == [True, True]  # nothing judged before the window is full
     guard, rows = make_guard(tmp_path / "b", accelerator)
     assert feed(guard, 1, CALM) == [True] * 4
-    # limits: loss 5.0 + 3 x 0.1155 = 5.346, norm 1.0 + 3 x 0.0816 = 1.245
+    # limits: loss 5.0 + 3 x 0.1155 = 5.346, norm 1.0 + 3 x max(0.0816, 0.15 x 1.0) = 1.45
     assert feed(guard, 5, [(5.3, 1.2)]) == [True]  # under both: joins the window
     assert feed(guard, 6, [(9.0, 1.0), (5.1, 10.0), (5.1, 1.0)]) == [False, False, True]  # a loss, a norm spike
     assert np.allclose(list(guard.recent), [(4.8, 0.9), (5.0, 1.0), (5.3, 1.2), (5.1, 1.0)])  # spikes stayed out
     first, second = spike_rows(rows)
     assert (first["step"], first["spike/action"], second["step"]) == (6, "skip", 7)
     history = np.array([(5.2, 1.1), (4.8, 0.9), (5.0, 1.0), (5.3, 1.2)], dtype=np.float32).astype(float)
-    limits = history.mean(axis=0) + 3 * history.std(axis=0, ddof=1)
+    mean = history.mean(axis=0)
+    limits = mean + 3 * np.maximum(history.std(axis=0, ddof=1), MIN_SPREAD * mean)
+    assert limits[1] == 3 * 0.15 * mean[1] + mean[1]  # the norm's spread (0.13) is below 15% of its mean
     assert math.isclose(first["spike/loss_limit"], limits[0]) and math.isclose(first["spike/grad_norm_limit"],
                                                                                limits[1])
     assert first["spike/loss"] == 9.0 and math.isclose(second["spike/grad_norm"], 10.0)

@@ -4,6 +4,10 @@ The statistic. The guard keeps the loss and the gradient norm of the last `spike
 spikes. Once it holds that many (none is judged before: early training moves too fast for a short history to
 describe it), a step is a spike when its loss is more than `spike_threshold` standard deviations (sample
 standard deviation) above the window's mean loss, or its gradient norm as many of theirs above their mean.
+A spread smaller than MIN_SPREAD of its mean counts as that much: a quiet stretch of the gradient norm can
+be so even (0.04 around 0.70 in the demo) that an ordinary rise after the warmup would count as a spike,
+so the norm must rise at least 6 x 15% = 90% above its mean (the loss, whose spread is rarely that small,
+at least 6%).
 The loss is the step's mean over its micro-batches and over the ranks, the norm the global one before
 clipping: every rank sees the same two numbers and takes the same decision. Spikes never enter the window,
 so a run of them does not raise the bar they are measured against. (OLMo-core's skip-step optimizer tests
@@ -61,6 +65,9 @@ import numpy as np
 import torch
 
 from utils.errors import UserError
+
+
+MIN_SPREAD = np.array([0.01, 0.15])  # of the mean: the least spread (loss, gradient norm) a window is taken to have
 
 
 class SpikesPersist(UserError):
@@ -128,7 +135,8 @@ class SpikeGuard:
             self.recent.append((loss, norm))
             return False
         history = np.array(self.recent)
-        limits = history.mean(axis=0) + self.threshold * history.std(axis=0, ddof=1)
+        mean = history.mean(axis=0)
+        limits = mean + self.threshold * np.maximum(history.std(axis=0, ddof=1), MIN_SPREAD * mean)
         if loss <= limits[0] and norm <= limits[1]:
             self.recent.append((loss, norm))
             return False
