@@ -6,8 +6,8 @@ one call) and then runs the loop, every step of it visible: accumulate, backward
 optimizer step / schedule / zero, then log, eval and checkpoint when due. The parts live in utils/ (see
 docs/ARCHITECTURE.md): the parallelism seam (utils/parallel.py) builds and wraps the model, the data package
 (utils/data/build.py) the loader, the Checkpointer (utils/checkpoint/checkpointer.py) saves and restores every
-stateful thing, and TrainState, the metrics window, the stop signal and the output folder are small
-objects beside them.
+stateful thing, the spike guard (utils/spike_guard.py) judges each step before its update, and TrainState, the
+metrics window, the stop signal and the output folder are small objects beside them.
 """
 from __future__ import annotations
 
@@ -123,6 +123,7 @@ def train(cfg, profile, args) -> int:
     from utils.run_dir import default_output_dir, lock_output_dir, refuse_another_run, shared_output_dir
     from utils.sampling import Sampler
     from utils.signals import StopSignal
+    from utils.spike_guard import SpikeGuard
     from utils.state import RngState, TrainState
 
     output_dir = Path(args.output_dir or default_output_dir(cfg, REPO_ROOT)).resolve()
@@ -153,7 +154,9 @@ def train(cfg, profile, args) -> int:
     model, optimizer, scheduler = build_training(run, spec, init_weights if resume_path is None else None)
     core = accelerator.unwrap_model(model)
     state = TrainState()
-    states = {"model": model, "optimizer": optimizer, "train": state, "scheduler": scheduler, "data": loader}
+    guard = SpikeGuard(cfg, accelerator, log)
+    states = {"model": model, "optimizer": optimizer, "train": state, "scheduler": scheduler, "data": loader,
+              "spike_guard": guard}
     if accelerator.scaler is not None:
         states["scaler"] = accelerator.scaler
     global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
@@ -206,15 +209,22 @@ def train(cfg, profile, args) -> int:
                     step_loss += loss.detach() / cfg.gradient_accumulation_steps
                     if accelerator.sync_gradients:
                         grad_norm = parallel.clip_grad_norm(params, max_grad_norm)
-                        optimizer.step()
-                        parallel.after_optimizer_step(model)
-                        scheduler.step()
+                        applied = guard.check(state.step + 1, step_loss, grad_norm)  # skip, rollback: a host sync
+                        if applied:
+                            optimizer.step()
+                            parallel.after_optimizer_step(model)
+                        scheduler.step()  # a skipped step too: the LR at step k is lr_at(k)
                         optimizer.zero_grad(set_to_none=True)
             state.advance(tokens_per_step)
-            window.add(step_loss)
+            window.add(step_loss, skipped=not applied)
             bar.update(1)
+            if guard.rollback_due and guard.roll_back(ckpt, loader, state):  # the newest checkpoint, data since skipped
+                window.restart(state.step + 1)
+                bar.n = state.step
+                continue
 
             if state.step % cfg.logging_steps == 0 or state.step == cfg.max_steps:
+                guard.review()  # warn: this window's steps
                 row = window.row(state.step, state.tokens, lr_at(state.step), grad_norm) | loader.source_tokens()
                 state.best_loss = min(state.best_loss, row["loss"])
                 log_step(run, row, state, window, bar)
@@ -232,6 +242,7 @@ def train(cfg, profile, args) -> int:
             stopping = stop.agreed(failed)
             if stopping or planned_stop or state.step == cfg.max_steps or ckpt.due(state.step):
                 window.checked_losses()  # a non-finite loss stops the run before anything is saved
+                guard.review()  # warn: the saved guard has seen every step before the checkpoint
                 last_checkpoint, blocked_s = ckpt.save(state.step)
                 window.exclude(blocked_s)
             if stopping or planned_stop:
@@ -247,7 +258,7 @@ def train(cfg, profile, args) -> int:
             exit_code = 0 if in_sync else 1
         log.info(closing_summary(output_dir / layout.LOGS / layout.METRICS, step=state.step, tokens=state.tokens,
                                  session_s=time.perf_counter() - PROCESS_STARTED, window=window,
-                                 checkpoint=last_checkpoint, final_model=export_dir))
+                                 checkpoint=last_checkpoint, final_model=export_dir, spikes=guard.summary()))
     finally:
         bar.close()
         loader.close()

@@ -28,6 +28,7 @@ STRATEGIES = ("ddp", "fsdp")  # utils/parallel.py: one class each
 # utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
 ATTENTION = ("causal", "document")  # utils/model/gpt_neox.py: use_document_masking
+SPIKE_GUARDS = ("off", "warn", "skip", "rollback")  # utils/spike_guard.py says what each does
 LR_SCHEDULES = tuple(SCHEDULES)  # utils/schedules.py: the registry
 DECAY_SHAPES = tuple(SCHEDULE_DECAY_SHAPES)
 SHUFFLES = ("global", "blocks")  # utils/data/mixture.py: Shuffle
@@ -186,6 +187,18 @@ class TrainingConfig:
     eval_tasks_every: int = _field(0, "optimizer steps between downstream evals; 0: with validation "
                                       "(eval_interval)", "[0, inf)")
     eval_tasks_limit: int = _field(0, "score the first N examples of each task; 0: all", "[0, inf)")
+    # loss-spike guard (utils/spike_guard.py)
+    spike_guard: str = _field("warn", "a step whose loss or gradient norm is more than spike_threshold standard "
+                                      "deviations above the mean of the last spike_window steps is a spike: off | "
+                                      "warn (a line and a metrics row) | skip (its update is not applied) | rollback "
+                                      "(as skip, and after spike_patience spikes the run goes back to its newest "
+                                      "checkpoint and skips the data read since)")
+    spike_window: int = _field(128, "the steps (spikes left out) a step is measured against; none is judged before "
+                                    "there are this many", "[2, inf)")
+    spike_threshold: float = _field(6.0, "standard deviations above the window's mean that make a spike", "(0, inf)")
+    spike_patience: int = _field(3, "rollback: spikes within spike_window steps that roll the run back", "[1, inf)")
+    spike_max_rollbacks: int = _field(3, "rollback: rollbacks to one checkpoint before the run stops (the spikes "
+                                         "come back whatever data is skipped)", "[1, inf)")
 
     @property
     def effective_run_name(self) -> str:
@@ -217,6 +230,8 @@ class TrainingConfig:
             raise ConfigError(f"attention='{self.attention}' is not valid; use one of {', '.join(ATTENTION)}")
         if self.attention == "document" and self.model_impl != "native":
             raise ConfigError("attention=document masks the native model's attention; use model_impl=native")
+        if self.spike_guard not in SPIKE_GUARDS:
+            raise ConfigError(f"spike_guard='{self.spike_guard}' is not valid; use one of {', '.join(SPIKE_GUARDS)}")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ConfigError(f"activation_checkpointing='{self.activation_checkpointing}' is not valid; use one of "
                               f"{', '.join(ACTIVATION_CHECKPOINTING)}")
@@ -324,6 +339,8 @@ def _coerce(name: str, raw, where: str):
             return list(raw)
         if isinstance(raw, (list, tuple)) and name == "report_to":
             return ",".join(str(v) for v in raw)
+        if isinstance(raw, bool):  # YAML reads a bare off / on (no / yes) as a bool: `profile: off`, `spike_guard: off`
+            return "on" if raw else "off"
         if isinstance(raw, (dict, list, tuple)):
             raise ValueError
         return str(raw)

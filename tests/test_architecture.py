@@ -20,7 +20,7 @@ LAYERS = [
     ("data", ["utils.data"]),
     ("checkpoint", ["utils.checkpoint"]),
     ("model", ["utils.model"]),
-    ("engine", ["utils.parallel", "utils.optim", "utils.metrics", "utils.sampling", "utils.evals"]),
+    ("engine", ["utils.parallel", "utils.optim", "utils.metrics", "utils.sampling", "utils.evals", "utils.spike_guard"]),
     ("run", ["utils.export", "utils.run_dir"]),
 ]
 

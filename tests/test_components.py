@@ -77,6 +77,23 @@ def test_metrics_window_excludes_eval_and_checkpoint_time(accelerator):
         window.checked_losses()
 
 
+def test_a_skipped_step_counts_for_time_but_not_for_the_loss_or_the_finite_check(accelerator):
+    from utils.metrics import MetricsWindow, format_step_line
+
+    window = MetricsWindow(accelerator, tokens_per_step=1000, flops_per_token=6e6, peak=None, precision="no")
+    window.add(torch.tensor(2.0))
+    window.add(torch.tensor(float("nan")), skipped=True)  # a non-finite step the spike guard skipped
+    window.add(torch.tensor(4.0))
+    row = window.row(step=3, tokens=3000, lr=1e-3, grad_norm=torch.tensor(0.5))
+    assert row["loss"] == 3.0 and row["skipped_steps"] == 1 and row["tokens_per_sec"] > 0
+    assert "| 1 skipped" in format_step_line(row, best=3.0)
+    window.add(torch.tensor(9.0), skipped=True)
+    row = window.row(step=4, tokens=4000, lr=1e-3, grad_norm=torch.tensor(0.5))
+    assert math.isnan(row["loss"]) and "loss=-" in format_step_line(row, best=3.0)
+    window.add(torch.tensor(1.0))
+    assert "skipped_steps" not in window.row(step=5, tokens=5000, lr=1e-3, grad_norm=torch.tensor(0.5))
+
+
 def test_evaluate_is_the_mean_batch_loss(accelerator):
     from utils.evals.validation import evaluate
     from utils.model import build_model

@@ -100,6 +100,16 @@ def test_config_file_starts_from_a_base_preset(tmp_path):
     assert cfg.model == "tiny" and cfg.compile_model is False and cfg.warmup_steps == 500  # field defaults
 
 
+def test_a_bare_off_in_a_config_file_is_the_choice_off(tmp_path):
+    """YAML reads `off` as false: `profile: off` and `spike_guard: off` were refused as 'False'."""
+    path = tmp_path / "off.yaml"
+    path.write_text("base: demo\nprofile: off\nspike_guard: off\n")
+    cfg = get_training_config(str(path))
+    assert (cfg.profile, cfg.spike_guard) == ("off", "off")
+    with pytest.raises(ConfigError, match="spike_guard='sometimes' is not valid; use one of off, warn, skip, rollback"):
+        get_training_config("demo", {"spike_guard": "sometimes"})
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("learning_rte: 1e-3\n", "unknown training-config field 'learning_rte'; did you mean 'learning_rate'?"),
     ("base: prod\n", "base 'prod' is not a preset"),

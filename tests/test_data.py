@@ -148,6 +148,23 @@ def test_cursor_round_trip_continues_exactly(mixed, workers):
     assert not {i for b in first for i in sample_ids(b)} & {i for b in got[:2] for i in sample_ids(b)}
 
 
+def test_skip_to_moves_the_cursor_forward_past_the_data_between(mixed):
+    """The spike guard's rollback: a loader put back at an earlier cursor skips to a later one and continues
+    exactly as the loader that read the data between; it never moves back."""
+    reader = ResumableLoader(mixed, 2, 1, 2, seed=3)
+    [next(reader) for _ in range(3)]
+    earlier = reader.state_dict()
+    [next(reader) for _ in range(5)]
+    later = reader.state_dict()
+    expected = [sample_ids(next(reader)) for _ in range(4)]
+    rolled_back = ResumableLoader(mixed, 2, 1, 2, seed=3)
+    rolled_back.load_state_dict(earlier)
+    assert rolled_back.skip_to(later) == 5 * 4 and rolled_back.position == later["position"]
+    assert [sample_ids(next(rolled_back)) for _ in range(4)] == expected
+    with pytest.raises(ValueError, match="a skip only moves forward"):
+        rolled_back.skip_to(earlier)
+
+
 @pytest.mark.parametrize("world,micro", [(1, 4), (4, 1)])
 def test_resume_with_another_world_size_continues_the_global_stream(mixed, world, micro):
     shares = global_order(mixed, 2, 2, seed=2, workers=0, global_batches=8)

@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from configs.model_config import ConfigError, ModelSpec
-from tests.trainkit import REPO_ROOT, make_shards, metrics, run, train_cmd, train_rows
+from tests.trainkit import REPO_ROOT, engine_at, make_shards, metrics, run, train_cmd, train_rows
 from utils.checkpoint.format import list_checkpoints
 from utils.model import build_model
 from utils.model import gpt_neox
@@ -189,12 +187,7 @@ def test_a_checkpoint_of_the_hf_backed_engine_resumes_on_the_native_model(tmp_pa
     inside) resumes on today's default, the native model, weights and AdamW state included, and continues
     the old engine's uninterrupted run (also across the max_steps change: the restored schedule is this
     run's, see utils/optim.py StepSchedule)."""
-    old = tmp_path / "old-engine"
-    old.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", "1674d40"], capture_output=True)
-    if archive.returncode != 0:
-        pytest.skip("needs the repository's history (git archive 1674d40)")
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    old = engine_at("1674d40", tmp_path / "old-engine")
     data = make_shards(tmp_path / "data")
     out = tmp_path / "out"
     sets = ["per_device_train_batch_size=4", "save_steps=2"]

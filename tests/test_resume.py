@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.trainkit import load_weights, make_shards, metrics, run, train_cmd, train_rows
+from tests.trainkit import load_weights, make_shards, run, train_cmd, train_rows
 
 COMMON = ("per_device_train_batch_size=4", "gradient_accumulation_steps=2", "max_steps=8", "save_steps=4",
           "dataloader_num_workers=2")
@@ -120,14 +120,9 @@ def test_a_checkpoint_of_the_previous_engine_resumes_exactly(strategy, tmp_path,
     today's code and continues the old engine's uninterrupted run: the same losses and final weights."""
     import sys
 
-    from tests.trainkit import REPO_ROOT
+    from tests.trainkit import engine_at
 
-    old = tmp_path / "old-engine"
-    old.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", "f282397"], capture_output=True)
-    if archive.returncode != 0:
-        pytest.skip("needs the repository's history (git archive f282397)")
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    old = engine_at("f282397", tmp_path / "old-engine")
     data = make_shards(tmp_path / "data")
     sets = ("per_device_train_batch_size=4", "max_steps=4", "save_steps=2", f"strategy={strategy}")
     old_env = dict(subprocess_env, PYTHONPATH=str(old))

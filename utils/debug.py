@@ -7,6 +7,11 @@
                                     (tests of the fp8 path on a CPU)
     NEOX_DEBUG_CHECKPOINT_DELAY_S=S each checkpoint write sleeps S seconds before its manifest: a slow disk, for
                                     the preemption tests
+    NEOX_DEBUG_POISON_SEQUENCES=A-B[,C-D...]
+                                    the sequences at global stream positions [A, B) (the data cursor's count)
+                                    reach the model as their first token repeated: a loss spike on demand, for
+                                    the spike guard's tests (position p is read by step p // G + 1 of a run
+                                    that skips nothing, G = micro-batch x accumulation x processes)
 
 Production modules ask these functions rather than reading the variables themselves, so every switch that
 changes behaviour for a test is listed here.
@@ -27,6 +32,24 @@ def fp8_emulated() -> bool:
 
 def checkpoint_write_delay_s() -> float:
     return float(os.environ.get("NEOX_DEBUG_CHECKPOINT_DELAY_S", "0") or 0)
+
+
+def poisoned_sequences() -> list[range]:
+    """`NEOX_DEBUG_POISON_SEQUENCES` as ranges of global stream positions (empty when unset)."""
+    spec = os.environ.get("NEOX_DEBUG_POISON_SEQUENCES", "")
+    return [range(int(a), int(b)) for a, b in (part.split("-") for part in spec.split(",") if part.strip())]
+
+
+def poison(batch, first_position: int, poisoned: list[range]):
+    """`batch` (a [rows, seq_len] numpy array whose row k is global stream position first_position + k) with its
+    poisoned rows each made of its first token: a copy where any row is poisoned (the batch may be a view of a
+    shard)."""
+    rows = [k for k in range(len(batch)) if any(first_position + k in r for r in poisoned)]
+    if not rows:
+        return batch
+    batch = batch.copy()
+    batch[rows] = batch[rows, :1]
+    return batch
 
 
 class BatchTrace:

@@ -6,7 +6,9 @@ full resolved config as hyperparameters; every numeric field of a row is logged 
 and TensorBoard also gets each training scalar against tokens seen (`by_tokens/...`).
 
 `MetricsWindow` owns the per-step losses since the last log line, the non-finite check, the time they
-took (minus eval and checkpoint time, which are reported on their own rows) and the row they become.
+took (minus eval and checkpoint time, which are reported on their own rows) and the row they become. A step
+the spike guard skipped (utils/spike_guard.py) counts for time and tokens, but its loss is left out of the
+row's mean and of the non-finite check (its own spike row has it), and the row says how many were skipped.
 
 A full disk while writing logs is one line (DiskFullError) naming the file, not a chain of tracebacks.
 """
@@ -171,7 +173,7 @@ class RunLogger:
         if self._accelerator is None:
             return
         group = ("eval" if "val_loss" in row or "eval_tasks_s" in row else "checkpoint" if "checkpoint" in row
-                 else "train")
+                 else "spike" if any(k.startswith("spike/") for k in row) else "train")
         scalars = {k if k.startswith(f"{group}/") else f"{group}/{k}": v for k, v in row.items()  # eval/<task>/acc
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         try:
@@ -249,14 +251,17 @@ class MetricsWindow:
 
     def _new_window(self, first_step: int) -> None:
         self.losses: list[torch.Tensor] = []
+        self.skipped: list[int] = []  # indices into losses of the steps whose update was skipped
         self.first_step = first_step
         self.data_wait_s = self.window_s = 0.0
 
-    def add(self, step_loss: torch.Tensor) -> None:
+    def add(self, step_loss: torch.Tensor, skipped: bool = False) -> None:
         if self.first_step_s is None and self.process_started is not None:  # once: imports, setup, compile
             if self.accelerator.device.type == "cuda":
                 torch.cuda.synchronize(self.accelerator.device)
             self.first_step_s = time.perf_counter() - self.process_started
+        if skipped:
+            self.skipped.append(len(self.losses))
         self.losses.append(step_loss)
         self.trained_steps += 1
         self._charge()
@@ -283,12 +288,14 @@ class MetricsWindow:
         return tokens, self.trained_s, tps, mfu(tps, self.flops_per_token, self.peak, self.accelerator.num_processes)
 
     def checked_losses(self) -> torch.Tensor:
-        """Per-step losses averaged over ranks (one host sync); stops the run at the first non-finite one,
-        on every rank alike."""
+        """Per-step losses averaged over ranks (one host sync); stops the run at the first non-finite one
+        that was not skipped, on every rank alike."""
         if not self.losses:
             return torch.zeros(0)
         losses = self.accelerator.reduce(torch.stack(self.losses), reduction="mean").float().cpu()
-        bad = (~torch.isfinite(losses)).nonzero()
+        bad = ~torch.isfinite(losses)
+        bad[self.skipped] = False
+        bad = bad.nonzero()
         if bad.numel():
             fp32 = "" if self.precision == "fp32" else " with --mixed-precision no"
             raise NonFiniteLoss(f"non-finite loss at step {self.first_step + int(bad[0])} ({self.precision} "
@@ -303,10 +310,14 @@ class MetricsWindow:
         elapsed = max(1e-9, self.window_s)
         n = len(self.losses)
         tps = n * self.tokens_per_step / elapsed
-        row = {"step": step, "tokens": tokens, "loss": float(losses.mean()), "lr": lr,
+        applied = torch.ones(n, dtype=torch.bool)
+        applied[self.skipped] = False
+        row = {"step": step, "tokens": tokens, "loss": float(losses[applied].mean()), "lr": lr,
                "grad_norm": float(grad_norm),  # the same on every rank: taken after the all-reduce
                "tokens_per_sec": tps, "mfu": mfu(tps, self.flops_per_token, self.peak, self.accelerator.num_processes),
                "steps_per_sec": n / elapsed, "data_wait_frac": self.data_wait_s / elapsed}
+        if self.skipped:
+            row["skipped_steps"] = len(self.skipped)
         row |= self._device_stats()
         if self.first_step_s is not None and not self._first_step_reported:
             row["first_step_s"] = self.first_step_s
@@ -329,9 +340,13 @@ class MetricsWindow:
 
 
 def format_step_line(row: dict, best: float) -> str:
-    """`Step 100: loss=2.4567, lr=1.23e-04, best=2.4234 | 5.2 steps/sec | 41,000 tok/s | MFU 47.1%`."""
-    line = (f"Step {row['step']}: loss={row['loss']:.4f}, lr={row['lr']:.2e}, best={best:.4f} | "
+    """`Step 100: loss=2.4567, lr=1.23e-04, best=2.4234 | 5.2 steps/sec | 41,000 tok/s | MFU 47.1%`; with
+    steps the spike guard skipped, `| 1 skipped` (and `loss=-` when it skipped them all)."""
+    loss = f"{row['loss']:.4f}" if math.isfinite(row["loss"]) else "-"
+    line = (f"Step {row['step']}: loss={loss}, lr={row['lr']:.2e}, best={best:.4f} | "
             f"{row['steps_per_sec']:.2f} steps/sec | {row['tokens_per_sec']:,.0f} tok/s")
+    if row.get("skipped_steps"):
+        line += f" | {row['skipped_steps']} skipped"
     if row.get("mfu") is not None:
         line += f" | MFU {100 * row['mfu']:.1f}%"
     if row.get("data_wait_frac") is not None:
@@ -361,13 +376,13 @@ def rows_with(rows: list[dict], key: str) -> list[dict]:
 
 
 def closing_summary(metrics_path, *, step: int, tokens: int, session_s: float, window: MetricsWindow,
-                    checkpoint: Path | None, final_model: Path | None) -> str:
+                    checkpoint: Path | None, final_model: Path | None, spikes: str | None = None) -> str:
     """The lines that end a run: the step and tokens reached, this session's training throughput (from
     the window's counters: the tokens it trained over the time of its training steps, eval, samples and
     checkpoints left out), the first and last validation loss up to `step` from the run's whole
-    metrics.jsonl (every resumed session), and where the checkpoint and the model are. A mixture's sources
-    are compared each on its own validation loss: their weighted mean changes meaning when a resume changes
-    the weights, so it is given at the end only."""
+    metrics.jsonl (every resumed session), the spike guard's line (`spikes`) if it met any, and where the
+    checkpoint and the model are. A mixture's sources are compared each on its own validation loss: their
+    weighted mean changes meaning when a resume changes the weights, so it is given at the end only."""
     trained, trained_s, tps, util = window.session()
     head = f"Summary: {step:,} steps, {tokens:,} tokens; this session {session_s:,.0f} s"
     if tps is None:
@@ -390,6 +405,8 @@ def closing_summary(metrics_path, *, step: int, tokens: int, session_s: float, w
         lines.append(f"  {key} {first:.4f} at step {first_step} -> {final:.4f} at step {last_step}{change}")
     if sources and evals:
         lines.append(f"  val_loss (the sources' weighted mean) {evals[-1]['val_loss']:.4f} at step {evals[-1]['step']}")
+    if spikes:
+        lines.append(spikes)
     lines.append(f"  checkpoint: {checkpoint or 'none'}")
     if final_model is not None:
         lines.append(f"  model: {final_model} (python generate.py {final_model} --prompt \"...\")")

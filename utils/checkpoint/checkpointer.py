@@ -13,6 +13,7 @@
 
 The loop decides when a save is due (`due(step)`, or a forced one: the last step, a stop signal) and checks
 its losses first; `save(step)` then saves, `restore(path)` mirrors it, `close()` reports what is where.
+`newest()` names the run's newest checkpoint on every rank (the spike guard's rollback restores it).
 
 Saving: the finite check (every rank), then only the device-to-host copy blocks the loop; writing,
 retention and upload run in threads. Unsharded (DDP): rank 0 writes the model (`model.safetensors`, HF
@@ -170,6 +171,7 @@ class Checkpointer:
             self.shard_saver = ShardedSaver(nodes)  # a gloo group of its own: created on every rank, in order
         self.incomplete: str | None = None  # the newest checkpoint, when a node's shards did not reach GCS
         self.last: Path | None = None  # the newest checkpoint this run saved
+        self.restored: Path | None = None  # the checkpoint last restored (the one resumed from, or rolled back to)
         self.last_bytes = 0  # its size on disk, for the free-space check before the next one
 
     @property
@@ -188,9 +190,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------ resume
 
-    def restore(self, path: Path) -> None:
+    def restore(self, path: Path, action: str = "Resumed from") -> None:
         """Loads everything saved at `path` into the registered states, after checking it fits this run,
-        whatever the strategy and world size that wrote it (every rank calls it)."""
+        whatever the strategy and world size that wrote it (every rank calls it). `action` starts the log line."""
         from utils.checkpoint.sharded import is_sharded, load_full, load_sharded
 
         payload = read_checkpoint(path, verify=False)  # find_checkpoint verified it
@@ -227,8 +229,9 @@ class Checkpointer:
         else:
             RngState.seed(self.run.config["seed"] + 1_000_003 * step + rank)
         self.states[TRAIN].load_state_dict(payload.trainer_state)
+        self.restored = Path(path)
         saved_strategy = "fsdp" if is_sharded(path) else "ddp"
-        self.log.info(f"Resumed from {path} at step {step} ({self.states[TRAIN].tokens:,} tokens)")
+        self.log.info(f"{action} {path} at step {step} ({self.states[TRAIN].tokens:,} tokens)")
         for line in _followed_changes(saved.config, self.run.config, step):
             self.log.info(line)
         if saved.world_size != self.run.world_size or saved_strategy != self.run.strategy:
@@ -245,6 +248,22 @@ class Checkpointer:
         if old_global and old_global != self.run.global_batch_sequences and self.is_main:  # the same on every rank
             self.log.warning(f"  global batch changes from {old_global} to {self.run.global_batch_sequences} "
                              f"sequences per step; the LR schedule is per optimizer step and is not rescaled")
+
+    def newest(self) -> Path | None:
+        """The run's newest checkpoint, once its write is done: the last one this run saved, else the one it
+        resumed from; None when there is none. Rank 0 names it and every rank gets its own verified copy
+        (from its disk, or downloaded for its node), as for `--resume` (every rank calls it)."""
+        from accelerate.utils import broadcast_object_list
+
+        self.wait()
+        newest = self.last or self.restored
+        # one in the checkpoints folder by its name (each node finds it there, or downloads it), another by its path
+        arg = None if newest is None else newest.name if newest.parent == self.root else str(newest)
+        if self.accelerator.num_processes > 1:
+            arg = broadcast_object_list([arg])[0]
+        if arg is None:
+            return None
+        return find_checkpoint(arg, self.accelerator, self.root, self.remote_root, self.log, self.client_factory)
 
     # -------------------------------------------------------------------------------------------- save
 

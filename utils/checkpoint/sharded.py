@@ -18,10 +18,10 @@ leaves this checkpoint incomplete (rank 0 says so; the next checkpoint tries aga
 intact). `--resume` downloads the whole checkpoint on every node.
 
 Nothing read from `dcp/` runs code. DCP's own reader unpickles `.metadata` and its planner unpickles the
-non-tensor values (the optimizer's hyperparameters) with `weights_only=False`; here `.metadata` goes through
-an unpickler that admits only DCP's metadata classes and the torch types they hold (`MetadataReader`), the
-files it names must lie in `dcp/`, and non-tensor values load with `weights_only=True`
-(`WeightsOnlyLoadPlanner`). Anything else is refused in one line naming the file. DCP reports a failure on
+non-tensor values (the optimizer's hyperparameters) with a full unpickler (torch.load without weights_only);
+here `.metadata` goes through an unpickler that admits only DCP's metadata classes and the torch types they
+hold (`MetadataReader`), the files it names must lie in `dcp/`, and non-tensor values load with
+`weights_only=True` (`WeightsOnlyLoadPlanner`). Anything else is refused in one line naming the file. DCP reports a failure on
 any rank as a `CheckpointException` (a BaseException, with every rank's traceback); loads and saves turn it
 into one CheckpointError (a DiskFullError when the disk is full), so a bad checkpoint or a full disk is one
 line, never a traceback.
@@ -168,7 +168,7 @@ class MetadataReader(FileSystemReader):
 
 class _WeightsOnlyBytes:
     """DCP's planners unpickle a state's non-tensor values (the optimizer's hyperparameters) with
-    `weights_only=False`; this loads them with `weights_only=True`."""
+    a full unpickler (torch.load without weights_only); this loads them with `weights_only=True`."""
 
     def load_bytes(self, read_item, value) -> None:
         from torch.distributed.checkpoint._traverse import set_element

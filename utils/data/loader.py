@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from utils import debug
 from utils.data.mixture import MixtureError, MixturePlan, Shuffle, describe_change, epoch_permutation
 from utils.data.source import DEFAULT_SOURCE, DataUnavailable, ReadAhead, SequenceSource, Source
 
@@ -181,6 +182,7 @@ class ResumableLoader:
         _check_sampling(self.num_samples, micro_batch_size, rank, world_size, seed)
         self._plan = MixturePlan(self.specs)  # the cursor: the plan's state after the batches returned
         self._iterator = None
+        self._poisoned = debug.poisoned_sequences()  # empty but in the spike guard's tests
 
     @property
     def names(self) -> list[str]:
@@ -282,6 +284,8 @@ class ResumableLoader:
         if failed:  # said in one line here, not from inside a DataLoader worker
             raise DataUnavailable(failed)
         array, (plan_state, dropped, number) = next(self._iterator)
+        if self._poisoned:
+            array = debug.poison(array, self.position + self.rank * self.micro_batch_size, self._poisoned)
         batch = torch.from_numpy(array.astype(np.int64, copy=False))
         if self.pin_memory:
             batch = batch.pin_memory()
@@ -392,6 +396,17 @@ class ResumableLoader:
                          f"each kept source continues from its saved position, the new weights apply from the "
                          f"next step{note}")
         self._plan = plan
+
+    def skip_to(self, cursor: dict) -> int:
+        """Moves the cursor forward to `cursor`, a state_dict() this loader gave further on in the same stream:
+        the sequences between are never read (the spike guard's rollback skips them). O(1), as
+        load_state_dict. Returns how many sequences of the global stream were skipped."""
+        start = self.position
+        if int(cursor["position"]) < start:
+            raise ValueError(f"skip_to: cursor position {cursor['position']} is behind this loader's ({start}); "
+                             f"a skip only moves forward")
+        self.load_state_dict(cursor)
+        return self.position - start
 
     def close(self) -> None:
         """Stop DataLoader workers (also done when the loader is garbage-collected) and fetching ahead."""
