@@ -61,8 +61,8 @@ FETCH_THREADS = 4  # downloads in flight per source and process
 FETCH_RETRIES = 5  # a failed download is tried this many more times (with backoff) before its shard is unavailable
 LOOKAHEAD_BATCHES = 20_000  # the fetcher walks at most this many micro-batches ahead of the loop
 POLL_S = 0.005  # how often a DataLoader worker looks for a file the fetcher has not finished yet
-UNAVAILABLE = ".unavailable"  # the note beside a file the fetcher gave up on
-LOCK_ROOM = 4096  # bytes kept out of the cache's share for its lock file and notes
+UNAVAILABLE = ".unavailable"  # the empty note beside a file the fetcher gave up on (the line why stays in-process)
+LOCK_ROOM = 4096  # bytes kept out of the cache's share for its lock file
 
 
 class StreamError(UserError):
@@ -472,7 +472,7 @@ class ShardFetcher:
             path.unlink(missing_ok=True)
             unchecked.unlink(missing_ok=True)
             try:
-                files.write_text(path.with_name(path.name + UNAVAILABLE), failure)
+                files.write_text(path.with_name(path.name + UNAVAILABLE), "")  # empty: takes no room
             except OSError:
                 pass
         with self._lock_state:
@@ -590,8 +590,8 @@ class StreamedShards(TokenSequenceDataset):
     def _await_file(path: Path, owner: int) -> None:
         note = path.with_name(path.name + UNAVAILABLE)
         while not path.exists():
-            if note.exists():
-                raise DataUnavailable(note.read_text())
+            if note.exists():  # the training process names why in its own line before it reads this batch
+                raise DataUnavailable(f"{path}: the training process could not fetch it")
             if os.getppid() != owner:
                 raise DataUnavailable(f"{path}: the training process that fetches it is gone")
             time.sleep(POLL_S)
