@@ -60,6 +60,7 @@ from utils.storage import (RemoteObject, StorageError, bytes_crc32c, download_ve
 FETCH_THREADS = 4  # downloads in flight per source and process
 FETCH_RETRIES = 5  # a failed download is tried this many more times (with backoff) before its shard is unavailable
 LOOKAHEAD_BATCHES = 20_000  # the fetcher walks at most this many micro-batches ahead of the loop
+SCAN_CHUNK = 64  # micro-batches of the schedule the coordinator reads between taking its lock
 POLL_S = 0.005  # how often a DataLoader worker looks for a file the fetcher has not finished yet
 UNAVAILABLE = ".unavailable"  # the empty note beside a file the fetcher gave up on (the line why stays in-process)
 LOCK_ROOM = 4096  # bytes kept out of the cache's share for its lock file
@@ -335,30 +336,36 @@ class ShardFetcher:
     # ----------------------------------------------------------------------------------- the coordinator
 
     def _coordinate(self, schedule, generation: int) -> None:
-        peek = None
+        """Walks the schedule SCAN_CHUNK micro-batches at a time outside the lock, then admits them under it while
+        they fit: taking the lock for each micro-batch scanned ahead would starve a reader waiting for it (Python's
+        locks are not fair, and this thread holds the GIL between releasing and taking it again)."""
+        pending: deque[tuple[int, tuple[int, ...]]] = deque()  # scanned, not yet admitted
+        ended = False
         while True:
             with self._lock_state:
                 if self._generation != generation:
                     return
                 self._expire()
-                if peek is not None and self._admits(*peek):
-                    self._admit(*peek)
-                    peek = None
+                while pending and self._admits(*pending[0]):
+                    self._admit(*pending.popleft())
+                if ended and not pending and not self._exhausted:
+                    self._exhausted = True
+                    self._ready_cv.notify_all()
                 self._start_fetches()
-                if peek is not None or self._exhausted or not self._scanning():
-                    self._wake_at = self._next_wake(peek is not None)
+                if pending or self._exhausted or not self._scanning():
+                    self._wake_at = self._next_wake(bool(pending))
                     self._plan_cv.wait()
                     self._wake_at = math.inf
                     continue
                 batch = self._scanned + 1
-            try:
-                indices = next(schedule)
-            except StopIteration:
-                with self._lock_state:
-                    self._exhausted = True
-                    self._ready_cv.notify_all()
-                continue
-            peek = (batch, tuple(sorted(set(np.searchsorted(self.cumulative, indices, side="right").tolist()))))
+            for k in range(SCAN_CHUNK):
+                try:
+                    indices = next(schedule)
+                except StopIteration:
+                    ended = True
+                    break
+                pending.append((batch + k, tuple(sorted(set(
+                    np.searchsorted(self.cumulative, indices, side="right").tolist())))))
 
     def _next_wake(self, admission_waits: bool) -> float:
         """The returned micro-batch after which the coordinator has something to do: waiting for room, the
@@ -397,7 +404,8 @@ class ShardFetcher:
                 self._queue.append(f)
             self._uses[f] += 1
             self._last_use[f] = batch
-        self._ready_cv.notify_all()
+        if batch <= self._must_cover():  # only a reader waits for the scan to reach a batch: waking it for every
+            self._ready_cv.notify_all()  # batch scanned ahead would have it fight the coordinator for the lock
 
     def _expire(self) -> None:
         while self._window and self._window[0][0] <= self._returned:
