@@ -18,6 +18,10 @@ tokens/s and step time; per contender the median over `--repeats` rounds is prin
            claim a 5-10x speed-up over. Only `--only` with it, or the default on CUDA, runs it.
 - fsdp:    the engine with `strategy=fsdp` in the same single process (FSDP2 over a world of one): what
            sharding's hooks cost on one GPU, `fsdp/engine` (the FSDP issue asks for >= 0.95). Only with `--only`.
+- document: the engine with `attention=document` (each token attends within its own document; the shards'
+           documents end with id 0 after ~DOC_TOKENS tokens on average): what document masking costs,
+           `document/engine` (FlexAttention's block mask on CUDA, SDPA with a dense mask on the CPU). Only
+           with `--only`, e.g. `--only engine,document`.
 - bare:    utils.model.build_model + utils.optim.build_optimizer/build_scheduler, batches already in
            device memory, forward/backward/clip/step/zero_grad, one `.item()` at the end: the ceiling.
 
@@ -51,8 +55,8 @@ WORKER_STARTED = time.perf_counter()  # a worker's time to first step counts fro
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-CONTENDERS = ("engine", "trainer", "naive", "bare", "fsdp")
-ENGINES = ("engine", "fsdp", "candidate")  # train.py processes
+CONTENDERS = ("engine", "trainer", "naive", "bare", "fsdp", "document")
+ENGINES = ("engine", "fsdp", "candidate", "document")  # train.py processes
 BIG = 10**9  # eval_interval / save_steps that never fire inside the timed span
 # A gated child stops itself before exec, so the scheduler decides when it first runs.
 STOP_THEN_EXEC = "import os, signal, sys; os.kill(os.getpid(), signal.SIGSTOP); os.execv(sys.argv[1], sys.argv[1:])"
@@ -203,9 +207,17 @@ def child_env(s: dict, repo: Path = REPO_ROOT) -> dict:
 # ------------------------------------------------------------------------------------------ data
 
 
+EOS_ID = 0  # the synthetic documents' end (attention=document reads it as eos_id)
+DOC_TOKENS = 1024  # their mean length: exponentially distributed, as web text's are roughly
+
+
 def write_stream_shard(path: Path, tokens: int, vocab: int, seed: int) -> None:
-    """An uncompressed .npz of random uint16 ids (a 1-D token stream), written atomically."""
-    ids = np.random.default_rng(seed).integers(0, vocab, tokens, dtype=np.uint16)
+    """An uncompressed .npz of random uint16 ids (a 1-D token stream of documents ending with EOS_ID, ~DOC_TOKENS
+    long on average), written atomically."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab, tokens, dtype=np.uint16)
+    ends = np.cumsum(1 + rng.exponential(DOC_TOKENS - 1, tokens // DOC_TOKENS * 2 + 16).astype(np.int64)) - 1
+    ids[ends[ends < tokens]] = EOS_ID
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, input_ids=ids)
     os.replace(tmp, path)
@@ -254,7 +266,8 @@ def engine_job(name: str, repo: Path, s: dict, data_dir: Path, work: Path) -> Jo
     out = work / name
     cmd = [sys.executable, "-c", ENGINE_SHIM, str(repo / "train.py"), "--config", "production",
            "--output-dir", str(out), "--data-dir", str(data_dir), "--no-background-upload"]
-    overrides = engine_overrides(s) | ({"strategy": "fsdp"} if name == "fsdp" else {})
+    overrides = engine_overrides(s) | ({"strategy": "fsdp"} if name == "fsdp" else {}) | (
+        {"attention": "document", "eos_id": EOS_ID} if name == "document" else {})
     if name == "candidate":  # another checkout may predate model_impl: it trains its own default model
         overrides.pop("model_impl")
     for key, value in overrides.items():
@@ -662,7 +675,7 @@ def main(argv=None) -> int:
     median = {name: {k: median_of(name, k) for k in keys} for name in only}
     ratios = {}
     for a, b in (("engine", "bare"), ("engine", "trainer"), ("engine", "naive"), ("fsdp", "engine"),
-                 ("candidate", "engine"), ("candidate", "bare")):
+                 ("document", "engine"), ("candidate", "engine"), ("candidate", "bare")):
         if a in only and b in only:
             # A round's contenders met the same machine, so its own ratio is the paired, steadier figure.
             per_round = [x["tokens_per_sec"] / y["tokens_per_sec"] for x, y in zip(runs[a], runs[b])]
