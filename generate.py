@@ -73,12 +73,11 @@ def resolve_model_path(path: Path) -> tuple[str, Path]:
                         f"with a complete checkpoint under checkpoints/")
 
 
-def load(path: Path, tokenizer_source: str | None):
-    """(transformers model, tokenizer) for PATH; the tokenizer pads on the left. An HF directory is read by
-    the engine's own loader (safetensors, or torch.load with weights_only; GPT-NeoX only, no auto_map), so
-    nothing in it runs code."""
-    from utils.model.hf import ExportTokenizer, check_weights, load_checkpoint_model, load_hf_pretrained
-    from utils.model.hf import to_transformers
+def load_weights(path: Path):
+    """("hf" | "checkpoint", directory, spec, weights with the engine's names) for PATH (resolve_model_path). An
+    HF directory is read by the engine's own loader (safetensors, or torch.load with weights_only; GPT-NeoX
+    only, no auto_map), so nothing in it runs code; its errors name the directory, not a config option."""
+    from utils.model.hf import check_weights, load_checkpoint_model, load_hf_pretrained
 
     kind, directory = resolve_model_path(path)
     if kind == "hf":
@@ -86,6 +85,14 @@ def load(path: Path, tokenizer_source: str | None):
         check_weights(spec, weights, directory, option="")
     else:
         spec, weights, _ = load_checkpoint_model(directory)
+    return kind, directory, spec, weights
+
+
+def load(path: Path, tokenizer_source: str | None):
+    """(transformers model, tokenizer) for PATH (load_weights); the tokenizer pads on the left."""
+    from utils.model.hf import ExportTokenizer, to_transformers
+
+    kind, directory, spec, weights = load_weights(path)
     found = ExportTokenizer.find(tokenizer_source or directory)
     if found is None:
         raise GenerateError(f"--tokenizer {tokenizer_source}: no tokenizer there (a prepared data directory, an HF "

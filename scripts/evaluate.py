@@ -46,16 +46,10 @@ def load_model(path: Path):
     """(the engine's GPT-NeoX holding PATH's weights, in eval mode, its spec, the directory it came from)."""
     import torch
 
-    from generate import resolve_model_path
+    from generate import load_weights
     from utils.model import build_model
-    from utils.model.hf import check_weights, load_checkpoint_model, load_hf_pretrained
 
-    kind, directory = resolve_model_path(path)
-    if kind == "hf":
-        spec, weights = load_hf_pretrained(directory)
-        check_weights(spec, weights, directory)
-    else:
-        spec, weights, _ = load_checkpoint_model(directory)
+    kind, directory, spec, weights = load_weights(path)
     with torch.device("meta"):  # no time spent initialising weights that are replaced at once
         model = build_model(spec, seed=0)
     model.load_state_dict(weights, strict=not spec.tie_word_embeddings, assign=True)
