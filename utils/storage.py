@@ -337,6 +337,11 @@ def local_matches(path, obj: RemoteObject) -> bool:
         return False
 
 
+def bytes_match(data: bytes | None, size: int, crc32c: str) -> bool:
+    """True when `data` (None: the object was missing) has this size and, where one is given, this crc32c."""
+    return data is not None and len(data) == size and (not crc32c or bytes_crc32c(data) == crc32c)
+
+
 class _HashingWriter:
     """A write-only file wrapper that counts bytes and computes crc32c on the way to disk."""
 

@@ -277,12 +277,11 @@ def _move_shard(store, partition: int, source: str, dest: str, size: int) -> Non
 
 
 def _validation_piece(store, partition: int, record: dict) -> np.ndarray:
-    from utils.storage import bytes_crc32c
+    from utils.storage import bytes_match
 
     name = f"{partition_folder(store, partition)}/{VAL_PIECE}"
     raw = store.read_bytes(name)
-    if raw is None or len(raw) != record["validation"]["bytes"] or \
-            bytes_crc32c(raw) != record["validation"]["crc32c"]:
+    if not bytes_match(raw, record["validation"]["bytes"], record["validation"]["crc32c"]):
         raise PrepareError(f"{store.url(name)}: missing or not what its partition's record says; remove "
                            f"{store.url(partition_folder(store, partition))}/done.json and run the same command "
                            f"again to redo partition {partition}")

@@ -54,7 +54,7 @@ from utils.data.source import GB, CacheBudget, DataUnavailable, OpenRequest, Sou
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import UserError
 from utils.lock import OutputDirLock
-from utils.storage import (RemoteObject, StorageError, bytes_crc32c, download_verified, gs_url, join_name, make_client,
+from utils.storage import (RemoteObject, StorageError, bytes_match, download_verified, gs_url, join_name, make_client,
                            parse_gs_url, read_object, short_error)
 
 FETCH_THREADS = 4  # downloads in flight per source and process
@@ -621,8 +621,7 @@ class RemoteValidation(TokenSequenceDataset):
         if f not in self._arrays:
             entry, url = self.entries[f], f"{self.url}/{self.entries[f]['path']}"
             data = read_object(make_client(), url, retries=FETCH_RETRIES)
-            if data is None or len(data) != int(entry["bytes"]) or (entry.get("crc32c") and
-                                                                   bytes_crc32c(data) != entry["crc32c"]):
+            if not bytes_match(data, int(entry["bytes"]), entry.get("crc32c", "")):
                 raise StorageError(f"{url}: missing, or not the {entry['bytes']} bytes with the crc32c dataset.json "
                                    f"lists; prepare the dataset again or restore the file")
             with np.load(io.BytesIO(data), allow_pickle=False) as npz:
