@@ -7,7 +7,7 @@ operators/kernels by self time on the device (CUDA) or the CPU, and writes a Chr
     python benchmarks/profile_step.py --out trace.json                       # GPU: 1.2B, bf16, compile
     python benchmarks/profile_step.py --model tiny --micro-batch 2 --seq-len 64 --no-compile --out t.json
 
-`../shared/gpu/verify.sh profile` runs the first form on the lent GPU.
+On a GPU machine, the first form is the one whose figures go into benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 

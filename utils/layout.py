@@ -1,4 +1,4 @@
-"""The names of what a run writes under its output folder (DESIGN.md "Files a run writes"): one home for
+"""The names of what a run writes under its output folder (docs/contracts.md "Files a run writes"): one home for
 each, imported wherever such a path is built or read. The files inside a checkpoint are named in
 utils/checkpoint/format.py, a dataset's in utils/data/dataset_info.py (dataset.json), utils/data/tokenizer.py
 (tokenizer.json) and utils/data/partition.py (plan.json)."""

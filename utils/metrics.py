@@ -37,7 +37,7 @@ PEAK_BF16_FLOPS = (
     ("A100", 312e12),
 )
 
-# The keys every training row of logs/metrics.jsonl carries (DESIGN.md "Files a run writes").
+# The keys every training row of logs/metrics.jsonl carries (docs/contracts.md "Metrics keys").
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu")
 
 

@@ -2,7 +2,7 @@
 
 `build_demo_data(data_dir, vocab_size, seq_len)` reads the standard library's `.py` files (sorted by path,
 shuffled with a fixed seed, capped at a few MB), trains a byte-level BPE tokenizer of exactly `vocab_size` ids with the EOS token at
-id 0, and writes shards in the production format (DESIGN.md "Shard format") into a nested tree:
+id 0, and writes shards in the production format (docs/contracts.md "The shard format") into a nested tree:
 
     data_dir/part-00/shard-00000.npz ... data_dir/part-03/shard-00019.npz   (1-D token streams)
     two of them hold 2-D [rows, seq_len] sequences instead, so both shard layouts are exercised
