@@ -209,8 +209,10 @@ def test_a_checkpoint_of_the_hf_backed_engine_resumes_on_the_native_model(tmp_pa
 
 
 def test_fp8_is_refused_off_hopper_in_one_line(tmp_path, subprocess_env):
+    """On the CPU; on a CUDA machine too, its GPUs hidden (a Hopper GPU would run it)."""
     data = make_shards(tmp_path / "data")
-    proc = run(train_cmd(tmp_path / "out", data, "mixed_precision=fp8", "max_steps=1"), subprocess_env, check=False)
+    env = dict(subprocess_env, CUDA_VISIBLE_DEVICES="")
+    proc = run(train_cmd(tmp_path / "out", data, "mixed_precision=fp8", "max_steps=1"), env, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr
     assert "mixed_precision=fp8 needs an NVIDIA Hopper or Ada GPU" in errors[0]
