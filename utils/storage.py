@@ -76,6 +76,20 @@ def folder_prefix(prefix: str) -> str:
     return f"{prefix}/" if prefix else ""
 
 
+_THREAD_CLIENTS = threading.local()
+
+
+def thread_client(factory=None):
+    """This thread's GCS client from `factory` (default `make_client`), made on the thread's first call: a
+    client holds a connection pool that threads should not share, and making one per call costs a
+    credentials read. The threads that fetch, upload and download each keep theirs."""
+    factory = factory or make_client
+    clients = _THREAD_CLIENTS.__dict__.setdefault("by_factory", {})
+    if factory not in clients:
+        clients[factory] = factory()
+    return clients[factory]
+
+
 def make_client():
     """A `google.cloud.storage.Client`. Credentials, first match wins:
     STORAGE_EMULATOR_HOST (anonymous), GOOGLE_APPLICATION_CREDENTIALS (a service-account key file),

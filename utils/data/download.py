@@ -17,7 +17,7 @@ from utils.data.partition import PLAN_FILE
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import DiskFullError
 from utils.storage import (RemoteObject, StorageError, clean_stale_partials, download_verified, folder_prefix, gs_url,
-                           join_name, list_objects, local_matches, parse_gs_url, short_error)
+                           join_name, list_objects, local_matches, parse_gs_url, short_error, thread_client)
 
 
 def check_destination(dest_dir) -> None:
@@ -98,12 +98,8 @@ def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max
         clean_stale_partials(root)
 
     workers = max(1, workers)
-    local = threading.local()
-
     def client():
-        if getattr(local, "client", None) is None:
-            local.client = client_factory()
-        return local.client
+        return thread_client(client_factory)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-check") as pool:
         matches = list(pool.map(lambda t: local_matches(t[1], t[0]), targets))

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from utils import files
 
-_CLIENTS = threading.local()  # one GCS client per thread of each process (not pickled with a store)
 
 
 def output_store(output: str | Path) -> "LocalOutput | BucketOutput":
@@ -114,11 +112,9 @@ class BucketOutput:
 
     @staticmethod
     def _client():
-        from utils.storage import make_client
+        from utils.storage import thread_client
 
-        if getattr(_CLIENTS, "client", None) is None:
-            _CLIENTS.client = make_client()
-        return _CLIENTS.client
+        return thread_client()  # one per thread of each process (a client is not pickled with a store)
 
     @contextmanager
     def scratch(self, folder: str) -> Iterator[Path]:

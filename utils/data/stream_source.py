@@ -55,7 +55,7 @@ from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import UserError
 from utils.lock import OutputDirLock
 from utils.storage import (RemoteObject, StorageError, bytes_match, download_verified, gs_url, join_name, make_client,
-                           parse_gs_url, read_object, short_error)
+                           parse_gs_url, read_object, short_error, thread_client)
 
 FETCH_THREADS = 4  # downloads in flight per source and process
 FETCH_RETRIES = 5  # a failed download is tried this many more times (with backoff) before its shard is unavailable
@@ -470,7 +470,7 @@ class ShardFetcher:
         try:
             if not (left_here and self._passes(f, path)):
                 path.unlink(missing_ok=True)
-                downloaded = download_verified(_client(), self.bucket, RemoteObject(
+                downloaded = download_verified(thread_client(), self.bucket, RemoteObject(
                     join_name(self.prefix, self.rels[f]), self.sizes[f], self.crcs[f]), unchecked, retries=FETCH_RETRIES)
                 self._check(f, unchecked)
                 os.replace(unchecked, path)
@@ -527,16 +527,6 @@ class ShardFetcher:
                 except OSError:
                     pass
         self.peak_bytes = max(self.peak_bytes, total)
-
-
-_CLIENTS = threading.local()
-
-
-def _client():
-    """One GCS client per thread (the download workers are long-lived)."""
-    if getattr(_CLIENTS, "client", None) is None:
-        _CLIENTS.client = make_client()
-    return _CLIENTS.client
 
 
 # ------------------------------------------------------------------------------------------------- reading
