@@ -374,12 +374,12 @@ def test_each_run_has_its_own_folder_under_runs_by_default(tmp_path, subprocess_
 
 
 def test_readme_commands_put_each_run_in_its_own_folder():
-    """README.md's demo and own-data commands train into different folders, and the generate and plot
-    commands name those folders (final_model is runs/<name>/final_model)."""
+    """The docs' (README.md's and docs/'s) demo and own-data commands train into different folders, and the
+    generate and plot commands name those folders (final_model is runs/<name>/final_model)."""
     from utils.run_dir import default_output_dir
     from configs.settle import settle_config
 
-    text = (REPO_ROOT / "README.md").read_text()
+    text = "".join(page.read_text() for page in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))])
     commands = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
                 for line in block.splitlines()]
     trains = [c for c in commands if c.startswith("./start_training.sh --config demo") or
