@@ -3,11 +3,15 @@
 
 `main()` settles the config and catches the errors a user fixes; `train()` assembles the run (each part
 one call) and then runs the loop, every step of it visible: accumulate, backward, on the sync step clip /
-optimizer step / schedule / zero, then log, eval and checkpoint when due. The parts live in utils/ (see
-docs/ARCHITECTURE.md): the parallelism seam (utils/parallel.py) builds and wraps the model, the data package
-(utils/data/build.py) the loader, the Checkpointer (utils/checkpoint/checkpointer.py) saves and restores every
-stateful thing, the spike guard (utils/spike_guard.py) judges each step before its update, and TrainState, the
-metrics window, the stop signal and the output folder are small objects beside them.
+optimizer step / schedule / zero; then, each deciding for itself whether it is due, the step line
+(utils/run_report.py), the evaluations (utils/evals/evaluator.py) and the checkpoint (`Checkpointer.due`).
+The parts live in utils/ (see docs/ARCHITECTURE.md): the parallelism seam (utils/parallel.py) builds and wraps
+the model, the data package (utils/data/build.py) the loader, the Checkpointer (utils/checkpoint/checkpointer.py)
+saves and restores every stateful thing, the spike guard (utils/spike_guard.py) judges each step before its
+update, the metrics window (utils/metrics.py) times the steps and nothing between them, and TrainState, the
+stop signal and the output folder are small objects beside them. The engine's imports wait for train() on
+purpose: `--help`, `--print-config` and a config error answer without loading torch, and a stop signal during
+those imports is already caught (main's catch_early).
 """
 from __future__ import annotations
 
@@ -15,10 +19,7 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 PROCESS_STARTED = time.perf_counter()  # time to first step counts from here
 REPO_ROOT = Path(__file__).resolve().parent
@@ -63,18 +64,6 @@ def cli_aliases(args) -> dict:
             "background_upload": False if args.no_background_upload else None}
 
 
-@dataclass(frozen=True)
-class Run:
-    """What every setup step of a run shares, made once in train(): its config, command line, processes,
-    parallelism strategy, output folder and log."""
-    cfg: Any
-    args: argparse.Namespace
-    accelerator: Any
-    parallel: Any
-    output_dir: Path
-    log: Any
-
-
 def main(argv=None) -> int:
     survive_lost_console()  # a console gone (`| tee` and Ctrl-C, a killed launcher) never stops the run
     catch_early()  # from the start: a stop signal during setup (imports, data index, build) ends it cleanly
@@ -102,26 +91,21 @@ def main(argv=None) -> int:
 
 
 def train(cfg, profile, args) -> int:
-    # The engine's imports wait for train() on purpose: `--help`, `--print-config` and a config error answer
-    # without loading torch, and a stop signal during these imports is already caught (main's catch_early).
-    import torch
+    import torch  # the engine's imports wait for train(): --help and a config error answer without torch
 
-    from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer, find_checkpoint, remote_checkpoint_root
-    from utils.checkpoint.format import checkpoint_name
-    from utils.checkpoint.run_record import RunRecord
-    from utils.data.build import build_data, description_dir
+    from utils.accelerator import make_accelerator
+    from utils.checkpoint.checkpointer import find_checkpoint, remote_checkpoint_root
+    from utils.data.build import build_data
     from utils.debug import BatchTrace
-    from utils.distributed import main_process_only
     from utils.evals.runner import DownstreamEvals
-    from utils.evals.validation import run_eval
     from utils.export import export_final_model, finished_run
-    from utils.metrics import MetricsWindow, RunLogger, closing_summary, peak_flops
+    from utils.metrics import MetricsWindow, closing_summary, peak_flops
     from utils.model.preflight import preflight
     from utils.model.spec import resolve_model_spec
     from utils.optim import schedule_from_config
     from utils.parallel import make_parallelism
-    from utils.run_dir import default_output_dir, lock_output_dir, refuse_another_run, shared_output_dir
-    from utils.sampling import Sampler
+    from utils.run_dir import default_output_dir, shared_output_dir
+    from utils.run_report import StepReporter, describe_run
     from utils.signals import StopSignal
     from utils.spike_guard import SpikeGuard
     from utils.state import RngState, TrainState
@@ -132,11 +116,7 @@ def train(cfg, profile, args) -> int:
     parallel = make_parallelism(cfg, accelerator)
     stop = StopSignal(distributed=world > 1)
     RngState.seed(cfg.seed + accelerator.process_index)
-    lock = lock_output_dir(output_dir, accelerator)
-    if not args.resume:
-        main_process_only(accelerator, lambda: refuse_another_run(output_dir, args.output_dir is None))
-    log = RunLogger(output_dir / layout.LOGS, is_main=accelerator.is_main_process)
-    run = Run(cfg, args, accelerator, parallel, output_dir, log)
+    lock, log = open_output_dir(output_dir, args, accelerator)
     remote_root = remote_checkpoint_root(cfg)
     node_uploads = parallel.sharded and not shared_output_dir(output_dir, accelerator, remote_root, log)
     resume_path = (find_checkpoint(args.resume, accelerator, output_dir / layout.CHECKPOINTS, remote_root, log)
@@ -151,58 +131,41 @@ def train(cfg, profile, args) -> int:
     loader, val_batches = build_data(cfg, seq_len, spec.vocab_size, accelerator, log)
     evals = DownstreamEvals(cfg, spec, accelerator, log, parallel.sharded)  # eval_tasks, read before the model build
     stop.end_setup_if_asked("data index")
-    model, optimizer, scheduler = build_training(run, spec, init_weights if resume_path is None else None)
+    model, optimizer, scheduler = build_training(parallel, cfg, spec, init_weights if resume_path is None else None, log)
     core = accelerator.unwrap_model(model)
-    state = TrainState()
-    guard = SpikeGuard(cfg, accelerator, log)
+    state, guard = TrainState(), SpikeGuard(cfg, accelerator, log)
     states = {"model": model, "optimizer": optimizer, "train": state, "scheduler": scheduler, "data": loader,
-              "spike_guard": guard}
-    if accelerator.scaler is not None:
-        states["scaler"] = accelerator.scaler
-    global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
-    tokens_per_step = global_batch * seq_len
+              "spike_guard": guard} | ({"scaler": accelerator.scaler} if accelerator.scaler is not None else {})
+    tokens_per_step = loader.global_batch * cfg.gradient_accumulation_steps * seq_len  # every rank's
     window = MetricsWindow(accelerator, tokens_per_step, core.flops_per_token(seq_len), peak_flops(device),
-                           precision_name(cfg.mixed_precision), process_started=PROCESS_STARTED)
-    ckpt = Checkpointer(accelerator, states,
-                        CheckpointPolicy.from_config(cfg, output_dir / layout.CHECKPOINTS, remote_root, node_uploads),
-                        RunRecord(world, parallel.name, global_batch, seq_len, cfg.to_dict(), spec.to_dict(),
-                                  loader.fingerprint(), cfg.max_steps),
-                        lambda: checkpoint_name(loader.epoch, state.step, loader.files_consumed()), log,
-                        sharded=parallel.sharded)
+                           precision_name(cfg.mixed_precision), PROCESS_STARTED, data_wait=lambda: loader.wait_s)
+    ckpt = make_checkpointer(cfg, parallel, states, spec, seq_len, output_dir, remote_root, node_uploads, log)
     if resume_path is not None:
         ckpt.restore(resume_path)
     stop.end_setup_if_asked("model build")
-    params = list(model.parameters())  # walked once, not by every clip
-    max_grad_norm = cfg.max_grad_norm or math.inf  # 0: no clipping; the norm is still measured and logged
+    params, max_grad_norm = list(model.parameters()), cfg.max_grad_norm or math.inf  # 0: not clipped, still logged
     log.start_trackers(accelerator, cfg.effective_run_name, cfg.to_dict(), state.step if resume_path else None)
-    describe_run(run, profile, spec, core, loader, len(val_batches), state, remote_root)
-    lr_at = schedule_from_config(cfg)
-    sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, description_dir(cfg), seq_len, cfg.seed,
-                      accelerator, log, sharded=parallel.sharded)
-    grad_norm = torch.zeros((), device=device)
-    trace = BatchTrace.if_asked(output_dir, accelerator)
+    describe_run(cfg, parallel, log, profile, spec, core, loader, len(val_batches), state, remote_root)
     bar = progress_bar(cfg.max_steps, state.step, accelerator.is_main_process)
+    reporter = StepReporter(cfg.logging_steps, log, window, schedule_from_config(cfg), loader, guard, bar)
+    evaluator = make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len, log)
+    grad_norm = torch.zeros((), device=device)
+    trace = BatchTrace(output_dir, accelerator)
     exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
     try:
         bar.set_description_str("setup: preflight (compiles the blocks)" if cfg.compile_model else "setup: preflight")
         preflight(model, val_batches, cfg, accelerator, log, stop)
         stop.end_setup_if_asked("preflight")
-        if state.step == 0:
-            bar.set_description_str("setup: eval")
-            run_eval(model, val_batches, accelerator, state, log)
-            if evals.due(state.step):
-                evals.run(core, state.step, state.tokens)
+        evaluator.at_start(state, bar)  # a fresh run's step 0: where the curves start
         bar.set_description_str("train")
         window.restart(state.step + 1)
         data_iter = iter(loader)
         while state.step < cfg.max_steps:
+            window.begin_step()  # the step's time, and the loader's waits, are what tokens/s and MFU count
             step_loss = torch.zeros((), device=device)
             for _ in range(cfg.gradient_accumulation_steps):
-                t0 = time.perf_counter()
                 input_ids = next(data_iter).to(device, non_blocking=True)
-                window.data_wait_s += time.perf_counter() - t0
-                if trace:
-                    trace.record(state.step + 1, input_ids)
+                trace.record(state.step + 1, input_ids)  # NEOX_TRACE_BATCHES=1 only
                 with accelerator.accumulate(model):
                     loss = model(input_ids)
                     accelerator.backward(loss)
@@ -222,32 +185,17 @@ def train(cfg, profile, args) -> int:
                 window.restart(state.step + 1)
                 bar.n = state.step
                 continue
-
-            if state.step % cfg.logging_steps == 0 or state.step == cfg.max_steps:
-                guard.review()  # warn: this window's steps
-                row = window.row(state.step, state.tokens, lr_at(state.step), grad_norm) | loader.source_tokens()
-                state.best_loss = min(state.best_loss, row["loss"])
-                log_step(run, row, state, window, bar)
-            if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
-                window.exclude(run_eval(model, val_batches, accelerator, state, log))
-            if evals.due(state.step):
-                window.exclude(evals.run(core, state.step, state.tokens))
-            if sampler.due(state.step):
-                window.exclude(sampler.sample(core, state.step, state.tokens))
-            planned_stop = state.step == cfg.stop_at_step
-            t0 = time.perf_counter()  # a source that fetches ahead: its next step's files, or the one that failed
-            failed = None if planned_stop or state.step == cfg.max_steps else loader.unavailable(
-                cfg.gradient_accumulation_steps)
-            window.data_wait_s += time.perf_counter() - t0
-            stopping = stop.agreed(failed)
-            if stopping or planned_stop or state.step == cfg.max_steps or ckpt.due(state.step):
+            last, planned_stop = state.step == cfg.max_steps, state.step == cfg.stop_at_step
+            reporter.log_if_due(state, grad_norm, last)
+            evaluator.run_if_due(state, last)
+            # a source that fetches ahead: its next step's files, or the one that failed (then a checkpoint and stop)
+            stopping = stop.agreed(None if last or planned_stop else loader.unavailable(cfg.gradient_accumulation_steps))
+            if ckpt.due(state.step, last=last or planned_stop or stopping):
                 window.checked_losses()  # a non-finite loss stops the run before anything is saved
                 guard.review()  # warn: the saved guard has seen every step before the checkpoint
-                last_checkpoint, blocked_s = ckpt.save(state.step)
-                window.exclude(blocked_s)
+                last_checkpoint = ckpt.save(state.step)
             if stopping or planned_stop:
-                stopped_by = stop.reason if stopping else "stop_at_step"
-                exit_code = int(stop.failed)
+                stopped_by, exit_code = stop.reason if stopping else "stop_at_step", int(stop.failed)
                 ckpt.wait()
                 log.info(f"Stopped by {stopped_by} after step {state.step}: checkpoint {last_checkpoint}")
                 break
@@ -260,106 +208,79 @@ def train(cfg, profile, args) -> int:
                                  session_s=time.perf_counter() - PROCESS_STARTED, window=window,
                                  checkpoint=last_checkpoint, final_model=export_dir, spikes=guard.summary()))
     finally:
-        bar.close()
-        loader.close()
-        exit_code = max(exit_code, ckpt.close())
-        log.close()
-        lock.release()
-        if sys.exc_info()[0] is not None:  # leaving on an error (main() says 2 for a UserError)
-            exit_code = max(exit_code, 1)
-        RunStatus(exit_code, stopped_by, state.step, str(last_checkpoint) if last_checkpoint else None,
-                  str(export_dir) if export_dir else None).write()
+        exit_code = close_run(exit_code, stopped_by, state, last_checkpoint, export_dir, bar, loader, ckpt, log, lock)
     return exit_code
 
 
-# ------------------------------------------------------------------------------------------------- setup
-
-def make_accelerator(cfg, log_dir: Path):
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
-
-    from utils.host_memory import keep_freed_host_memory
-    from utils.trackers import make_trackers
-
-    if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise UserError("mixed_precision=fp16 needs a CUDA GPU; use --mixed-precision bf16 or no on the CPU")
-    accelerator = Accelerator(
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        # fp8: torchao's float8 Linear layers (utils/model/fp8.py) inside bf16 autocast; accelerate's own
-        # fp8 backends are not used
-        mixed_precision="bf16" if cfg.mixed_precision == "fp8" else cfg.mixed_precision,
-        log_with=make_trackers(cfg.report_to, cfg.effective_run_name, log_dir),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.process_group_timeout_s)),
-                         DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
-    )
-    if accelerator.distributed_type.name == "FSDP":
-        raise UserError("accelerate was launched with its own FSDP flags; launch plainly (start_training.sh "
-                        "--strategy fsdp, or --set strategy=fsdp): the engine shards the model itself")
-    if accelerator.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
-    elif accelerator.device.type == "cpu":
-        keep_freed_host_memory()
-    return accelerator
+def close_run(exit_code: int, stopped_by, state, last_checkpoint, export_dir, bar, loader, ckpt, log, lock) -> int:
+    """On every way out of the loop, an error's too: the loader's workers and fetchers, the checkpoint writer and
+    uploads (whose failure makes the exit non-zero), the log and the lock; then the status record the launcher
+    reads. Returns the run's exit status."""
+    bar.close()
+    loader.close()
+    exit_code = max(exit_code, ckpt.close())
+    log.close()
+    lock.release()
+    if sys.exc_info()[0] is not None:  # leaving on an error (main() says 2 for a UserError)
+        exit_code = max(exit_code, 1)
+    RunStatus(exit_code, stopped_by, state.step, str(last_checkpoint) if last_checkpoint else None,
+              str(export_dir) if export_dir else None).write()
+    return exit_code
 
 
-def build_training(run: Run, spec, init_weights):
+def open_output_dir(output_dir: Path, args, accelerator):
+    """The run's folder, locked (one live run per folder), refused when a fresh run would write over another
+    run's files; and its logger. Returns (lock, log)."""
+    from utils.distributed import main_process_only
+    from utils.metrics import RunLogger
+    from utils.run_dir import lock_output_dir, refuse_another_run
+
+    lock = lock_output_dir(output_dir, accelerator)
+    if not args.resume:
+        main_process_only(accelerator, lambda: refuse_another_run(output_dir, args.output_dir is None))
+    return lock, RunLogger(output_dir / layout.LOGS, is_main=accelerator.is_main_process)
+
+
+def make_checkpointer(cfg, parallel, states, spec, seq_len: int, output_dir: Path, remote_root, node_uploads: bool, log):
+    """The Checkpointer of every stateful thing in `states`: the config's policy, the run's record (what a resume
+    must match), the checkpoint's name from the data cursor and the step."""
+    from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer
+    from utils.checkpoint.format import checkpoint_name
+    from utils.checkpoint.run_record import RunRecord
+
+    loader, state, world = states["data"], states["train"], parallel.accelerator.num_processes
+    global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
+    return Checkpointer(parallel.accelerator, states,
+                        CheckpointPolicy.from_config(cfg, output_dir / layout.CHECKPOINTS, remote_root, node_uploads),
+                        RunRecord(world, parallel.name, global_batch, seq_len, cfg.to_dict(), spec.to_dict(),
+                                  loader.fingerprint(), cfg.max_steps),
+                        lambda: checkpoint_name(loader.epoch, state.step, loader.files_consumed()), log,
+                        sharded=parallel.sharded)
+
+
+def make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len: int, log):
+    """Validation, the downstream evals and the samples, each on its own schedule (utils/evals/evaluator.py)."""
+    from utils.data.build import description_dir
+    from utils.evals.evaluator import Evaluator
+    from utils.sampling import Sampler
+
+    sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, description_dir(cfg), seq_len,
+                      cfg.seed, parallel.accelerator, log, sharded=parallel.sharded)
+    return Evaluator(cfg.eval_interval, model, core, val_batches, evals, sampler, parallel.accelerator, log)
+
+
+def build_training(parallel, cfg, spec, init_weights, log):
     """Model (from `init_weights` when given, built and wrapped by the parallelism seam), AdamW and the LR
     schedule. The scheduler is deliberately never prepared (see utils/optim.py)."""
     from utils.data.build import end_of_document
     from utils.optim import build_optimizer, build_scheduler
 
-    eos = end_of_document(run.cfg) if run.cfg.attention == "document" else None
-    model = run.parallel.build_model(spec, init_weights, run.log, eos)
-    optimizer = build_optimizer(model, run.cfg, fused=run.parallel.device.type == "cuda")
-    scheduler = build_scheduler(optimizer, run.cfg)
-    model, optimizer = run.parallel.prepare(model, optimizer)
+    eos = end_of_document(cfg) if cfg.attention == "document" else None
+    model = parallel.build_model(spec, init_weights, log, eos)
+    optimizer = build_optimizer(model, cfg, fused=parallel.device.type == "cuda")
+    scheduler = build_scheduler(optimizer, cfg)
+    model, optimizer = parallel.prepare(model, optimizer)
     return model, optimizer, scheduler
-
-
-def describe_run(run: Run, profile, spec, core, loader, eval_batches: int, state, remote_root: str | None) -> None:
-    from configs.profiles import GB
-
-    cfg, parallel, world, log = run.cfg, run.parallel, run.accelerator.num_processes, run.log
-    global_batch = loader.global_batch * cfg.gradient_accumulation_steps
-    log.info(f"Training {cfg.preset} ({cfg.effective_run_name}): model {spec.name} "
-             f"({core.parameter_counts()[0] / 1e6:.1f}M params), {world} process(es) on {parallel.device.type}, "
-             f"{precision_name(cfg.mixed_precision)} precision, compile={'on' if cfg.compile_model else 'off'}")
-    weights = parallel.state_bytes(core)
-    moments = 2 * weights // (2 if cfg.optimizer_state_dtype == "bf16" else 1)
-    log.info(f"  strategy {parallel.name}, world size {world}: per-rank state {(2 * weights + moments) / GB:.2f} GB "
-             f"(parameters {weights} bytes, as many in gradients, {moments / GB:.2f} GB AdamW moments)")
-    log.info(f"  batch {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps} x {world} "
-             f"= {global_batch} sequences of {loader.dataset.seq_len} tokens per step; {loader.num_samples:,} train "
-             f"sequences, {eval_batches} eval batches per rank; steps {state.step} -> {cfg.max_steps}")
-    for line in loader.describe(cfg.max_steps - state.step, global_batch):
-        log.info(line)
-    if profile is not None:
-        log.info(f"  memory profile {profile.name}: micro-batch {cfg.per_device_train_batch_size}, activation "
-                 f"checkpointing {parallel.activation_checkpointing}, AdamW moments in {cfg.optimizer_state_dtype}")
-    if remote_root:
-        log.info(f"  checkpoints upload to {remote_root}/ ({'background' if cfg.background_upload else 'synchronous'})")
-    else:
-        log.info("  no gcs_bucket configured: checkpoints stay local, nothing is uploaded")
-
-
-# --------------------------------------------------------------------------------------- loop helpers
-
-def log_step(run: Run, row: dict, state, window, bar) -> None:
-    from utils.metrics import format_step_line
-
-    run.log.write_row(row)
-    bar.clear()
-    run.log.info(format_step_line(row, state.best_loss))
-    if "first_step_s" in row:
-        run.log.info(f"  time to first step: {row['first_step_s']:.1f} s from the process start (imports, data "
-                     f"index, model build, compile)")
-    if window.per_device and state.step % (run.cfg.logging_steps * 10) == 0:
-        run.log.info("  per-GPU memory (GiB used/peak, util%): " + "; ".join(
-            f"{s['device']} {s['mem_gb']:.1f}/{s['peak_mem_gb']:.1f} {s['gpu_util']}" for s in window.per_device))
-    bar.refresh()
 
 
 if __name__ == "__main__":

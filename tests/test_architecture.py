@@ -15,13 +15,14 @@ from tests.trainkit import REPO_ROOT
 LAYERS = [
     ("base", ["utils", "utils.errors", "utils.files", "utils.layout", "utils.debug", "utils.distributed",
               "utils.storage", "utils.lock", "utils.console", "utils.signals", "utils.state", "utils.run_status",
-              "utils.schedules", "utils.trackers", "utils.quiet_imports", "utils.host_memory", "utils.launch"]),
+              "utils.schedules", "utils.trackers", "utils.quiet_imports", "utils.host_memory", "utils.launch",
+              "utils.accelerator"]),
     ("configs", ["configs"]),
     ("data", ["utils.data"]),
     ("checkpoint", ["utils.checkpoint"]),
     ("model", ["utils.model"]),
     ("engine", ["utils.parallel", "utils.optim", "utils.metrics", "utils.sampling", "utils.evals", "utils.spike_guard"]),
-    ("run", ["utils.export", "utils.run_dir"]),
+    ("run", ["utils.export", "utils.run_dir", "utils.run_report"]),
 ]
 
 

@@ -60,19 +60,25 @@ def test_rng_state_round_trip():
 def test_metrics_window_excludes_eval_and_checkpoint_time(accelerator):
     from utils.metrics import MetricsWindow, NonFiniteLoss
 
-    window = MetricsWindow(accelerator, tokens_per_step=1000, flops_per_token=6e6, peak=1e12, precision="no")
+    waited = [0.0]  # the loader's own count of its waits
+    window = MetricsWindow(accelerator, tokens_per_step=1000, flops_per_token=6e6, peak=1e12, precision="no",
+                           data_wait=lambda: waited[0])
     window.restart(first_step=11)
-    time.sleep(0.3)  # an eval or a checkpoint inside the window
-    window.exclude(0.3)
     for loss in (2.0, 4.0):
+        time.sleep(0.3)  # an eval or a checkpoint between steps: not counted
+        window.begin_step()
         window.add(torch.tensor(loss))
     row = window.row(step=12, tokens=12_000, lr=1e-3, grad_norm=torch.tensor(0.5))
     assert row["loss"] == 3.0 and row["tokens"] == 12_000 and row["grad_norm"] == 0.5
     assert row["steps_per_sec"] > 2 / 0.3 * 10  # the 0.3 s left out of the rate (it would cap it at 6.7/s)
     assert math.isclose(row["mfu"], row["tokens_per_sec"] * 6e6 / 1e12)
     assert window.first_step == 13 and window.losses == []  # a fresh window
+    time.sleep(0.3)  # the loop waits for the next step's files between steps (ResumableLoader.unavailable)
+    waited[0] += 0.3
+    window.begin_step()
     window.add(torch.tensor(1.0))
     window.add(torch.tensor(float("nan")))
+    assert window.data_wait_s == 0.3 and window.window_s >= 0.3  # a wait for data is training time, and said
     with pytest.raises(NonFiniteLoss, match="non-finite loss at step 14"):
         window.checked_losses()
 
@@ -154,11 +160,11 @@ def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
         scheduler.step()
         optimizer.zero_grad()
         state.advance(32)
-        assert ckpt.due(step) == (step in (2, 4))  # every 2 steps; the loop forces the last one
-        if not (ckpt.due(step) or step == 5):
+        assert ckpt.due(step) == (step in (2, 4))  # every 2 steps
+        if not ckpt.due(step, last=step == 5):  # and always at the session's last step
             continue
-        path, blocked = ckpt.save(step)
-        assert blocked < 5.0
+        path = ckpt.save(step)
+        assert log.rows[-1]["checkpoint"] == path.name and log.rows[-1]["blocked_s"] < 5.0
         if step == 2:
             first_alloc = ckpt.buffers.allocated_bytes
             pointers = {k: v.data_ptr() for k, v in ckpt.buffers._pool.items()}

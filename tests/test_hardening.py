@@ -349,12 +349,12 @@ def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_with
     ckpt = Checkpointer(accelerator, states, policy, RunRecord(1, model=spec.to_dict(), max_steps=10),
                         lambda: checkpoint_name(0, state.step, 1), log)
     state.step = 1
-    bare, _ = ckpt.save(1)
+    bare = ckpt.save(1)
     ckpt.wait()
     tokenizer.parent.mkdir()
     tokenizer.write_text('{"made": "after setup"}')
     state.step = 2
-    with_tok, _ = ckpt.save(2)
+    with_tok = ckpt.save(2)
     ckpt.wait()
     log.close()
     assert not (bare / "tokenizer.json").exists()

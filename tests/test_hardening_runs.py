@@ -250,11 +250,11 @@ def test_the_summary_s_tok_s_is_tokens_over_training_time_not_a_mean_of_window_r
     window.restart(first_step=1)
     rates = []
     for step, seconds in ((1, 0.05), (2, 0.45)):
+        window.begin_step()
         time.sleep(seconds)
         window.add(torch.tensor(1.0))
         rates.append(window.row(step, 1000 * step, 1e-3, torch.tensor(0.0))["tokens_per_sec"])
-        window.exclude(0.3)  # an eval after the row: not training time
-        time.sleep(0.3)
+        time.sleep(0.3)  # an eval after the row, between steps: not training time
     true_rate = 2000 / sum(1000 / r for r in rates)
     text = closing_summary(Path("/nonexistent/metrics.jsonl"), step=2, tokens=2000, session_s=1.0, window=window,
                            checkpoint=None, final_model=None)

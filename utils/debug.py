@@ -57,12 +57,12 @@ class BatchTrace:
 
     def __init__(self, output_dir: Path, accelerator):
         self.path, self.accelerator = Path(output_dir) / layout.LOGS / layout.BATCH_TRACE, accelerator
-
-    @classmethod
-    def if_asked(cls, output_dir: Path, accelerator) -> "BatchTrace | None":
-        return cls(output_dir, accelerator) if os.environ.get("NEOX_TRACE_BATCHES") == "1" else None
+        self.enabled = os.environ.get("NEOX_TRACE_BATCHES") == "1"
 
     def record(self, step: int, input_ids) -> None:
+        """Every rank calls it for every micro-batch; it does nothing unless NEOX_TRACE_BATCHES=1."""
+        if not self.enabled:
+            return
         from accelerate.utils import gather_object
 
         rows = [zlib.crc32(r.numpy().tobytes()) for r in input_ids.cpu()]

@@ -228,13 +228,20 @@ class NonFiniteLoss(UserError):
 
 
 class MetricsWindow:
-    """The steps since the last log line: their losses (device tensors, no host sync until `row`), the
-    time they took minus eval/checkpoint time, and the time spent waiting for data. It also counts the
-    session's training steps and their time over every window (`session`), for the closing summary."""
+    """The steps since the last log line: their losses (device tensors, no host sync until `row`), the time
+    they took, and the time spent waiting for data. It also counts the session's training steps and their time
+    over every window (`session`), for the closing summary.
+
+    Training time is measured by the window itself: a step's time runs from `begin_step()` to `add()`, plus
+    the host sync that ends a window in `row()` (the device finishing the window's queued work) and the loop's
+    waits for data between steps; whatever the loop does between steps otherwise (validation, downstream
+    evals, samples, checkpoints) is never counted, so tokens/s and MFU leave it out without being told.
+    `data_wait()` is the loader's own count of the seconds the loop waited for data (ResumableLoader.wait_s)."""
 
     def __init__(self, accelerator, tokens_per_step: int, flops_per_token: float, peak: float | None,
-                 precision: str, process_started: float | None = None):
+                 precision: str, process_started: float | None = None, data_wait=None):
         self.accelerator = accelerator
+        self._data_wait = data_wait or (lambda: 0.0)
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.precision = precision
         self.per_device: list[dict] = []
@@ -247,7 +254,16 @@ class MetricsWindow:
     def restart(self, first_step: int) -> None:
         """A new window from `first_step`, its clock starting now."""
         self._new_window(first_step)
-        self._clock, self._excluded_s = time.perf_counter(), 0.0
+        self._clock, self._waited = time.perf_counter(), self._data_wait()
+
+    def begin_step(self) -> None:
+        """A step starts: the time since the last step is not training, but its waits for data are (the loop
+        waited for the files of this step)."""
+        waited = self._data_wait() - self._waited
+        self._waited += waited
+        self.data_wait_s += waited
+        self._count(waited)
+        self._clock = time.perf_counter()
 
     def _new_window(self, first_step: int) -> None:
         self.losses: list[torch.Tensor] = []
@@ -264,19 +280,20 @@ class MetricsWindow:
             self.skipped.append(len(self.losses))
         self.losses.append(step_loss)
         self.trained_steps += 1
+        waited = self._data_wait() - self._waited
+        self._waited += waited
+        self.data_wait_s += waited
         self._charge()
 
-    def exclude(self, seconds: float) -> None:
-        """Time inside the window that is not training (eval, checkpoint): kept out of tokens/s and MFU."""
-        self._excluded_s += seconds
-
     def _charge(self) -> None:
-        """The time since the last charge, less what was excluded in it, is training time."""
+        """The time since the clock last started is training time."""
         now = time.perf_counter()
-        seconds = max(0.0, now - self._clock - self._excluded_s)
-        self._clock, self._excluded_s = now, 0.0
-        self.window_s += seconds
-        self.trained_s += seconds
+        self._count(now - self._clock)
+        self._clock = now
+
+    def _count(self, seconds: float) -> None:
+        self.window_s += max(0.0, seconds)
+        self.trained_s += max(0.0, seconds)
 
     def session(self) -> tuple[int, float, float | None, float | None]:
         """(tokens, seconds, tokens/s, MFU) of this session's training steps (tokens of every rank): eval,
@@ -306,7 +323,7 @@ class MetricsWindow:
     def row(self, step: int, tokens: int, lr: float, grad_norm: torch.Tensor) -> dict:
         """The logging row for the window ending at `step`; the window starts again after it."""
         losses = self.checked_losses()
-        self._charge()  # the host sync just now finished the window's device work
+        self._charge()  # since the last step's add(): the host sync just now finished the window's device work
         elapsed = max(1e-9, self.window_s)
         n = len(self.losses)
         tps = n * self.tokens_per_step / elapsed

@@ -267,14 +267,15 @@ class Checkpointer:
 
     # -------------------------------------------------------------------------------------------- save
 
-    def due(self, step: int) -> bool:
-        """Whether a save is due at `step` by the policy (the loop may also force one)."""
-        return bool(self.policy.every) and step % self.policy.every == 0
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether to save after `step`: every `save_steps` steps by the policy, and always when it is the
+        run's `last` step of this session (the end, a planned stop, a stop signal or failure)."""
+        return last or bool(self.policy.every) and step % self.policy.every == 0
 
-    def save(self, step: int) -> tuple[Path, float]:
-        """Saves now (the loop asks when one is due or forced, after checking its losses): checks nothing
-        non-finite would be saved (every rank), snapshots and hands the write to the writer thread(s).
-        Returns the checkpoint's path and how long the loop was blocked."""
+    def save(self, step: int) -> Path:
+        """Saves now (the loop asks when one is due, after checking its losses): checks nothing non-finite
+        would be saved (every rank), snapshots and hands the write to the writer thread(s). Returns the
+        checkpoint's path; how long the loop was blocked goes to the log and the checkpoint's metrics row."""
         started = time.perf_counter()
         finite = torch.stack([torch.isfinite(local_tensor(p)).all() for p in self.model.parameters()]).all().float()
         if self.accelerator.reduce(finite, reduction="sum").item() != self.accelerator.num_processes:
@@ -289,7 +290,7 @@ class Checkpointer:
         copy_started = time.perf_counter()
         sharded = self._start_sharded(path) if self.sharded else None
         if not self.is_main:
-            return path, time.perf_counter() - started
+            return path
         unwrapped = self.accelerator.unwrap_model(self.model)
         snapshot = snapshot_to_cpu({"model": None if self.sharded else unwrapped.state_dict(),
                                     "objects": {k: v.state_dict() for k, v in self.objects().items()}},
@@ -304,7 +305,7 @@ class Checkpointer:
         self.log.write_row({"step": step, "checkpoint": name, "blocked_s": blocked_s, "copy_s": copy_s})
         self.log.info(f"Checkpoint {name}: loop blocked {blocked_s:.3f} s (device->host copy {copy_s:.3f} s); "
                       f"writing{' and uploading' if self.uploader else ''} in the background")
-        return path, blocked_s
+        return path
 
     def _start_sharded(self, path: Path) -> ShardedPart | None:
         """Every rank stages its shards and starts writing them into the temporary directory rank 0 names."""

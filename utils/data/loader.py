@@ -18,6 +18,7 @@ between steps, every rank at the same one, never halfway through a step.
 from __future__ import annotations
 
 import signal
+import time
 import warnings
 from typing import Callable
 
@@ -183,6 +184,7 @@ class ResumableLoader:
         self._plan = MixturePlan(self.specs)  # the cursor: the plan's state after the batches returned
         self._iterator = None
         self._poisoned = debug.poisoned_sequences()  # empty but in the spike guard's tests
+        self.wait_s = 0.0  # seconds the loop has waited on this loader: in __next__ and in unavailable()
 
     @property
     def names(self) -> list[str]:
@@ -278,6 +280,13 @@ class ResumableLoader:
         return self
 
     def __next__(self) -> torch.Tensor:
+        started = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            self.wait_s += time.perf_counter() - started
+
+    def _next(self) -> torch.Tensor:
         if self._iterator is None:
             self._iterator = self._make_iterator()
         failed = self._wait_ready(self._returned + 1)
@@ -306,9 +315,13 @@ class ResumableLoader:
         unavailable; the loop then stops with a checkpoint instead of starting a step it could not finish."""
         if not self._read_ahead:
             return None
+        started = time.perf_counter()
         if self._iterator is None:
             self._iterator = self._make_iterator()
-        return self._wait_ready(self._returned + micro_batches)
+        try:
+            return self._wait_ready(self._returned + micro_batches)
+        finally:
+            self.wait_s += time.perf_counter() - started
 
     def _wait_ready(self, last_batch: int) -> str | None:
         for _, d in self._read_ahead:
