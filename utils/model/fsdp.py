@@ -46,6 +46,8 @@ def ensure_process_group(device: torch.device) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and device.index is None:  # NCCL wants the device's index ("cuda" -> "cuda:N")
+        device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             device_id=device if device.type == "cuda" else None)
 
