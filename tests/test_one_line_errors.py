@@ -1,4 +1,4 @@
-"""Hardening, second pass (issue 20): every fault a user can meet is one line (or one clear warning) and
+"""Every fault a user can meet is one line (or one clear warning) and
 loses nothing. Mostly in-process checks against real files, a real full disk (/dev/full, a small tmpfs), a
 real unprivileged user (setpriv) and the GCS emulator; a few toy-sized subprocess runs. The last test
 runs every command-line entry point against bad inputs and asserts no traceback reaches stderr."""
@@ -450,7 +450,7 @@ def crafted_sharded_checkpoint(root: Path) -> Path:
     """A sharded checkpoint (the tiny model's record, no weights) whose dcp/.metadata is a pickle that would
     create `root/code-ran`."""
     from configs.model_config import get_model_spec
-    from tests.test_hardening_files import RunsCode
+    from tests.test_crafted_files import RunsCode
 
     root.mkdir(parents=True)
     (root / "metadata").write_bytes(pickle.dumps(RunsCode(root / "code-ran")))

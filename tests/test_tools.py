@@ -1,4 +1,4 @@
-"""Hardening, third pass (issue 26), the tools around training: generate.py, scripts/export_hf.py,
+"""The tools around training: generate.py, scripts/export_hf.py,
 scripts/plot_run.py and the one tokenizer reader (a GPT-2-style vocab.json + merges.txt directory included).
 A tiny model, exported and checkpointed for real, with byte-level BPE tokenizers built here (no download)."""
 from __future__ import annotations

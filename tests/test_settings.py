@@ -1,4 +1,4 @@
-"""Hardening, third pass (issue 26), settings: numbers that cannot train are refused from their declared
+"""Settings: numbers that cannot train are refused from their declared
 ranges; a resume follows the settings it is given (or refuses them); mixtures refuse sources they cannot mix
 (another tokenizer, a name given twice, an empty folder under the demo) and a source deleted between runs can
 be dropped; a config file's advice, run name and precision read right. Numbers are typed through train.py as

@@ -1,4 +1,4 @@
-"""A run's own folder, its stops and its summary (issue 26, third hardening pass): a SIGKILL of the launcher
+"""A run's own folder, its stops and its summary: a SIGKILL of the launcher
 or of one rank, a console that goes away under Ctrl-C, the closing summary's numbers, one folder per run
 (a second fresh run never touches the first's files), the launcher's own usage errors."""
 from __future__ import annotations

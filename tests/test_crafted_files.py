@@ -1,4 +1,4 @@
-"""Hardening, third pass (issue 26), what a file can make the engine do: a crafted sharded checkpoint runs no
+"""What a file can make the engine do: a crafted sharded checkpoint runs no
 code (resume from a path or gs://, generate.py, export_hf.py), paths a manifest or dataset.json names stay in
 their folder, a data dir's symlink loops and nested datasets add nothing, a key other users can read is
 said, and a full disk during a sharded save is one line with the earlier checkpoint intact (real processes,
@@ -198,7 +198,7 @@ def test_torch_load_is_weights_only_everywhere():
 # ----------------------------------------------------------------- 2: paths a file names stay in its folder
 
 def test_manifest_objects_and_symlinked_files_stay_in_the_checkpoint(tmp_path):
-    from tests.test_hardening import fake_checkpoint
+    from tests.test_one_line_errors import fake_checkpoint
     from utils.checkpoint.format import CheckpointError, read_checkpoint, verify_checkpoint
 
     torch.save({"secret": torch.ones(2)}, tmp_path / "outside.pt")
