@@ -344,3 +344,39 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, subprocess_env, tokeniz
     assert len(lines) == 1 and re.search(fragment, lines[0]), proc.stderr
     assert not out.exists()
 
+
+
+@pytest.mark.parametrize("case", ["jsonl_line", "gzip_bomb"])
+def test_a_document_over_the_bound_is_one_line_and_memory_stays_bounded(tmp_path, subprocess_env, tokenizer, case):
+    """A 40 MB JSONL line, or a 200 KB .txt.gz that expands to one 200 MB document: refused in one line
+    naming the file (and line) before it is read whole; the process's peak memory stays far below what
+    tokenizing it would take (~60x its size: 2.4 GB and 12 GB)."""
+    from utils.data.corpus import MAX_DOCUMENT_BYTES
+
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    if case == "jsonl_line":
+        with open(corpus / "b.jsonl", "w") as f:
+            f.write('{"text": "a short first document"}\n')
+            f.write('{"text": "' + "word " * (8 << 20) + '"}\n')
+        where = r"b\.jsonl:2: a document over 16 MiB"
+    else:
+        with gzip.open(corpus / "a.txt.gz", "wb", compresslevel=1) as f:
+            chunk = b"lorem ipsum " * (1 << 20)
+            for _ in range(16):
+                f.write(chunk)
+        where = r"a\.txt\.gz: a document over 16 MiB"
+    assert MAX_DOCUMENT_BYTES == 16 << 20
+    out = tmp_path / "out"
+    measure = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
+               "print('maxrss_kb', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+               "sys.exit(p.returncode)")
+    proc = subprocess.run([sys.executable, "-c", measure, sys.executable, str(REPO_ROOT / "prepare_data.py"),
+                           "--input", str(corpus), "--tokenizer", str(tokenizer), "--output", str(out), "--workers", "1"],
+                          env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and re.search(where, lines[0]) and "split it" in lines[0], proc.stderr[-2000:]
+    peak_mb = int(re.search(r"maxrss_kb (\d+)", proc.stderr).group(1)) / 1024
+    assert peak_mb < 1000, f"prepare peaked at {peak_mb:.0f} MB"
+    assert not out.exists()

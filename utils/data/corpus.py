@@ -32,6 +32,11 @@ PARQUET_SUFFIXES = (".parquet",)
 SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 SPLITTABLE_SUFFIXES = (".jsonl", ".parquet")
 READ_CHUNK = 1 << 20
+# The largest document prepare tokenizes (its UTF-8 bytes). A fast tokenizer takes about 60 times a
+# document's size in memory while it encodes it (a 200 MB document: 12 GB), so one document over this is
+# refused in one line before it is read whole, and a worker's memory stays below about 1.5 GB whatever the
+# corpus (docs/data.md). Books are a few MB; a larger "document" is a corpus that lost its separators.
+MAX_DOCUMENT_BYTES = 16 << 20
 
 
 class PrepareError(UserError):
@@ -129,7 +134,9 @@ def read_documents(source: InputFile | str | Path, text_field: str, start: int =
     try:
         if shown.endswith(TEXT_SUFFIXES):
             with _open_stream(path) as f:
-                data = f.read()
+                data = f.read(MAX_DOCUMENT_BYTES + 1)
+            if len(data) > MAX_DOCUMENT_BYTES:
+                raise PrepareError(_too_big(shown, "a .txt file is one document"))
             try:
                 yield 0, data.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -181,10 +188,12 @@ def _jsonl_documents(shown: str, path: str, text_field: str, start: int, end: in
             f.seek(start - 1)
             offset += len(f.readline()) - 1  # the line holding byte start-1 belongs to the range before
         while end is None or offset < end:
-            raw = f.readline()
+            raw = f.readline(MAX_DOCUMENT_BYTES + 1)
             if not raw:
                 break
             here, offset = offset, offset + len(raw)
+            if len(raw) > MAX_DOCUMENT_BYTES:
+                raise PrepareError(_too_big(f"{shown}:{_line_number(path, here)}", "a JSONL line is one document"))
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -203,6 +212,11 @@ def _jsonl_documents(shown: str, path: str, text_field: str, start: int, end: in
                 raise PrepareError(f"{shown}:{_line_number(path, here)}: '{text_field}' is a "
                                    f"{type(record[text_field]).__name__}, not a string") from None
             yield here, record[text_field]
+
+
+def _too_big(where: str, unit: str) -> str:
+    return (f"{where}: a document over {MAX_DOCUMENT_BYTES >> 20} MiB ({unit}; prepare tokenizes a document "
+            f"whole, at about 60x its size in memory); split it into smaller documents")
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -237,6 +251,8 @@ def _parquet_documents(shown: str, path: str, text_field: str, start: int, end: 
                 for number, value in enumerate(values, row):
                     if value is not None and not isinstance(value, str):
                         raise PrepareError(f"{shown}: column '{text_field}' holds {type(value).__name__}, not strings")
+                    if value and len(value) > MAX_DOCUMENT_BYTES // 4 and len(value.encode()) > MAX_DOCUMENT_BYTES:
+                        raise PrepareError(_too_big(f"{shown}: row {number}", "a row is one document"))
                     yield number, value or ""
             row += meta.num_rows
 
