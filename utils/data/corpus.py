@@ -32,11 +32,11 @@ PARQUET_SUFFIXES = (".parquet",)
 SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 SPLITTABLE_SUFFIXES = (".jsonl", ".parquet")
 READ_CHUNK = 1 << 20
-# The largest document prepare tokenizes (its UTF-8 bytes). A fast tokenizer takes about 60 times a
-# document's size in memory while it encodes it (a 200 MB document: 12 GB), so one document over this is
-# refused in one line before it is read whole, and a worker's memory stays below about 1.5 GB whatever the
-# corpus (docs/data.md). Books are a few MB; a larger "document" is a corpus that lost its separators.
-MAX_DOCUMENT_BYTES = 16 << 20
+# The largest document prepare reads (its UTF-8 bytes): one over this is refused in one line before it is
+# read whole (a 1 MB gzip can hold a 1 GB line). Below it a document is tokenized in pieces
+# (partition.PIECE_CHARS), so a worker's memory follows the piece, not the document (docs/data.md).
+# Books are a few MB; a larger "document" is a corpus that lost its separators.
+MAX_DOCUMENT_BYTES = 64 << 20
 
 
 class PrepareError(UserError):
@@ -215,8 +215,8 @@ def _jsonl_documents(shown: str, path: str, text_field: str, start: int, end: in
 
 
 def _too_big(where: str, unit: str) -> str:
-    return (f"{where}: a document over {MAX_DOCUMENT_BYTES >> 20} MiB ({unit}; prepare tokenizes a document "
-            f"whole, at about 60x its size in memory); split it into smaller documents")
+    return (f"{where}: a document over {MAX_DOCUMENT_BYTES >> 20} MiB ({unit}; prepare reads at most that much "
+            f"of one); split it into smaller documents")
 
 
 def _line_number(path: str, offset: int) -> int:

@@ -44,7 +44,11 @@ DEFAULT_PARTITION_BYTES = 128_000_000
 MIN_VAL_DOCUMENTS = 100
 MAX_RAISED_VAL_RATE = 0.25
 BATCH_DOCUMENTS = 256
-BATCH_CHARS = 4 << 20
+BATCH_CHARS = 1 << 20
+# A document longer than this is encoded in pieces of about this many characters, each cut just before a
+# space between two words (where byte-level BPE and SentencePiece pre-tokenizers cut anyway, so the ids
+# are the whole document's), and its ids joined: a tokenizer's memory follows the piece, not the document.
+PIECE_CHARS = 256 << 10
 
 
 # ------------------------------------------------------------------------------------------------ the split
@@ -251,10 +255,14 @@ def tokenize_partition(job: PartitionJob, tokenizer_json: str) -> dict:
         train = ShardWriter(work, job.shard_tokens, dtype, name=lambda k: f"shard-{k:05d}.npz",
                             publish=lambda path, name: store.publish(path, f"{folder}/{name}"))
         held_out: list[np.ndarray] = []
+        pending: list[np.ndarray] = []  # the ids of a long document's pieces so far
         for batch in _batches(job, record):
-            encoded = tokenizer.encode_batch([text for _, text in batch], add_special_tokens=False)
-            for (is_validation, _), enc in zip(batch, encoded):
-                document = np.concatenate((np.asarray(enc.ids, dtype=np.int64), eos))
+            encoded = tokenizer.encode_batch([text for _, text, _ in batch], add_special_tokens=False)
+            for (is_validation, _, ends), enc in zip(batch, encoded):
+                pending.append(np.asarray(enc.ids, dtype=np.int64))
+                if not ends:
+                    continue
+                document, pending = np.concatenate((*pending, eos)), []
                 if is_validation:
                     held_out.append(document.astype(dtype))
                     record["validation"]["documents"] += 1
@@ -273,22 +281,46 @@ def tokenize_partition(job: PartitionJob, tokenizer_json: str) -> dict:
     return record
 
 
-def _batches(job: PartitionJob, record: dict) -> Iterator[list[tuple[bool, str]]]:
-    """(is validation, text) of the partition's non-empty documents in order, in batches; empty ones are
-    counted in `record` and skipped."""
+def _batches(job: PartitionJob, record: dict) -> Iterator[list[tuple[bool, str, bool]]]:
+    """(is validation, text, ends its document) of the partition's non-empty documents in order, a long
+    one in pieces (`split_document`), in batches; empty ones are counted in `record` and skipped."""
     batch, chars = [], 0
     for source, start, end in job.pieces:
         for position, text in read_documents(source, job.text_field, start, end):
             if not text.strip():
                 record["documents_empty"] += 1
                 continue
-            batch.append((job.split.is_validation(source.key, position), text))
-            chars += len(text)
-            if len(batch) >= BATCH_DOCUMENTS or chars >= BATCH_CHARS:
-                yield batch
-                batch, chars = [], 0
+            is_validation = job.split.is_validation(source.key, position)
+            pieces = split_document(text)
+            for k, piece in enumerate(pieces):
+                batch.append((is_validation, piece, k == len(pieces) - 1))
+                chars += len(piece)
+                if len(batch) >= BATCH_DOCUMENTS or chars >= BATCH_CHARS:
+                    yield batch
+                    batch, chars = [], 0
     if batch:
         yield batch
+
+
+def split_document(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
+    """`text` cut into pieces of about `piece_chars` characters, each cut just before a space that stands
+    between two non-space characters (searched back up to a quarter piece; a text without one there is cut
+    where the piece ends)."""
+    if len(text) <= piece_chars:
+        return [text]
+    pieces, begin = [], 0
+    while len(text) - begin > piece_chars:
+        target = begin + piece_chars
+        cut, floor = target, max(begin + 1, target - piece_chars // 4)
+        while (cut := text.rfind(" ", floor, cut)) >= floor:
+            if not text[cut - 1].isspace() and not text[cut + 1].isspace():
+                break
+        if cut < floor:
+            cut = target
+        pieces.append(text[begin:cut])
+        begin = cut
+    pieces.append(text[begin:])
+    return pieces
 
 
 def read_record(store, plan: Plan, index: int) -> dict | None:
