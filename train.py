@@ -100,6 +100,7 @@ def train(cfg, profile, args) -> int:
     from utils.evals.runner import DownstreamEvals
     from utils.export import export_final_model, finished_run
     from utils.metrics import MetricsWindow, closing_summary, peak_flops
+    from utils.model.fit import check_batch_fits
     from utils.model.preflight import preflight
     from utils.model.spec import resolve_model_spec
     from utils.optim import schedule_from_config
@@ -128,6 +129,7 @@ def train(cfg, profile, args) -> int:
         RunStatus(0, step=cfg.max_steps, checkpoint=str(resume_path), final_model=str(finished)).write()
         return 0
     spec, seq_len, init_weights = resolve_model_spec(cfg, log)
+    check_batch_fits(cfg, spec, seq_len, device, world)
     loader, val_batches = build_data(cfg, seq_len, spec.vocab_size, accelerator, log)
     evals = DownstreamEvals(cfg, spec, accelerator, log, parallel.sharded)  # eval_tasks, read before the model build
     stop.end_setup_if_asked("data index")

@@ -157,3 +157,24 @@ def test_on_a_terminal_the_bar_names_the_setup_phases_and_lines_are_never_glued_
     for line in ("Preflight: 2 forward/backward", "Step 0: val_loss=", "Step 3: loss="):
         at = screen.index(line)
         assert screen[at - 1] in "\r\n", repr(screen[max(0, at - 80):at + 20])
+
+
+def test_a_batch_beyond_the_machine_s_memory_is_one_line_before_the_model_is_built(tmp_path, subprocess_env):
+    """A micro-batch whose activations alone exceed this machine's RAM: one line naming the batch, the plan's
+    figure and what to do, exit 2, before anything is allocated (the kernel used to kill it without a line).
+    A batch that fits by the plan is not refused (the same run at micro-batch 4 trains)."""
+    from utils.model.fit import machine_bytes
+
+    data = make_shards(tmp_path / "data")
+    spec = get_model_spec("tiny")
+    per_sequence = 34 * 64 * spec.hidden_size * spec.num_hidden_layers  # bf16 activation bytes of one sequence
+    too_many = int(2 * machine_bytes() / per_sequence)
+    out = tmp_path / "out"
+    proc = run(train_cmd(out, data, "seq_len=64", f"per_device_train_batch_size={too_many}", "max_steps=1"),
+               subprocess_env, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and f"per_device_train_batch_size={too_many} at seq_len 64 cannot fit" in lines[0], lines
+    assert "this machine's RAM" in lines[0] and "gradient_accumulation_steps" in lines[0]
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    run(train_cmd(tmp_path / "ok", data, "seq_len=64", "per_device_train_batch_size=4", "max_steps=1"), subprocess_env)
