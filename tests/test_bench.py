@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.trainkit import REPO_ROOT
 
 # | contender | tokens/s | step ms | MFU (null on the CPU) | peak mem GiB | data wait % | CPU ms/step | first step s |
@@ -16,6 +18,7 @@ ROW = re.compile(r"^\| (engine|trainer|naive|bare|fsdp|document) \| ([\d,]+) \| 
                  r"([\d.]+) \|$", re.M)
 
 
+@pytest.mark.slow
 def test_bench_table_has_every_contender(tmp_path, subprocess_env):
     out = tmp_path / "bench.json"
     env = dict(subprocess_env, CUDA_VISIBLE_DEVICES="")  # the CPU path, wherever the suite runs

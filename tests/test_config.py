@@ -132,6 +132,7 @@ def test_typo_in_set_suggests_the_field():
         get_training_config("prodution")
 
 
+@pytest.mark.slow
 def test_config_file_trains_print_config_and_help(tmp_path, subprocess_env):
     from tests.trainkit import REPO_ROOT, make_shards, run, train_rows
 

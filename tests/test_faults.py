@@ -151,6 +151,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_disk_full_is_one_line_and_earlier_checkpoints_resume(tmp_path, subprocess_env, small_disk):
     data = make_shards(tmp_path / "data")
     out = small_disk / "out"
@@ -216,6 +217,7 @@ def test_resume_refuses_what_cannot_continue_in_one_line(trained, tmp_path, subp
     assert proc.returncode == 2 and fragment in line, line
 
 
+@pytest.mark.slow
 def test_resume_auto_on_a_fresh_dir_starts_fresh_and_says_so(tmp_path, subprocess_env):
     data = make_shards(tmp_path / "data")
     out = tmp_path / "out"

@@ -226,6 +226,7 @@ def test_fsdp_strategy_is_a_field_not_accelerate_flags(launcher, tmp_path, subpr
     assert res.returncode == 0 and "strategy=fsdp" in res.stdout, res.stderr
 
 
+@pytest.mark.slow
 def test_two_nodes_on_localhost(launcher, tmp_path, subprocess_env, probe):
     """Two launcher invocations, as on two machines, form one 2-process group through --main-addr/--main-port."""
     env = dict(subprocess_env, TRAIN_SCRIPT=str(probe), PROBE_OUT=str(tmp_path / "out"))
@@ -279,6 +280,7 @@ def test_bad_config_or_option_stops_before_launching(launcher, subprocess_env, a
     assert "accelerate launch" not in proc.stdout and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_real_launch_has_no_defaults_used_warning(launcher, subprocess_env, tmp_path):
     from tests.trainkit import TINY, make_shards
 
@@ -293,6 +295,7 @@ def test_a_real_launch_has_no_defaults_used_warning(launcher, subprocess_env, tm
     assert "start_training.sh: finished after step 2" in proc.stdout
 
 
+@pytest.mark.slow
 def test_torchrun_runs_train_py_directly(subprocess_env, tmp_path, repo_root):
     """`torchrun --nproc-per-node 2 train.py ...` (no launcher): two CPU ranks train, in sync."""
     from tests.trainkit import TINY, make_shards, train_rows

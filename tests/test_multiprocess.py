@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.trainkit import REPO_ROOT, TINY, make_shards, metrics, run, train_cmd, train_rows
 
 
@@ -21,6 +23,7 @@ def launch(out, data, gpus: int, *sets: str, extra: tuple = (), env=None):
     return run(cmd + list(extra), env, timeout=600)
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process(tmp_path, subprocess_env):
     data = make_shards(tmp_path / "data")
     two, one = tmp_path / "two", tmp_path / "one"
@@ -77,6 +80,7 @@ def _worker_pids(marker: str) -> dict[int, int]:
     return found
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path, subprocess_env):
     data = make_shards(tmp_path / "data")
     out = tmp_path / "out"

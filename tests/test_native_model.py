@@ -34,6 +34,7 @@ def ids(batch=3, length=32, vocab=300, seed=0):
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_native_equals_transformers_logits_loss_and_gradients(variant):
     spec = replace(BASE, **VARIANTS[variant])
@@ -77,6 +78,7 @@ def test_chunked_loss_equals_the_plain_one(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.slow
 def test_regional_compile_changes_nothing():  # activation checkpointing: tests/test_activation_checkpointing.py
     x = ids(batch=2, length=16)
     grads = []
@@ -156,6 +158,7 @@ def hf_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_init_from_starts_at_the_hf_models_loss_and_keeps_its_weights(hf_dir, tmp_path, subprocess_env):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -182,6 +185,7 @@ def test_init_from_starts_at_the_hf_models_loss_and_keeps_its_weights(hf_dir, tm
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_the_hf_backed_engine_resumes_on_the_native_model(tmp_path, subprocess_env):
     """A checkpoint written by the engine before the native model (commit 1674d40, transformers' class
     inside) resumes on today's default, the native model, weights and AdamW state included, and continues
@@ -208,6 +212,7 @@ def test_a_checkpoint_of_the_hf_backed_engine_resumes_on_the_native_model(tmp_pa
         assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-4, step
 
 
+@pytest.mark.slow
 def test_fp8_is_refused_off_hopper_in_one_line(tmp_path, subprocess_env):
     """On the CPU; on a CUDA machine too, its GPUs hidden (a Hopper GPU would run it)."""
     data = make_shards(tmp_path / "data")
@@ -242,6 +247,7 @@ def test_fp8_trains_checkpoints_plain_weights_and_switches_precision_on_resume(t
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train_rows(bf16).values())
 
 
+@pytest.mark.slow
 def test_export_script_converts_a_checkpoint(tmp_path, subprocess_env):
     data = make_shards(tmp_path / "data")
     out = tmp_path / "out"

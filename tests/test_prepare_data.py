@@ -133,6 +133,7 @@ def tree(folder: Path) -> dict:
             if p.is_file() and not p.name.startswith(".")}
 
 
+@pytest.mark.slow
 def test_training_on_prepared_data_learns(corpus, tokenizer, tmp_path, subprocess_env):
     """A dataset cut into partitions (so several partitions' shorter last shards) trains and learns."""
     root, _, _ = corpus
@@ -214,6 +215,7 @@ def big_vocab_tokenizer(path: Path, size: int = 70_000) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_vocabulary_above_65536_gives_uint32_shards_that_validate_and_train(tmp_path, subprocess_env):
     corpus = tmp_path / "c"
     corpus.mkdir()

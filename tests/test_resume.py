@@ -19,6 +19,7 @@ def _final_weights(out):
     return load_weights(out / "final_model" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_exact_resume_bitwise(tmp_path, subprocess_env):
     """8 steps straight == 4 steps, stop, --resume latest, 4 more: identical losses and weights (bitwise)."""
     data = make_shards(tmp_path / "data")
@@ -43,6 +44,7 @@ def test_exact_resume_bitwise(tmp_path, subprocess_env):
     assert state["step"] == 8 and state["tokens"] == 8 * 8 * 64 and state["world_size"] == 1
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_resume_continues(tmp_path, subprocess_env):
     data = make_shards(tmp_path / "data")
     out = tmp_path / "out"
@@ -69,6 +71,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path, subprocess_env):
     assert max(train_rows(out)) == stopped + 2
 
 
+@pytest.mark.slow
 def test_upload_to_emulator_and_resume_from_gcs(tmp_path, subprocess_env, gcs_emulator):
     data = make_shards(tmp_path / "data")
     out = tmp_path / "out"
@@ -95,6 +98,7 @@ def test_upload_to_emulator_and_resume_from_gcs(tmp_path, subprocess_env, gcs_em
     assert max(train_rows(fresh)) == 4
 
 
+@pytest.mark.slow
 def test_upload_failure_keeps_training_and_exits_nonzero(tmp_path, subprocess_env, gcs_emulator):
     data = make_shards(tmp_path / "data")
     out = tmp_path / "out"

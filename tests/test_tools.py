@@ -114,6 +114,7 @@ def test_a_prompt_longer_than_the_context_keeps_its_end(tools, capsys):
     assert json.loads(long_out)["continuation"] == json.loads(end_out)["continuation"]
 
 
+@pytest.mark.slow
 def test_max_new_tokens_is_capped_at_the_context_and_said_once(tools, capsys):
     root, _ = tools
     code, out, err = generate_main(capsys, root / "newlines", "--prompt", "ab", "--prompt", "abcd",

@@ -22,6 +22,7 @@ def _without_key_bias(name: str, tensor: torch.Tensor, heads: int) -> torch.Tens
     return tensor
 
 
+@pytest.mark.slow
 def test_accumulation_matches_one_big_batch(tmp_path, subprocess_env):
     """fp32 on CPU: one step of micro-batch 2 x accumulation 4 == micro-batch 8 x accumulation 1."""
     data = make_shards(tmp_path / "data")
@@ -52,6 +53,7 @@ def test_accumulation_matches_one_big_batch(tmp_path, subprocess_env):
     assert moved > 1e3 * diff2 ** 0.5  # the step really changed the weights, far beyond the mismatch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 4])
 def test_logged_lr_equals_lr_at(tmp_path, subprocess_env, accum):
     data = make_shards(tmp_path / "data")
@@ -71,6 +73,7 @@ def test_logged_lr_equals_lr_at(tmp_path, subprocess_env, accum):
     assert sched["last_epoch"] == 8 and math.isclose(sched["_last_lr"][0], schedule(9), rel_tol=1e-12)
 
 
+@pytest.mark.slow
 def test_run_writes_logs_metrics_tensorboard_and_export(tmp_path, subprocess_env):
     data = make_shards(tmp_path / "data")
     out = tmp_path / "out"
@@ -124,6 +127,7 @@ def test_missing_data_dir(tmp_path, subprocess_env):
     assert (tmp_path / "o" / ".run.lock").read_text() == ""  # released at exit: the next run takes nothing over
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_naming_the_step(tmp_path, subprocess_env):
     data = make_shards(tmp_path / "data")
     out = tmp_path / "out"
@@ -136,6 +140,7 @@ def test_nonfinite_loss_stops_naming_the_step(tmp_path, subprocess_env):
     assert all(s < bad_step for s in saved), (saved, bad_step)
 
 
+@pytest.mark.slow
 def test_on_a_terminal_the_bar_names_the_setup_phases_and_lines_are_never_glued_to_it(tmp_path, subprocess_env):
     """On a terminal (a pseudo-terminal from `script`) the progress bar says which setup phase the run is in
     (preflight, eval) before it counts steps, and every log line starts on a line of its own."""

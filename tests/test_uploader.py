@@ -168,6 +168,7 @@ def test_a_failed_upload_stays_protected_until_a_newer_one_reaches_gcs(gcs_emula
     assert uploader.protected() == set()  # GCS now holds a newer checkpoint: the old one may go
 
 
+@pytest.mark.slow
 def test_the_manual_upload_command(gcs_emulator, tmp_path, subprocess_env, repo_root):
     ck = make_checkpoint(tmp_path, "checkpoint-epoch0-step3-files0")
     url = f"gs://{gcs_emulator.bucket}/manual/{ck.name}"
