@@ -22,6 +22,7 @@ Exit status: 0 done, 1 upload failed (the local dataset is complete), 2 bad inpu
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -50,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ray-address", metavar="ADDRESS",
                    help="join this running Ray cluster (ray://HOST:10001, or HOST:6379 on a node of it); "
                         "without it --executor ray starts a local Ray")
-    p.add_argument("--partition-mb", type=float, default=DEFAULT_PARTITION_BYTES / 1e6,
+    p.add_argument("--partition-mb", type=megabytes, default=DEFAULT_PARTITION_BYTES / 1e6,
                    help=f"input megabytes per partition, the unit of work and of reruns (default "
                         f"{DEFAULT_PARTITION_BYTES / 1e6:g}); a partition's last shard is shorter")
     p.add_argument("--merge-only", action="store_true",
@@ -69,6 +70,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--upload", metavar="gs://BUCKET/PREFIX", help="then upload the result there, verified")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def megabytes(text: str) -> float:
+    """--partition-mb's type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of megabytes") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}' must be a finite number of megabytes above 0")
+    return value
 
 
 def main(argv=None) -> int:

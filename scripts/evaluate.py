@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -102,6 +103,8 @@ def main(argv=None) -> int:
         from configs.training_config import parse_eval_tasks
         from utils.evals.runner import load_encoder, load_tasks, prepare_tasks, score_tasks
 
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+            raise UserError(f"--device {args.device}: not a device this script runs on; use auto, cpu, cuda or cuda:N")
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"--device {args.device}: no CUDA GPU here; use --device cpu")

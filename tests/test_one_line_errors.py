@@ -443,7 +443,38 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
                   ("generate: a checkpoint whose dcp/.metadata runs code",
                    [py, "generate.py", str(crafted), "--prompt", "x"])]
     cases += tool_cases(tmp)
+    cases += text_cases(tmp)
     return cases
+
+
+def text_cases(tmp: Path) -> list[tuple[str, list]]:
+    """Issue 32's text inputs: a lone surrogate or deeply nested JSON in a corpus line or a task file,
+    non-finite --partition-mb, an unknown evaluate.py --device."""
+    from tests.test_prepare_data import bpe_tokenizer
+
+    tokenizer = bpe_tokenizer(tmp / "bpe.json")
+    nested = '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    for name, line in (("surrogate", '{"text": "a \\ud800 b"}\n'), ("nested", nested)):
+        (tmp / f"corpus-{name}").mkdir()
+        (tmp / f"corpus-{name}" / "a.jsonl").write_text(line)
+    (tmp / "task-surrogate.jsonl").write_text('{"context": "a \\ud800", "continuation": " b"}\n')
+    (tmp / "task-nested.jsonl").write_text(nested.replace('"text"', '"context"'))
+    py = sys.executable
+    prepare = [py, "prepare_data.py", "--no-progress", "--workers", "1", "--tokenizer", str(tokenizer)]
+    evaluate = [py, "scripts/evaluate.py", str(tmp / "hf-truncated")]
+    return [
+        ("prepare: a lone surrogate in a corpus line", prepare + ["--input", str(tmp / "corpus-surrogate"),
+                                                                  "--output", str(tmp / "p3")]),
+        ("prepare: deeply nested JSON in a corpus line", prepare + ["--input", str(tmp / "corpus-nested"),
+                                                                    "--output", str(tmp / "p4")]),
+        ("prepare: --partition-mb nan", prepare + ["--input", str(tmp / "corpus.txt"), "--output", str(tmp / "p5"),
+                                                   "--partition-mb", "nan"]),
+        ("prepare: --partition-mb inf", prepare + ["--input", str(tmp / "corpus.txt"), "--output", str(tmp / "p6"),
+                                                   "--partition-mb", "inf"]),
+        ("evaluate: --device tpu", evaluate + ["--task", str(tmp / "task-surrogate.jsonl"), "--device", "tpu"]),
+        ("evaluate: a lone surrogate in a task file", evaluate + ["--task", str(tmp / "task-surrogate.jsonl")]),
+        ("evaluate: deeply nested JSON in a task file", evaluate + ["--task", str(tmp / "task-nested.jsonl")]),
+    ]
 
 
 def crafted_sharded_checkpoint(root: Path) -> Path:

@@ -316,8 +316,8 @@ class MetricsWindow:
         if bad.numel():
             fp32 = "" if self.precision == "fp32" else " with --mixed-precision no"
             raise NonFiniteLoss(f"non-finite loss at step {self.first_step + int(bad[0])} ({self.precision} "
-                                f"precision); no checkpoint was written for it. Lower learning_rate, or resume "
-                                f"from the last checkpoint{fp32}")
+                                f"precision); no checkpoint was written for it. Lower learning_rate{fp32} and "
+                                f"start again, or resume (--resume auto) if this run saved a checkpoint before it")
         return losses
 
     def row(self, step: int, tokens: int, lr: float, grad_norm: torch.Tensor) -> dict:

@@ -205,13 +205,23 @@ def _jsonl_documents(shown: str, path: str, text_field: str, start: int, end: in
                 record = json.loads(line)
             except ValueError as exc:
                 raise PrepareError(f"{shown}:{_line_number(path, here)}: not valid JSON ({exc})") from None
+            except RecursionError:
+                raise PrepareError(f"{shown}:{_line_number(path, here)}: JSON nested too deeply to read") from None
             if not isinstance(record, dict) or text_field not in record:
                 raise PrepareError(f"{shown}:{_line_number(path, here)}: no '{text_field}' field; name the field "
                                    f"with --text-field") from None
             if not isinstance(record[text_field], str):
                 raise PrepareError(f"{shown}:{_line_number(path, here)}: '{text_field}' is a "
                                    f"{type(record[text_field]).__name__}, not a string") from None
-            yield here, record[text_field]
+            text = record[text_field]
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise PrepareError(f"{shown}:{_line_number(path, here)}: '{text_field}' holds a lone surrogate "
+                                       f"(\\u{ord(text[exc.start]):04x} at character {exc.start}), which is not text; "
+                                       f"fix or drop the line") from None
+            yield here, text
 
 
 def _too_big(where: str, unit: str) -> str:

@@ -200,6 +200,13 @@ def load_task(path, name: str | None = None, limit: int = 0) -> Task:
         except ValueError as exc:
             raise TaskFileError(f"{where}: not valid JSON ({exc}); a task file holds one JSON object per "
                                 f"line") from None
+        except RecursionError:
+            raise TaskFileError(f"{where}: JSON nested too deeply to read") from None
+        try:
+            json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except (UnicodeEncodeError, RecursionError):
+            raise TaskFileError(f"{where}: a string holds a lone surrogate (an escape such as \\ud800 alone), "
+                                f"which is not text; fix or drop the line") from None
         if not isinstance(record, dict):
             raise TaskFileError(f"{where}: expected a JSON object, got {_kind(record)}")
         if layout is None:
