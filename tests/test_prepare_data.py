@@ -421,3 +421,18 @@ def test_a_document_over_the_bound_is_one_line_before_it_is_read_whole(tmp_path,
     assert len(lines) == 1 and re.search(where, lines[0]) and "split it" in lines[0], proc.stderr[-2000:]
     assert peak_mb < 700, f"prepare peaked at {peak_mb:.0f} MB"
     assert not out.exists()
+
+
+def test_the_shard_count_advice_names_only_a_smaller_shard_size_than_the_one_used():
+    """Few training shards: the advice names a --shard-tokens that gives more files, never one as large as
+    (or larger than) the size just used."""
+    from utils.data.prepare import _warnings
+
+    def advice(shard_tokens: int, shards: int, tokens: int) -> list[str]:
+        description = {"shards": [{"path": f"s{i}.npz", "tokens": 10**6} for i in range(shards)],
+                       "validation": {"shards": [], "tokens": 0}, "tokens": tokens, "shard_tokens": shard_tokens}
+        return [n for n in _warnings(description) if "--shard-tokens" in n]
+
+    assert advice(16_777_216, 2, 20_000_000) and "--shard-tokens 2,500,000" in advice(16_777_216, 2, 20_000_000)[0]
+    assert advice(1024, 3, 9_000) == []  # 9,000 // 8 = 1,125 would be larger than the 1,024 used
+    assert advice(1024, 8, 20_000_000) == []

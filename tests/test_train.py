@@ -99,6 +99,9 @@ def test_run_writes_logs_metrics_tensorboard_and_export(tmp_path, subprocess_env
 
     model = AutoModelForCausalLM.from_pretrained(out / "final_model")
     assert model.config.model_type == "gpt_neox" and model.config.vocab_size == 512
+    # shards without a tokenizer.json (as a streamed dataset prepared elsewhere may be): said, not silent
+    assert not (out / "final_model" / "tokenizer.json").exists()
+    assert re.search(r"no tokenizer\.json in .*final_model has none: AutoTokenizer cannot load it", log_text)
 
 
 def _one_error_line(proc) -> str:

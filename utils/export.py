@@ -9,7 +9,7 @@ from utils.data.build import description_dir
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.checkpoint.format import parse_checkpoint_name
-from utils.model.hf import export_hf, load_checkpoint_model
+from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
 
 
 def export_final_model(model, spec, cfg, state, output_dir: Path, parallel, log) -> tuple[Path | None, bool]:
@@ -21,10 +21,14 @@ def export_final_model(model, spec, cfg, state, output_dir: Path, parallel, log)
         log.error(f"weights differ between ranks after training: {all_sums}")
     if weights is None:
         return None, in_sync
+    tokenizer = ExportTokenizer.find(description_dir(cfg))  # its dataset.json names EOS
+    if tokenizer is None:
+        log.warning(f"no tokenizer.json in {description_dir(cfg)}, so {output_dir / layout.FINAL_MODEL} has none: "
+                    f"AutoTokenizer cannot load it. Export a checkpoint again with scripts/export_hf.py CHECKPOINT "
+                    f"OUT --tokenizer PATH (the tokenizer.json the data was prepared with)")
     with files.write_guard(output_dir / layout.FINAL_MODEL, advice="the checkpoints are intact: export one with "
                            "scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into a folder you may write"):
-        export_dir = export_hf(weights, spec, output_dir / layout.FINAL_MODEL,
-                               tokenizer=description_dir(cfg))  # its dataset.json names EOS
+        export_dir = export_hf(weights, spec, output_dir / layout.FINAL_MODEL, tokenizer=tokenizer)
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
     log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")

@@ -206,10 +206,11 @@ def _warnings(description: dict) -> list[str]:
                      f"{short[0]['path']}: {short[0]['tokens']:,}), the last of a partition holding little text; "
                      f"training refuses a shard shorter than its seq_len: a larger --partition-mb (or corpus) avoids them")
     train_tokens = description["tokens"] - description["validation"]["tokens"]
-    if len(description["shards"]) < MIN_TRAIN_SHARDS and train_tokens >= MIN_TRAIN_SHARDS * 1024:
+    suggested = max(1024, train_tokens // MIN_TRAIN_SHARDS)
+    if len(description["shards"]) < MIN_TRAIN_SHARDS and suggested < description["shard_tokens"]:
         notes.append(f"warning: the training split is {len(description['shards'])} shard file(s); parallel downloads, "
                      f"max_files and val_files work by file, so for {MIN_TRAIN_SHARDS}+ files prepare it again with "
-                     f"--shard-tokens {max(1024, train_tokens // MIN_TRAIN_SHARDS):,} (training works either way)")
+                     f"--shard-tokens {suggested:,} (training works either way)")
     return notes
 
 
