@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.trainkit import load_weights, make_shards, run, train_cmd, train_rows
+from tests.trainkit import load_weights, make_shards, metrics, run, train_cmd, train_rows
 
 COMMON = ("per_device_train_batch_size=4", "gradient_accumulation_steps=2", "max_steps=8", "save_steps=4",
           "dataloader_num_workers=2")
@@ -144,3 +144,18 @@ def test_a_checkpoint_of_the_previous_engine_resumes_exactly(strategy, tmp_path,
         assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-6, step
     a, b = _final_weights(split), _final_weights(straight)
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+
+
+def test_every_row_says_how_many_steps_it_averages_across_a_resume(tmp_path, subprocess_env):
+    """logging_steps=4, a stop at step 6 and a resume to 10: each training row's `window_steps` is the number
+    of steps it averages: 4 at step 4; at step 8 only 7-8 (steps 5-6 were trained before the stop, which
+    writes no row), 2; at the last step 2. The short first window after a resume is never read as a full one."""
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    sets = ("per_device_train_batch_size=2", "max_steps=10", "save_steps=100", "logging_steps=4")
+    run(train_cmd(out, data, *sets, "stop_at_step=6"), subprocess_env)
+    run(train_cmd(out, data, *sets, extra=("--resume", "latest")), subprocess_env)
+    rows = [r for r in metrics(out) if "loss" in r]
+    steps = [r["step"] for r in rows]
+    assert steps == [4, 8, 10], steps
+    assert [r["window_steps"] for r in rows] == [4, 2, 2]

@@ -332,7 +332,8 @@ class MetricsWindow:
         row = {"step": step, "tokens": tokens, "loss": float(losses[applied].mean()), "lr": lr,
                "grad_norm": float(grad_norm),  # the same on every rank: taken after the all-reduce
                "tokens_per_sec": tps, "mfu": mfu(tps, self.flops_per_token, self.peak, self.accelerator.num_processes),
-               "steps_per_sec": n / elapsed, "data_wait_frac": self.data_wait_s / elapsed}
+               "steps_per_sec": n / elapsed, "data_wait_frac": self.data_wait_s / elapsed,
+               "window_steps": n}  # the steps the row's averages cover: fewer than logging_steps after a resume
         if self.skipped:
             row["skipped_steps"] = len(self.skipped)
         row |= self._device_stats()
