@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -410,3 +411,18 @@ def test_make_client_env_key_wins_over_credentials_dir(no_emulator, monkeypatch,
     key = fake_service_account(tmp_path / "explicit.json", project="proj-env")
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
     assert make_client().project == "proj-env"
+
+
+def test_an_outage_line_names_the_host_and_the_reason_not_a_cut_off_client_message():
+    """A refused connection (a real request to a port nothing listens on): the line names the host, port and
+    reason, without urllib3's object reprs or a message cut mid-word; a long other message is cut at a word."""
+    import requests
+
+    from utils.storage import short_error
+
+    with pytest.raises(requests.exceptions.ConnectionError) as refused:
+        requests.get("http://127.0.0.1:9/storage/v1/b/bucket/o/shard?alt=media", timeout=5)
+    line = short_error(refused.value)
+    assert re.fullmatch(r"ConnectionError: no answer from 127\.0\.0\.1:9 \(\[Errno \d+\] Connection refused\)", line), line
+    long = short_error(ValueError("alpha " * 100), limit=100)
+    assert len(long) <= 100 and long.endswith("alpha ...") and "alph ..." not in long

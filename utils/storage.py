@@ -295,9 +295,25 @@ def _retry_call(fn: Callable, what: str, retries: int, base_delay: float):
             attempt += 1
 
 
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-f]+>:?\s*")
+_HOST = re.compile(r"host='([^']+)', port=(\d+)")
+_REASON = re.compile(r"\[Errno -?\d+\] [^'\")]+|Read timed out[^'\")]*|timed out|Connection (?:refused|reset by peer|"
+                     r"aborted)[^'\")]*|Name or service not known|Temporary failure in name resolution|"
+                     r"Remote end closed connection without response")
+
+
 def short_error(exc: BaseException, limit: int = 300) -> str:
-    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    """One readable line for a library error: an HTTP client's retries-exceeded message becomes
+    "no answer from HOST:PORT (REASON)"; anything else loses object reprs and is cut at a word."""
+    text = _OBJECT_REPR.sub("", f"{type(exc).__name__}: {exc}".replace("\n", " "))
+    if "Max retries exceeded" in text or "Caused by" in text:
+        host, reasons = _HOST.search(text), _REASON.findall(text)
+        if host and reasons:
+            return f"{type(exc).__name__}: no answer from {host.group(1)}:{host.group(2)} ({reasons[-1].strip()})"
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit - 4)
+    return text[: cut if cut > limit // 2 else limit - 4] + " ..."
 
 
 def _explain(exc: BaseException, url: str) -> StorageError:
