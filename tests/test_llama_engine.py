@@ -195,3 +195,109 @@ def test_demo_with_the_llama_preset_learns(tmp_path, subprocess_env):
 
     model = AutoModelForCausalLM.from_pretrained(out / "final_model")
     assert model.config.model_type == "llama" and model.config.vocab_size == 2048
+
+
+@pytest.mark.slow
+def test_regional_compile_changes_nothing():
+    x = torch.randint(0, SPEC.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for compiled in (False, True):
+        model = build_model(SPEC, seed=4)
+        if compiled:
+            model.compile_blocks()
+        model(x).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4), name
+
+
+@pytest.mark.slow
+def test_fp8_with_document_attention_trains_a_llama(runs, tmp_path):
+    """torchao's float8 training (emulated on the CPU) converts the Llama's Linear layers, with attention=document."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "fp8"
+    proc = run(train_cmd(out, runs["data"], *LLAMA, "mixed_precision=fp8", "attention=document", "max_steps=2",
+                         "save_steps=2", "preflight_steps=0", "per_device_train_batch_size=2"),
+               runs["env"] | {"NEOX_FP8_EMULATE": "1"})
+    import re
+
+    assert re.search(r"fp8: 14 Linear layers run float8 matmuls", proc.stdout), proc.stdout[-2000:]  # 2 x (4 + 3)
+    assert "attention: document" in proc.stdout
+    assert all(math.isfinite(r["loss"]) for r in train_rows(out).values())
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_engine_before_the_seam_resumes_bitwise(tmp_path, subprocess_env):
+    """A GPT-NeoX run of the engine before the model seam (5d01e6f), stopped at step 2 and resumed by
+    today's: steps 3-4 and the exported weights are bit for bit those of the old engine's uninterrupted run."""
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.trainkit import engine_at
+
+    old = engine_at("5d01e6f", tmp_path / "old-engine")
+    data = make_shards(tmp_path / "data")
+    sets = ["per_device_train_batch_size=4", "save_steps=2"]
+    old_env = dict(subprocess_env, PYTHONPATH=str(old))
+    out, straight = tmp_path / "out", tmp_path / "straight"
+    run([sys.executable, str(old / "train.py")] + train_cmd(out, data, *sets, "max_steps=2")[2:], old_env)
+    proc = run(train_cmd(out, data, *sets, "max_steps=4", extra=("--resume", "latest")), subprocess_env)
+    assert "Resumed from" in proc.stdout and "at step 2" in proc.stdout
+    run([sys.executable, str(old / "train.py")] + train_cmd(straight, data, *sets, "max_steps=4")[2:], old_env)
+    resumed, reference = train_rows(out), train_rows(straight)
+    for step in (3, 4):
+        assert resumed[step]["loss"] == reference[step]["loss"], (step, resumed[step], reference[step])
+    a = load_file(str(out / "final_model" / "model.safetensors"))
+    b = load_file(str(straight / "final_model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_evaluate_py_equals_lm_evaluation_harness_on_an_exported_llama(tmp_path, subprocess_env):
+    """lm-eval's CLI (`--model hf`) and scripts/evaluate.py on the same exported toy Llama: equal acc and
+    acc_norm, each log-likelihood within 1e-4."""
+    import random
+    import sys
+
+    from tests.test_evals import sentence, train_briefly
+    from utils.data.demo import read_stdlib_corpus, train_tokenizer
+    from utils.evals.demo_task import build_next_line_task
+    from utils.model.hf import export_hf
+
+    (tmp_path / "tokenizer").mkdir()
+    tokenizer = train_tokenizer(read_stdlib_corpus(300_000)[1], 512)
+    tokenizer.save(str(tmp_path / "tokenizer" / "tokenizer.json"))
+    spec = replace(get_model_spec("llama-tiny"), max_position_embeddings=128)
+    rng = random.Random(0)
+    model = train_briefly(build_model(spec, seed=0), tokenizer, [sentence(rng, 5, 30) + "." for _ in range(3000)])
+    export_hf(model.state_dict(), spec, tmp_path / "model", tokenizer=tmp_path / "tokenizer")
+    task = tmp_path / "next_line.jsonl"
+    build_next_line_task(task, count=40)
+    yamls = tmp_path / "lm_eval_tasks"
+    yamls.mkdir()
+    (yamls / "next_line.yaml").write_text(
+        f"task: toy_next_line\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {task}\n"
+        f"test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{{{context}}}}\"\ndoc_to_choice: choices\n"
+        f"doc_to_target: gold\ntarget_delimiter: \"\"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    env = subprocess_env | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                            "HF_HOME": str(tmp_path / "hf_home"), "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets")}
+    run([str(Path(sys.executable).parent / "lm_eval"), "run", "--model", "hf", "--model_args",
+         f"pretrained={tmp_path / 'model'},dtype=float32", "--tasks", "toy_next_line", "--include_path", str(yamls),
+         "--device", "cpu", "--batch_size", "16", "--log_samples", "--output_path", str(tmp_path / "lm_eval_out")],
+        env, timeout=600)
+    results = json.loads(next((tmp_path / "lm_eval_out").rglob("results_*.json")).read_text())["results"]
+    rows = sorted((json.loads(line) for line in
+                   next((tmp_path / "lm_eval_out").rglob("samples_toy_next_line_*.jsonl")).read_text().splitlines()),
+                  key=lambda r: r["doc_id"])
+    theirs = [[float(resp[0]) for resp in row["filtered_resps"]] for row in rows]
+    evaluated = run([sys.executable, str(REPO_ROOT / "scripts" / "evaluate.py"), str(tmp_path / "model"), "--json",
+                     "--batch-size", "7", "--samples", str(tmp_path / "samples.jsonl"), f"--task=next_line={task}"],
+                    subprocess_env)
+    ours = json.loads(evaluated.stdout)["next_line"]
+    mine = [json.loads(line)["loglikelihoods"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(mine) == len(theirs) == ours["examples"] == 40
+    worst = max(abs(a - b) for m, t in zip(mine, theirs) for a, b in zip(m, t))
+    assert worst < 1e-4, worst
+    for metric in ("acc", "acc_norm"):
+        assert ours[metric] == results["toy_next_line"][f"{metric},none"], metric

@@ -1,8 +1,8 @@
 """HF weights in and out, in one place, for every model family (utils/model/families.py; each family's
 hf.py holds its config and key adapter both ways).
 
-In: `load_hf_pretrained(DIR)` reads an HF directory of a known family (GPT-NeoX, Llama, Qwen2) on disk (config.json + model.safetensors, or
-a sharded model.safetensors.index.json; older models' pytorch_model.bin, single or sharded, loaded with
+In: `load_hf_pretrained(DIR)` reads an HF directory of a known family (GPT-NeoX, Llama, Qwen2) on disk
+(config.json + model.safetensors, or a sharded model.safetensors.index.json; older models' pytorch_model.bin, single or sharded, loaded with
 `torch.load(weights_only=True)`), e.g. a Pythia or Llama checkpoint, into a ModelSpec and a state dict with
 the engine's names (the family's adapter). Out: `export_hf(state, spec, DIR)` writes through transformers'
 own class of the family (`save_pretrained`), so `AutoModelForCausalLM.from_pretrained(DIR)` loads it;

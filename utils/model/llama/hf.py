@@ -61,7 +61,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         refuse = f"hidden_act {config.get('hidden_act')!r} is not supported (SwiGLU: 'silu')"
     elif qwen and config.get("use_sliding_window"):
         refuse = "use_sliding_window is not supported (full attention only)"
-    elif config.get("head_dim") and int(config["head_dim"]) * int(config["num_attention_heads"]) != int(config["hidden_size"]):
+    elif (config.get("head_dim")
+          and int(config["head_dim"]) * int(config["num_attention_heads"]) != int(config["hidden_size"])):
         refuse = "a head_dim other than hidden_size / num_attention_heads is not supported"
     if refuse:
         raise ConfigError(f"{source}: {refuse}")
@@ -84,7 +85,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
             num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
             rope_scaling=scaling, qkv_bias=qwen)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{source}: not a usable {config.get('model_type')} config ({type(exc).__name__}: {exc})") from None
+        raise ConfigError(f"{source}: not a usable {config.get('model_type')} config "
+                          f"({type(exc).__name__}: {exc})") from None
 
 
 def from_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
