@@ -75,8 +75,8 @@ def resolve_model_path(path: Path) -> tuple[str, Path]:
 
 def load_weights(path: Path):
     """("hf" | "checkpoint", directory, spec, weights with the engine's names) for PATH (resolve_model_path). An
-    HF directory is read by the engine's own loader (safetensors, or torch.load with weights_only; GPT-NeoX
-    only, no auto_map), so nothing in it runs code; its errors name the directory, not a config option."""
+    HF directory is read by the engine's own loader (safetensors, or torch.load with weights_only; a known
+    family only, no auto_map), so nothing in it runs code; its errors name the directory, not a config option."""
     from utils.model.hf import check_weights, load_checkpoint_model, load_hf_pretrained
 
     kind, directory = resolve_model_path(path)

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils.model.gpt_neox import ChunkedLMHeadLoss, chunked_loss_only  # noqa: E402
+from utils.model.layers import ChunkedLMHeadLoss, chunked_loss_only  # noqa: E402
 
 
 def main() -> None:

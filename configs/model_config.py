@@ -12,13 +12,21 @@ from utils.errors import UserError
 LOSS_CHUNK_ROWS = 8192
 
 
+# The model families (utils/model/families.py maps each to its folder under utils/model/).
+FAMILY_NAMES = ("gpt_neox", "llama")
+
+
 class ConfigError(UserError, ValueError):
     """A configuration problem the user can fix; the message says what and how."""
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A GPT-NeoX architecture: everything both implementations (native and transformers') build from."""
+    """An architecture: everything a family's implementations (native and transformers') build from.
+
+    The fields up to `pad_vocab_multiple` are GPT-NeoX's (and those Llama shares: sizes, rotary base,
+    `layer_norm_eps` as the RMSNorm eps, `attention_bias` on q/k/v/o, `hidden_act`, tying); the ones after it
+    are other families' (defaults: GPT-NeoX's), and records of GPT-NeoX runs leave them out (`to_dict`)."""
 
     name: str
     vocab_size: int  # the tokenizer's vocabulary: every token id in the data must be below this
@@ -36,6 +44,32 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     pad_vocab_multiple: int = 128  # embedding rows padded so the LM-head matmul is tensor-core friendly
+    family: str = "gpt_neox"  # FAMILY_NAMES: which folder under utils/model/ builds it
+    num_key_value_heads: int = 0  # grouped-query attention's k/v heads (0: as many as query heads)
+    rope_scaling: tuple = ()  # Llama 3's: (factor, low_freq_factor, high_freq_factor, original_max_positions)
+    qkv_bias: bool = False  # biases on q/k/v only (Qwen2)
+
+    def __post_init__(self):
+        if self.family not in FAMILY_NAMES:
+            raise ConfigError(f"model family '{self.family}' is unknown; use one of {', '.join(FAMILY_NAMES)}")
+        object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling or ()))
+        if self.num_attention_heads % self.kv_heads:
+            raise ConfigError(f"model '{self.name}': num_attention_heads {self.num_attention_heads} is not a "
+                              f"multiple of num_key_value_heads {self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def block_parameters(self) -> int:
+        """Parameters of one transformer block (the memory plan's input, configs/profiles.py)."""
+        h, f, kv = self.hidden_size, self.intermediate_size, self.kv_heads * self.head_dim
+        if self.family == "gpt_neox":  # fused QKV + dense (biases), 2-matrix MLP (biases), 2 LayerNorms
+            return 4 * h * h + 2 * h * f + 9 * h + f
+        # Llama: q, k, v, o; SwiGLU's gate, up, down (no biases); 2 RMSNorms
+        bias = (2 * h + 2 * kv) * self.attention_bias + (h + 2 * kv) * (self.qkv_bias and not self.attention_bias)
+        return 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h + bias
 
     @property
     def padded_vocab_size(self) -> int:
@@ -50,61 +84,25 @@ class ModelSpec:
     def rotary_dims(self) -> int:
         return int(self.head_dim * self.rotary_pct)
 
-    def to_hf_config(self, attn_implementation: str = "sdpa", special_ids: dict | None = None):
-        """transformers' GPTNeoXConfig; `special_ids` ({"bos_token_id", "eos_token_id", "pad_token_id"}) come
-        from the tokenizer the model was trained with (utils/model/hf.py), None where it is unknown."""
-        from transformers import GPTNeoXConfig
-
-        special_ids = special_ids or {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-
-        cfg = GPTNeoXConfig(
-            vocab_size=self.padded_vocab_size, hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            intermediate_size=self.intermediate_size, max_position_embeddings=self.max_position_embeddings,
-            rotary_pct=self.rotary_pct, rotary_emb_base=self.rotary_emb_base,
-            use_parallel_residual=self.use_parallel_residual, layer_norm_eps=self.layer_norm_eps,
-            attention_bias=self.attention_bias, hidden_act=self.hidden_act,
-            tie_word_embeddings=self.tie_word_embeddings, initializer_range=self.initializer_range,
-            hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, **special_ids,
-        )
-        cfg._attn_implementation = attn_implementation
-        return cfg
-
-    @classmethod
-    def from_hf_config(cls, config: dict, name: str, source: str = "config.json") -> "ModelSpec":
-        """A spec from an HF GPT-NeoX config.json (old `rotary_pct`/`rotary_emb_base` keys or transformers 5's
-        `rope_parameters`). The embedding rows are the config's `vocab_size`, kept as they are."""
-        if config.get("model_type") != "gpt_neox":
-            raise ConfigError(f"{source}: model_type is {config.get('model_type')!r}, not 'gpt_neox'; only GPT-NeoX "
-                              f"(e.g. Pythia) model directories are loaded")
-        if config.get("auto_map"):
-            raise ConfigError(f"{source}: names code of its own (auto_map); only transformers' GPT-NeoX is loaded, "
-                              f"and no code from a model directory is run")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ConfigError(f"{source}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                              f"only plain rotary embeddings")
-        try:
-            return cls(
-                name=name, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=int(config["num_attention_heads"]),
-                intermediate_size=int(config["intermediate_size"]),
-                max_position_embeddings=int(config["max_position_embeddings"]),
-                rotary_pct=float(rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25))),
-                rotary_emb_base=float(rope.get("rope_theta", config.get("rotary_emb_base", 10000.0))),
-                use_parallel_residual=bool(config.get("use_parallel_residual", True)),
-                layer_norm_eps=float(config.get("layer_norm_eps", 1e-5)),
-                attention_bias=bool(config.get("attention_bias", True)),
-                hidden_act=str(config.get("hidden_act", "gelu")),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                initializer_range=float(config.get("initializer_range", 0.02)),
-                pad_vocab_multiple=1)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{source}: not a usable GPT-NeoX config ({type(exc).__name__}: {exc})") from None
-
     def to_dict(self) -> dict:
-        return asdict(self) | {"padded_vocab_size": self.padded_vocab_size}
+        """The record checkpoints and run records keep; a GPT-NeoX one is as it always was (no later fields)."""
+        record = asdict(self)
+        if self.family == "gpt_neox":
+            for key in ("family", "num_key_value_heads", "rope_scaling", "qkv_bias"):
+                if record[key] == ModelSpec.__dataclass_fields__[key].default:
+                    record.pop(key)
+        else:
+            record["rope_scaling"] = list(self.rope_scaling)
+        return record | {"padded_vocab_size": self.padded_vocab_size}
+
+
+def _llama(name, vocab, hidden, layers, heads, kv_heads, ffn, positions, theta, eps, **kw) -> ModelSpec:
+    """A Llama-family preset with a published model's shapes (tied embeddings, as all of these have)."""
+    return ModelSpec(name, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=ffn, max_position_embeddings=positions, family="llama",
+                     num_key_value_heads=kv_heads, rotary_pct=1.0, rotary_emb_base=theta, layer_norm_eps=eps,
+                     use_parallel_residual=False, attention_bias=False, hidden_act="silu", tie_word_embeddings=True,
+                     initializer_range=kw.pop("init"), pad_vocab_multiple=1, **kw)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -128,6 +126,28 @@ MODELS: dict[str, ModelSpec] = {
         # Unit and integration tests: seconds per run.
         ModelSpec("tiny", vocab_size=512, hidden_size=64, num_hidden_layers=2,
                   num_attention_heads=4, intermediate_size=256, max_position_embeddings=64),
+        # The Llama family (utils/model/llama/): RMSNorm, SwiGLU, grouped-query attention, rotary on every
+        # dim (Llama 3's frequency scaling where published). Published shapes, no weights: start from a model
+        # you downloaded with init_from (docs/models.md). Embedding rows as published (no padding).
+        *(_llama(name, vocab, h, layers, heads, kv, f, positions, theta, eps, init=init, rope_scaling=scaling,
+                 qkv_bias=qkv_bias)
+          for name, vocab, h, layers, heads, kv, f, positions, theta, eps, init, scaling, qkv_bias in (
+              ("llama-3.2-1b", 128256, 2048, 16, 32, 8, 8192, 131072, 500000.0, 1e-5, 0.02, (32.0, 1.0, 4.0, 8192),
+               False),
+              ("smollm2-135m", 49152, 576, 30, 9, 3, 1536, 8192, 100000.0, 1e-5, 0.041666666666666664, (), False),
+              ("smollm2-360m", 49152, 960, 32, 15, 5, 2560, 8192, 100000.0, 1e-5, 0.02, (), False),
+              ("smollm2-1.7b", 49152, 2048, 24, 32, 32, 8192, 8192, 130000.0, 1e-5, 0.02, (), False),
+              ("qwen2.5-0.5b", 151936, 896, 24, 14, 2, 4864, 32768, 1000000.0, 1e-6, 0.02, (), True),
+              ("qwen2.5-1.5b", 151936, 1536, 28, 12, 2, 8960, 131072, 1000000.0, 1e-6, 0.02, (), True))),
+        # The Llama-family CPU demo (--set model=llama-demo) and its unit-test size: GQA, tied embeddings.
+        ModelSpec("llama-demo", vocab_size=2048, hidden_size=192, num_hidden_layers=4, num_attention_heads=6,
+                  intermediate_size=512, max_position_embeddings=128, family="llama", num_key_value_heads=2,
+                  rotary_pct=1.0, use_parallel_residual=False, attention_bias=False, hidden_act="silu",
+                  tie_word_embeddings=True),
+        ModelSpec("llama-tiny", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=64, family="llama", num_key_value_heads=2,
+                  rotary_pct=1.0, use_parallel_residual=False, attention_bias=False, hidden_act="silu",
+                  tie_word_embeddings=True),
         # Framework-overhead benchmark: so small that anything but the math shows.
         ModelSpec("micro", vocab_size=256, hidden_size=32, num_hidden_layers=1,
                   num_attention_heads=2, intermediate_size=64, max_position_embeddings=32),

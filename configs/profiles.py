@@ -94,7 +94,7 @@ def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, 
                 moments: str = "fp32") -> MemoryPlan:
     s, h, layers = seq_len or spec.max_position_embeddings, spec.hidden_size, spec.num_hidden_layers
     embed = spec.padded_vocab_size * h
-    block = 4 * h * h + 2 * h * spec.intermediate_size + 9 * h + spec.intermediate_size
+    block = spec.block_parameters  # the family's formula (configs/model_config.py)
     params = layers * block + 2 * h + embed * (1 if spec.tie_word_embeddings else 2)
     shards = world_size if strategy == "fsdp" else 1
     activations = activation_bytes(checkpointing, layers, s * micro_batch, h, checkpointing_every)

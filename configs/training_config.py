@@ -27,7 +27,7 @@ OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 STRATEGIES = ("ddp", "fsdp")  # utils/parallel.py: one class each
 # utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
-ATTENTION = ("causal", "document")  # utils/model/gpt_neox.py: use_document_masking
+ATTENTION = ("causal", "document")  # utils/model/layers.py: use_document_masking
 SPIKE_GUARDS = ("off", "warn", "skip", "rollback")  # utils/spike_guard.py says what each does
 LR_SCHEDULES = tuple(SCHEDULES)  # utils/schedules.py: the registry
 DECAY_SHAPES = tuple(SCHEDULE_DECAY_SHAPES)
@@ -97,8 +97,10 @@ class TrainingConfig:
 
     preset: str = _field("custom", "the preset (or config file) this config started from")
     model: str = _field("gpt-neox-1.2b", "architecture by name (configs/model_config.py); ignored with init_from")
-    model_impl: str = _field("native", "native: the project's GPT-NeoX; hf: transformers' GPTNeoXForCausalLM")
-    init_from: str = _field("", "an HF GPT-NeoX directory (config.json + safetensors): start from its weights")
+    model_impl: str = _field("native", "native: the project's model of the family; hf: transformers' class "
+                                       "(GPTNeoXForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM)")
+    init_from: str = _field("", "an HF directory of a known family (GPT-NeoX, Llama, Qwen2: config.json + "
+                                "safetensors): start from its weights")
     seq_len: int = _field(0, "tokens per training sequence; 0: the model's max_position_embeddings", "[0, inf)")
     # data
     data_dir: str = _field("data/training", "local shard directory, or gs://BUCKET/PREFIX of a prepared dataset to "

@@ -5,11 +5,11 @@
     python scripts/evaluate.py checkpoints/checkpoint-epoch0-step400-files20 --task next_line.jsonl --json
     python scripts/evaluate.py . --task a.jsonl --task b.jsonl          # a run's newest checkpoint
 
-PATH: final_model/ or any HF GPT-NeoX directory, an engine checkpoint (sharded FSDP ones too, reassembled
+PATH: final_model/ or any HF directory of a known family (GPT-NeoX, Llama, Qwen2), an engine checkpoint (sharded FSDP ones too, reassembled
 here), or a run's output directory (its newest complete checkpoint). `--task FILE` or `--task NAME=FILE`
 (repeatable): the layouts of utils/evals/tasks.py (HellaSwag, PIQA, ARC, LAMBADA as published, or the plain
 multiple_choice and cloze ones). The tokenizer is the one saved with PATH, or `--tokenizer`. The model is
-the engine's own GPT-NeoX in fp32; the numbers equal the loop's for the same weights and lm-eval's
+the engine's own model of its family in fp32; the numbers equal the loop's for the same weights and lm-eval's
 (`--model hf`) on the exported model. stdout holds the table (`--json`: one JSON object {task: {layout,
 examples, metric: value, ...}}); everything else goes to stderr. `--samples FILE` writes every example's
 log-likelihoods, as lm-eval's `--log_samples` does. Exit status: 0 done, 2 bad input.
@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_model(path: Path):
-    """(the engine's GPT-NeoX holding PATH's weights, in eval mode, its spec, the directory it came from)."""
+    """(the engine's model holding PATH's weights, in eval mode, its spec, the directory it came from)."""
     import torch
 
     from generate import load_weights
@@ -54,8 +54,7 @@ def load_model(path: Path):
     with torch.device("meta"):  # no time spent initialising weights that are replaced at once
         model = build_model(spec, seed=0)
     model.load_state_dict(weights, strict=not spec.tie_word_embeddings, assign=True)
-    if spec.tie_word_embeddings:
-        model.lm_head.weight = model.gpt_neox.embed_in.weight
+    model.tie_weights()
     model.reset_buffers()
     print(f"evaluate: {kind} {directory}", file=sys.stderr)
     return model.float().eval(), spec, directory

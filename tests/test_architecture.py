@@ -4,6 +4,7 @@ stays the loop and its assembly, and each registry is where the config's choices
 from __future__ import annotations
 
 import ast
+import os
 import inspect
 import re
 
@@ -133,3 +134,46 @@ def test_trackers_and_the_report_to_choices_are_one_registry():
     from utils.trackers import TRACKERS
 
     assert REPORT_TO == (*TRACKERS, "none")
+
+
+# Each model family's module attributes (utils/model/<family>/): only its own folder may name them; the rest
+# of the engine goes through the model's interface (utils/model/layers.py CausalLM) and the family registry.
+FAMILY_ATTRIBUTES = {
+    "gpt_neox": r"(?<!utils\.model)\.gpt_neox\b|\bembed_in\b|\bembed_out\b|\bfinal_layer_norm\b|\bquery_key_value\b"
+                r"|\bdense_h_to_4h\b|\bdense_4h_to_h\b",
+    "llama": r"\bembed_tokens\b|(?<!utils)\.model\.(layers|norm|embed_tokens)\b|\b[qkvo]_proj\b|\b(gate|up|down)_proj\b"
+             r"|\bself_attn\b",
+}
+
+
+def family_attribute_uses(paths) -> list[str]:
+    """'file:line: family' for every line outside a family's folder that names that family's attributes."""
+    found = []
+    for path in paths:
+        rel = path.relative_to(REPO_ROOT).as_posix()
+        for family, pattern in FAMILY_ATTRIBUTES.items():
+            if rel.startswith(f"utils/model/{family}/"):
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if re.search(pattern, code):
+                    found.append(f"{rel}:{number}: names {family}'s attributes: {line.strip()}")
+    return found
+
+
+def engine_sources():
+    skip = ("tests", ".venv", "benchmarks")
+    return [p for p in REPO_ROOT.rglob("*.py") if p.relative_to(REPO_ROOT).parts[0] not in skip
+            and not any(part.startswith(".") for part in p.relative_to(REPO_ROOT).parts)]
+
+
+def test_no_code_outside_a_family_folder_names_its_attributes(tmp_path):
+    assert family_attribute_uses(engine_sources()) == []
+    # the check catches one: a file outside the folders reaching into each family
+    intruder = REPO_ROOT / "utils" / f"_intruder_{os.getpid()}.py"
+    intruder.write_text("def f(model):\n    return model.gpt_neox.embed_in, model.model.embed_tokens\n")
+    try:
+        found = family_attribute_uses([intruder])
+    finally:
+        intruder.unlink()
+    assert len(found) == 2 and "gpt_neox" in found[0] and "llama" in found[1], found

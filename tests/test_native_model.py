@@ -16,7 +16,7 @@ from configs.model_config import ConfigError, ModelSpec
 from tests.trainkit import REPO_ROOT, engine_at, make_shards, metrics, run, train_cmd, train_rows
 from utils.checkpoint.format import list_checkpoints
 from utils.model import build_model
-from utils.model import gpt_neox
+from utils.model import gpt_neox, layers
 from utils.model.hf import export_hf, load_hf_pretrained, to_transformers
 
 BASE = ModelSpec("toy", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -57,7 +57,7 @@ def test_native_equals_transformers_logits_loss_and_gradients(variant):
 
 def test_chunked_loss_equals_the_plain_one(monkeypatch):
     """Several chunks (and a ragged last one) give the same loss and gradients as full logits."""
-    monkeypatch.setattr(gpt_neox, "LOSS_CHUNK_ROWS", 7)
+    monkeypatch.setattr(layers, "LOSS_CHUNK_ROWS", 7)  # the chunked loss every family shares
     model = build_model(BASE, seed=3)
     x = ids(batch=2, length=20)
     loss = model(x)
@@ -132,10 +132,10 @@ def test_load_hf_pretrained_takes_both_head_names_and_refuses_others(tmp_path):
     assert loaded_spec.padded_vocab_size == 300 and loaded_spec.name == "b"
 
     config = json.loads((tmp_path / "a" / "config.json").read_text())
-    (tmp_path / "llama").mkdir()
-    (tmp_path / "llama" / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
-    with pytest.raises(ConfigError, match=r"llama.*config.json: model_type is 'llama', not 'gpt_neox'"):
-        load_hf_pretrained(tmp_path / "llama")
+    (tmp_path / "mamba").mkdir()
+    (tmp_path / "mamba" / "config.json").write_text(json.dumps(config | {"model_type": "mamba"}))
+    with pytest.raises(ConfigError, match=r"mamba.*config.json: model_type is 'mamba'; the engine loads"):
+        load_hf_pretrained(tmp_path / "mamba")
     with pytest.raises(ConfigError, match="no config.json there"):
         load_hf_pretrained(tmp_path / "nowhere")
 

@@ -493,9 +493,10 @@ def crafted_sharded_checkpoint(root: Path) -> Path:
 def tool_cases(tmp: Path) -> list[tuple[str, list]]:
     """Issue 26's inputs to generate.py, export_hf.py, plot_run.py and prepare_data.py's tokenizer."""
     from configs import get_model_spec
+    from utils.model.families import family
 
-    config = get_model_spec("tiny").to_hf_config().to_dict()
-    for name, extra, weights in (("hf-truncated", {}, b"\x08\x00\x00"), ("hf-llama", {"model_type": "llama"}, b""),
+    config = family("gpt_neox").hf_config(get_model_spec("tiny")).to_dict()
+    for name, extra, weights in (("hf-truncated", {}, b"\x08\x00\x00"), ("hf-mamba", {"model_type": "mamba"}, b""),
                                  ("hf-auto-map", {"auto_map": {"AutoModel": "m.M"}}, b""),
                                  ("hf-no-weights", {}, None)):
         (tmp / name).mkdir()
@@ -513,7 +514,7 @@ def tool_cases(tmp: Path) -> list[tuple[str, list]]:
         ("generate: --top-k -1", generate + ["--top-k", "-1"]),
         ("generate: --device tpu", generate + ["--device", "tpu"]),
         *((f"generate: {name}", [py, "generate.py", str(tmp / name), "--prompt", "x"])
-          for name in ("hf-truncated", "hf-auto-map", "hf-llama", "hf-no-weights")),
+          for name in ("hf-truncated", "hf-auto-map", "hf-mamba", "hf-no-weights")),
         ("export: a malformed --tokenizer", [py, "scripts/export_hf.py", str(tmp / "not_a_checkpoint"),
                                               str(tmp / "e2"), "--tokenizer", str(tmp / "a_file")]),
         ("plot_run: -o plot.txt", [py, "scripts/plot_run.py", str(tmp / "run"), "-o", str(tmp / "plot.txt")]),

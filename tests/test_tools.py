@@ -173,10 +173,10 @@ def bad_hf_dir(root: Path, tmp: Path, what: str) -> Path:
     elif what == "unsafe-bin":
         (d / "model.safetensors").unlink()
         torch.save({"w": Path("not a tensor")}, d / "pytorch_model.bin")
-    elif what in ("llama", "auto-map"):
+    elif what in ("mamba", "auto-map"):
         config = json.loads((d / "config.json").read_text())
-        if what == "llama":
-            config["model_type"] = "llama"
+        if what == "mamba":
+            config["model_type"] = "mamba"
         else:
             config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.Evil"}
             (d / "modeling_evil.py").write_text(f"open({str(tmp / 'ran')!r}, 'w')\nclass Evil: pass\n")
@@ -188,7 +188,7 @@ def bad_hf_dir(root: Path, tmp: Path, what: str) -> Path:
     ("truncated", r"model.safetensors: cannot read it"),
     ("no-weights", r"no-weights: no weights \(model.safetensors, pytorch_model.bin"),
     ("unsafe-bin", r"pytorch_model.bin: cannot read it \(it holds more than tensors"),
-    ("llama", r"config.json: model_type is 'llama', not 'gpt_neox'"),
+    ("mamba", r"config.json: model_type is 'mamba'; the engine loads 'gpt_neox', 'llama', 'qwen2' model directories"),
     ("auto-map", r"config.json: names code of its own \(auto_map\)"),
 ])
 def test_a_bad_hf_directory_is_one_line_and_runs_no_code(tools, tmp_path, capsys, what, says):

@@ -1,9 +1,11 @@
 """The model the loop trains: `build_model(spec, seed, impl)` -> a module whose forward(input_ids) is the loss.
 
-Two implementations of the same GPT-NeoX: `native` (utils/model/gpt_neox.py, the default: faster) and `hf`
-(transformers' GPTNeoXForCausalLM, the reference). Both have HF's parameter names (no wrapper prefix) in
-HF's order, so their state dicts and optimizer states are interchangeable, and both offer
-`flops_per_token(seq_len)`, `parameter_counts()` and `compile_blocks()`.
+A model comes from its family (`spec.family`; utils/model/families.py: one folder per family under
+utils/model/). Each family has two implementations of the same model: `native` (its model.py, the
+default: faster) and `hf` (transformers' class, the reference). Both have HF's parameter names (no wrapper
+prefix) in HF's order, so their state dicts and optimizer states are interchangeable, and both offer the
+engine's interface (utils/model/layers.py CausalLM: `blocks()`, `input_embedding()`, `output_units()`,
+`flops_per_token(seq_len)`, `parameter_counts()`, `compile_blocks()`).
 
 The loss is computed inside the module, not by the loop: under DDP, gradient-sync hooks fire only for the
 wrapped module's own forward.
@@ -11,7 +13,6 @@ wrapped module's own forward.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from configs.model_config import ConfigError, ModelSpec
@@ -20,47 +21,22 @@ from configs.training_config import MODEL_IMPLS
 
 def build_model(spec: ModelSpec, seed: int, impl: str = "native") -> nn.Module:
     """A freshly initialised model; the same seed gives the same weights on every rank."""
+    from utils.model.families import family_of
+
     if impl not in MODEL_IMPLS:
         raise ConfigError(f"model_impl='{impl}' is not valid; use one of {', '.join(MODEL_IMPLS)}")
+    fam = family_of(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if impl == "native":
-            from utils.model.gpt_neox import GPTNeoX
-
-            return GPTNeoX(spec)
-        model = hf_model_class()(spec.to_hf_config(attn_implementation="sdpa"))
+            return fam.native_model(spec)
+        model = fam.hf_model_class()(fam.hf_config(spec, attn_implementation="sdpa"))
     model.spec = spec
     return model
 
 
-def hf_model_class():
-    """transformers' GPTNeoXForCausalLM with the engine's interface (imported only when asked for)."""
-    global _HFGPTNeoX
-    if _HFGPTNeoX is not None:
-        return _HFGPTNeoX
-    from transformers import GPTNeoXForCausalLM
+def hf_model_class(spec: ModelSpec | None = None):
+    """transformers' class of `spec`'s family (default GPT-NeoX) with the engine's interface."""
+    from utils.model.families import family, family_of
 
-    from utils.model.gpt_neox import FlopsMixin
-
-    class HFGPTNeoX(FlopsMixin, GPTNeoXForCausalLM):
-        """`forward(input_ids) -> loss`: the LM head on every position but the last, cross-entropy in fp32
-        (for a stable log-softmax under bf16/fp16 autocast)."""
-
-        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-            hidden = self.gpt_neox(input_ids=input_ids).last_hidden_state
-            logits = self.lm_head(hidden[:, :-1])
-            return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
-
-        def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-            return self.lm_head(self.gpt_neox(input_ids=input_ids).last_hidden_state)
-
-        def compile_blocks(self) -> None:
-            for layer in self.gpt_neox.layers:
-                layer.compile()
-
-
-    _HFGPTNeoX = HFGPTNeoX
-    return HFGPTNeoX
-
-
-_HFGPTNeoX = None
+    return (family_of(spec) if spec is not None else family("gpt_neox")).hf_model_class()

@@ -15,7 +15,7 @@
 Blocks are wrapped with torch's `checkpoint_wrapper` (non-reentrant `torch.utils.checkpoint`). The wrapper
 adds `_checkpoint_wrapped_module.` to parameter names; state dicts (its own hooks) and DCP (its FQN
 resolution) drop it, and `parameter_fqn` does the same for code that names parameters itself. Recomputation
-is exact (no dropout in GPT-NeoX training), so every policy gives the gradients of `none`.
+is exact (no dropout in training, any family), so every policy gives the gradients of `none`.
 `saved_activation_bytes` measures what a policy keeps alive between forward and backward, on any device.
 """
 from __future__ import annotations
@@ -57,14 +57,14 @@ def _selective_context():
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: str, every: int = 2) -> int:
-    """Wraps `model.gpt_neox.layers` in place by `policy`; returns how many blocks are checkpointed."""
+    """Wraps the model's blocks (`model.blocks()`) in place by `policy`; returns how many are checkpointed."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     if policy not in POLICIES:
         raise ValueError(f"activation checkpointing policy '{policy}': use one of {', '.join(POLICIES)}")
     if policy == "none":
         return 0
-    layers = model.gpt_neox.layers
+    layers = model.blocks()
     wrapped = 0
     for i, block in enumerate(layers):
         if policy == "every_k" and i % every:

@@ -1,7 +1,7 @@
 """`mixed_precision=fp8`: float8 matmuls through torchao's float8 training, on Hopper/Ada GPUs.
 
 Every nn.Linear becomes a torchao Float8Linear with dynamic tensorwise scaling, except the LM head (its
-loss is computed from the weight directly, in bf16: utils/model/gpt_neox.py) and any Linear whose
+loss is computed from the weight directly, in bf16: utils/model/layers.py) and any Linear whose
 dimensions are not multiples of 16 (float8 matmuls need them). The weights stay plain fp32 parameters
 with the same names, so checkpoints, resume, export, and switching between bf16 and fp8 on resume all
 work unchanged. Everything else runs under bf16 autocast.

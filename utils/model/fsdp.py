@@ -1,4 +1,4 @@
-"""`strategy=fsdp`: the native GPT-NeoX sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+"""`strategy=fsdp`: the native model (any family) sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
 Units, as torchtitan lays them out: one per transformer block, the input embedding, the final norm together
 with the LM head (not resharded after forward: backward needs them at once), then the root (the rest: the
@@ -57,12 +57,11 @@ def shard_model(model: nn.Module, mesh, precision: str) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(precision)}
-    trunk = model.gpt_neox
-    for block in trunk.layers:
+    for block in model.blocks():  # the model's interface (utils/model/layers.py), whatever its family
         fully_shard(block, **kwargs)
     if not model.spec.tie_word_embeddings:  # a tied head shares its weight with the embedding: both stay in the root
-        fully_shard(trunk.embed_in, **kwargs)
-        fully_shard([trunk.final_layer_norm, model.lm_head], reshard_after_forward=False, **kwargs)
+        fully_shard(model.input_embedding(), **kwargs)
+        fully_shard(model.output_units(), reshard_after_forward=False, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

@@ -1,21 +1,16 @@
-"""HF GPT-NeoX weights in and out, in one place.
+"""HF weights in and out, in one place, for every model family (utils/model/families.py; each family's
+hf.py holds its config and key adapter both ways).
 
-In: `load_hf_pretrained(DIR)` reads an HF GPT-NeoX directory on disk (config.json + model.safetensors, or
-a sharded model.safetensors.index.json; older models' pytorch_model.bin, single or sharded, loaded with
-`torch.load(weights_only=True)`), e.g. a Pythia checkpoint, into a ModelSpec and a state dict with
-the engine's names. Out: `export_hf(state, spec, DIR)` writes through transformers' own GPTNeoXForCausalLM
-(`save_pretrained`), so `AutoModelForCausalLM.from_pretrained(DIR)` loads it; `scripts/export_hf.py`
-does it for any engine checkpoint.
-
-Names: the engine's parameters are transformers' in-memory names (`gpt_neox.*`, `lm_head.weight`). GPT-NeoX
-files on disk have called the head `embed_out` (transformers writes that name) and `lm_head`: both are read.
-Buffers older files carry (`attention.bias`, `attention.masked_bias`, `rotary_emb.inv_freq`) are not weights
-and are dropped.
+In: `load_hf_pretrained(DIR)` reads an HF directory of a known family (GPT-NeoX, Llama, Qwen2) on disk
+(config.json + model.safetensors, or a sharded model.safetensors.index.json; older models' pytorch_model.bin, single or sharded, loaded with
+`torch.load(weights_only=True)`), e.g. a Pythia or Llama checkpoint, into a ModelSpec and a state dict with
+the engine's names (the family's adapter). Out: `export_hf(state, spec, DIR)` writes through transformers'
+own class of the family (`save_pretrained`), so `AutoModelForCausalLM.from_pretrained(DIR)` loads it;
+`scripts/export_hf.py` does it for any engine checkpoint.
 """
 from __future__ import annotations
 
 import json
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,16 +22,15 @@ from utils import files
 from utils.data.tokenizer import TokenizerError
 
 EXPORT_SHARD_SIZE = "5GB"  # larger exports are sharded safetensors with an index json, as transformers writes them
-_NOT_WEIGHTS = re.compile(r"(attention\.(bias|masked_bias)|rotary_emb\.inv_freq)$")
 
 
 class HFLoadError(ConfigError):
-    """An HF directory (init_from, generate.py's PATH) that is not a usable GPT-NeoX model; the message names
+    """An HF directory (init_from, generate.py's PATH) that is not a usable model; the message names
     the file."""
 
 
 def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """(architecture, weights with the engine's names) from an HF GPT-NeoX directory; errors name `option`
+    """(architecture, weights with the engine's names) from an HF model directory; errors name `option`
     (what the user gave the directory as: init_from, or nothing for generate.py's PATH) and the file."""
     import pickle
 
@@ -52,7 +46,7 @@ def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec,
                           f"(config.json + model.safetensors)") from None
     except (OSError, ValueError) as exc:
         raise HFLoadError(f"{where}{config_path}: cannot read it ({exc})") from None
-    spec = ModelSpec.from_hf_config(config, name=directory.name, source=str(config_path))
+    spec = spec_from_hf_config(config, name=directory.name, source=str(config_path))
     state = {}
     for shard in _weight_files(directory, where):
         try:
@@ -65,7 +59,26 @@ def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec,
                               f"run code; convert it to model.safetensors where you trust it)") from None
         except Exception as exc:  # safetensors / torch raise their own error types for truncated or foreign files
             raise HFLoadError(f"{where}{shard}: cannot read it ({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
-    return spec, engine_names(state)
+    return spec, family_of(spec).from_hf_state(state)
+
+
+def spec_from_hf_config(config: dict, name: str, source: str = "config.json") -> ModelSpec:
+    """The architecture of an HF config.json, read by the family that claims its `model_type`."""
+    from utils.model.families import family_for_hf_config
+
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: not a JSON object")
+    fam = family_for_hf_config(config, source)
+    if config.get("auto_map"):
+        raise ConfigError(f"{source}: names code of its own (auto_map); only transformers' own model classes are "
+                          f"loaded, and no code from a model directory is run")
+    return fam.spec_from_hf_config(config, name, source)
+
+
+def family_of(spec: ModelSpec):
+    from utils.model.families import family_of as _family_of
+
+    return _family_of(spec)
 
 
 def _weight_files(directory: Path, where: str) -> list[Path]:
@@ -90,12 +103,11 @@ def _weight_files(directory: Path, where: str) -> list[Path]:
                       f"index .json; found {', '.join(other[:5])}); give a complete HF model directory")
 
 
-def engine_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An HF GPT-NeoX state dict (either head name, buffers or not) -> the engine's parameter names."""
-    out = {k: v for k, v in state.items() if not _NOT_WEIGHTS.search(k)}
-    if "embed_out.weight" in out:
-        out["lm_head.weight"] = out.pop("embed_out.weight")
-    return out
+def engine_names(state: dict[str, torch.Tensor], spec: ModelSpec | None = None) -> dict[str, torch.Tensor]:
+    """An HF state dict of `spec`'s family (default GPT-NeoX) -> the engine's parameter names."""
+    from utils.model.families import family
+
+    return (family_of(spec) if spec is not None else family("gpt_neox")).from_hf_state(state)
 
 
 def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source, option: str = "init_from") -> None:
@@ -118,15 +130,14 @@ def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source, optio
 
 
 def to_transformers(state: dict[str, torch.Tensor], spec: ModelSpec, special_ids: dict | None = None):
-    """transformers' own GPTNeoXForCausalLM holding `state` (loaded strictly)."""
-    from transformers import GPTNeoXForCausalLM
-    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
-
-    config = spec.to_hf_config(special_ids=special_ids)
+    """transformers' own model class of `spec`'s family holding `state` (loaded strictly)."""
+    fam = family_of(spec)
+    config = fam.hf_config(spec, special_ids=special_ids)
     with torch.device("meta"):  # no time spent initialising weights that are replaced at once
-        model = GPTNeoXForCausalLM(config)
-    model.load_state_dict(engine_names(state), strict=not spec.tie_word_embeddings, assign=True)
-    model.gpt_neox.rotary_emb = GPTNeoXRotaryEmbedding(config)  # its buffers are not in any state dict
+        model = fam.causal_lm_class(spec)(config)
+    hf_state = fam.to_hf_state(fam.from_hf_state(state))
+    model.load_state_dict(hf_state, strict=not spec.tie_word_embeddings, assign=True)
+    fam.finish_transformers(model, config)  # rotary buffers are not in any state dict
     if spec.tie_word_embeddings:
         model.tie_weights()
     return model

@@ -1,18 +1,13 @@
-"""GPT-NeoX in plain PyTorch: the model the engine trains by default (`model_impl=native`).
+"""What every model family shares: rotary helpers, document masking (`attention=document`), the chunked
+LM-head loss, and `CausalLM`, the small interface through which the rest of the engine sees a model.
 
-The same math as transformers' `GPTNeoXForCausalLM` (checked at toy size against it, both ways, in
-tests/test_native_model.py) for every GPT-NeoX / Pythia configuration: partial rotary embeddings with any
-base, parallel or sequential residual, LayerNorm eps, biases on or off, untied (or tied) head, padded
-vocabulary. Parameter names, their order and the fused per-head QKV layout are transformers' own, so a
-checkpoint of either implementation (optimizer state included) loads into the other unchanged, and HF
-weights come in and go out with a key copy (utils/model/hf.py).
-
-Faster than transformers' class because it does less around the same matmuls: rotary from cos/sin tables
-computed once, `scaled_dot_product_attention(is_causal=True)` without a mask tensor, no output objects or
-cache plumbing, and a loss that never materialises the [tokens, vocab] fp32 logits (`ChunkedLMHeadLoss`).
-`compile_blocks()` compiles the transformer block once for all layers (regional compile). Activation
-checkpointing is not the model's concern: a policy wraps its blocks from outside
-(utils/model/activation_checkpointing.py).
+The engine (activation checkpointing, regional compile, FSDP, fp8, the loop, evaluation, export) reaches a
+model only through `CausalLM`'s methods: `blocks()` (the ModuleList of transformer blocks that checkpointing,
+compile and FSDP wrap), `input_embedding()`, `output_units()` (final norm and LM head, one FSDP unit),
+`tie_weights()`, `forward(input_ids) -> loss` (the chunked loss), `logits(input_ids)`, `flops_per_token`,
+`parameter_counts`, `compile_blocks`, `reset_buffers`, `use_document_masking`. Each family's folder
+(utils/model/<family>/) implements it; nothing outside that folder names a family's module attributes
+(tests/test_architecture.py checks).
 """
 from __future__ import annotations
 
@@ -20,23 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs.model_config import LOSS_CHUNK_ROWS, ConfigError, ModelSpec
-
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
+from configs.model_config import LOSS_CHUNK_ROWS
 
 
-def rotary_tables(spec: ModelSpec, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position x rotary frequency, [positions, rotary_dims] (fp32), as HF computes them."""
-    dims = spec.rotary_dims
-    inv_freq = 1.0 / (spec.rotary_emb_base ** (torch.arange(0, dims, 2, dtype=torch.float) / dims))
-    freqs = torch.outer(torch.arange(positions, dtype=torch.float), inv_freq)
+def rotary_inv_freq(dims: int, base: float) -> torch.Tensor:
+    """The plain rotary inverse frequencies of `dims` rotated dims (fp32), as transformers computes them."""
+    return 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
+
+
+def rotary_tables_from(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position x rotary frequency, [positions, 2 * len(inv_freq)] (fp32)."""
+    freqs = torch.arange(positions, dtype=torch.float)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
@@ -50,26 +39,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
 
 
-class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
-        super().__init__()
-        self.heads, self.head_dim = spec.num_attention_heads, spec.head_dim
-        self.query_key_value = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=spec.attention_bias)
-        self.dense = nn.Linear(spec.hidden_size, spec.hidden_size, bias=spec.attention_bias)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
-        """`mask`: None (causal), a boolean [B, 1, T, T] tensor (True: may attend) or a FlexAttention BlockMask."""
-        B, T, C = x.shape
-        # HF's fused layout: per head, [q | k | v] of head_dim each
-        q, k, v = self.query_key_value(x).view(B, T, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        q, k = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif isinstance(mask, torch.Tensor):
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            y = _flex_attention()(q, k, v, block_mask=mask)
-        return self.dense(y.transpose(1, 2).reshape(B, T, C))
 
 
 def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -113,45 +82,6 @@ def _flex_attention():
 
         _FLEX = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
     return _FLEX
-
-
-class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
-        super().__init__()
-        self.dense_h_to_4h = nn.Linear(spec.hidden_size, spec.intermediate_size)
-        self.dense_4h_to_h = nn.Linear(spec.intermediate_size, spec.hidden_size)
-        self.act = ACTIVATIONS[spec.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, spec: ModelSpec):
-        super().__init__()
-        self.parallel = spec.use_parallel_residual
-        # registration order = HF's parameter order
-        self.input_layernorm = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
-        self.attention = Attention(spec)
-        self.mlp = MLP(spec)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
-        attn = self.attention(self.input_layernorm(x), cos, sin, mask)
-        if self.parallel:
-            return x + attn + self.mlp(self.post_attention_layernorm(x))
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class _Trunk(nn.Module):
-    """HF's `gpt_neox` submodule: embeddings, blocks, final norm (the names its weights live under)."""
-
-    def __init__(self, spec: ModelSpec):
-        super().__init__()
-        self.embed_in = nn.Embedding(spec.padded_vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_hidden_layers))
-        self.final_layer_norm = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
 
 
 class ChunkedLMHeadLoss(torch.autograd.Function):
@@ -219,13 +149,15 @@ def chunked_loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     return total / hidden.shape[0]
 
 
+
+
 class FlopsMixin:
-    """FLOPs and parameter counts of a GPT-NeoX with `spec` and a `gpt_neox.embed_in` (both implementations)."""
+    """FLOPs and parameter counts of any family's model (it has `spec` and `input_embedding()`)."""
 
     def parameter_counts(self) -> tuple[int, int]:
         """(all parameters, those doing matmul work: all but the input embedding lookup table)."""
         total = sum(p.numel() for p in self.parameters())
-        return total, total - self.gpt_neox.embed_in.weight.numel() * (not self.spec.tie_word_embeddings)
+        return total, total - self.input_embedding().weight.numel() * (not self.spec.tie_word_embeddings)
 
     def flops_per_token(self, seq_len: int) -> float:
         """PaLM's training FLOPs per token: 6N + 12·L·H·Q·T (N matmul parameters, L layers, H heads,
@@ -234,56 +166,63 @@ class FlopsMixin:
         return 6.0 * self.parameter_counts()[1] + 12.0 * s.num_hidden_layers * s.num_attention_heads * s.head_dim * seq_len
 
 
-class GPTNeoX(FlopsMixin, nn.Module):
-    """`forward(input_ids) -> loss`: mean next-token cross-entropy over every position but the last."""
+class CausalLM(FlopsMixin, nn.Module):
+    """The engine's view of a native model. A family sets `trunk_name` and implements `_embed`, `_norm`,
+    `_layers` and `init_weights`; rotary tables are `rotary_cos`/`rotary_sin` buffers (never saved), built by
+    `rotary_tables()` (the family's)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec):
         super().__init__()
-        if spec.hidden_act not in ACTIVATIONS:
-            raise ConfigError(f"hidden_act '{spec.hidden_act}' is not supported by the native model; use one of "
-                              f"{', '.join(ACTIVATIONS)}, or model_impl=hf")
         self.spec = spec
         self.document_eos: int | None = None  # use_document_masking
         self.position_reset = False
         self.flex_attention = False
-        self.gpt_neox = _Trunk(spec)
-        self.lm_head = LMHead(spec.hidden_size, spec.padded_vocab_size, bias=False)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.gpt_neox.embed_in.weight
-        self.register_buffer("rotary_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rotary_sin", torch.empty(0), persistent=False)
-        self.register_load_state_dict_pre_hook(_accept_embed_out)
-        self.reset_parameters()
+
+    # --- the family fills these in
+    def blocks(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def input_embedding(self) -> nn.Embedding:
+        raise NotImplementedError
+
+    def final_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def rotary_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def init_weights(self) -> None:
+        raise NotImplementedError
+
+    # --- shared
+    def output_units(self) -> list[nn.Module]:
+        """What FSDP shards together after the blocks: the final norm and the LM head."""
+        return [self.final_norm(), self.lm_head]
+
+    def tie_weights(self) -> None:
+        """Tied embeddings: the head is the input embedding's weight (after loading with `assign=True`, too)."""
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.input_embedding().weight
 
     def reset_buffers(self) -> None:
         """The rotary tables (not in any state dict): built here, and again after a meta-device model is
         materialised with `to_empty`, which leaves buffers uninitialised."""
         device = self.lm_head.weight.device
-        cos, sin = rotary_tables(self.spec, self.spec.max_position_embeddings)
+        cos, sin = self.rotary_tables(self.spec.max_position_embeddings)
         self.rotary_cos, self.rotary_sin = cos.to(device), sin.to(device)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """HF's initialisation: normal(0, initializer_range) for every Linear and Embedding, zero biases,
-        LayerNorm weight 1 and bias 0."""
         self.reset_buffers()
         if self.lm_head.weight.is_meta:
             return
-        std = self.spec.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
+        self.init_weights()
 
     def use_document_masking(self, eos_id: int, position_reset: bool = False, flex: bool | None = None) -> None:
         """`attention=document`: each token attends only within its own document of a packed sequence
         (documents end at `eos_id`); `position_reset`: rotary positions restart at every document. `flex`:
         FlexAttention with a block mask (default on CUDA) rather than SDPA with a dense boolean mask (CPU).
-        A training-time choice: the weights and the exported model are the standard GPT-NeoX."""
+        A training-time choice: the weights and the exported model are the family's standard ones."""
         self.document_eos, self.position_reset = int(eos_id), position_reset
         self.flex_attention = torch.cuda.is_available() if flex is None else flex
 
@@ -296,26 +235,32 @@ class GPTNeoX(FlopsMixin, nn.Module):
             if self.position_reset:
                 positions = positions_in_documents(docs)
                 cos, sin = self.rotary_cos[positions][:, None], self.rotary_sin[positions][:, None]
-        x = self.gpt_neox.embed_in(input_ids)
-        for block in self.gpt_neox.layers:  # activation checkpointing wraps blocks from outside (utils/parallel.py)
+        x = self.input_embedding()(input_ids)
+        for block in self.blocks():  # activation checkpointing wraps blocks from outside (utils/parallel.py)
             x = block(x, cos, sin, mask)
-        return self.gpt_neox.final_layer_norm(x)
+        return self.final_norm()(x)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden_states(input_ids))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over every position but the last (ChunkedLMHeadLoss)."""
         hidden = self.hidden_states(input_ids)[:, :-1].reshape(-1, self.spec.hidden_size)
         return self.lm_head(hidden, input_ids[:, 1:].reshape(-1))
 
     def compile_blocks(self) -> None:
         """Regional compile: each block's forward is compiled, and the identical blocks share the compiled
         code, so the model compiles once per block shape instead of as one large graph."""
-        for block in self.gpt_neox.layers:
+        for block in self.blocks():
             block.compile()
 
-def _accept_embed_out(module, state_dict, prefix, *args):
-    """GPT-NeoX files name the head `embed_out`; transformers 5 calls it `lm_head` in memory. Both load."""
-    old = prefix + "embed_out.weight"
-    if old in state_dict and prefix + "lm_head.weight" not in state_dict:
-        state_dict[prefix + "lm_head.weight"] = state_dict.pop(old)
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """Attention of [B, heads, T, head_dim] q over k/v (fewer heads: grouped-query); `mask`: None (causal),
+    a boolean [B, 1, T, T] tensor (True: may attend) or a FlexAttention BlockMask."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
