@@ -18,8 +18,11 @@ from configs.model_config import ConfigError, ModelSpec
 from configs.training_config import MODEL_IMPLS
 
 
-def build_model(spec: ModelSpec, seed: int, impl: str = "native") -> nn.Module:
-    """A freshly initialised model; the same seed gives the same weights on every rank."""
+def build_model(spec: ModelSpec, seed: int, impl: str = "native", init: str = "hf") -> nn.Module:
+    """A freshly initialised model; the same seed gives the same weights on every rank. `init`: the scheme
+    of its fresh weights (utils/model/init.py: hf as built, or neox)."""
+    from utils.model.init import init_weights
+
     if impl not in MODEL_IMPLS:
         raise ConfigError(f"model_impl='{impl}' is not valid; use one of {', '.join(MODEL_IMPLS)}")
     with torch.random.fork_rng(devices=[]):
@@ -27,10 +30,11 @@ def build_model(spec: ModelSpec, seed: int, impl: str = "native") -> nn.Module:
         if impl == "native":
             from utils.model.gpt_neox import GPTNeoX
 
-            return GPTNeoX(spec)
-        model = hf_model_class()(spec.to_hf_config(attn_implementation="sdpa"))
-    model.spec = spec
-    return model
+            model = GPTNeoX(spec)
+        else:
+            model = hf_model_class()(spec.to_hf_config(attn_implementation="sdpa"))
+            model.spec = spec
+        return init_weights(model, init, spec.hidden_size, spec.num_hidden_layers)
 
 
 def hf_model_class():
