@@ -109,6 +109,7 @@ COMMON = ("per_device_train_batch_size=4", "gradient_accumulation_steps=2", "max
           "optimizer=muon", "learning_rate=3e-3")
 
 
+@pytest.mark.slow
 def test_resumed_muon_run_is_bitwise_the_uninterrupted_one_and_another_optimizer_is_refused(tmp_path,
                                                                                             subprocess_env):
     data = make_shards(tmp_path / "data")
@@ -139,11 +140,21 @@ def _launch(out, data, gpus: int, strategy: str, *sets: str, env=None):
     return run(cmd, env, timeout=600)
 
 
+def _close(a: float, b: float, rel: float) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-9)
+
+
 @pytest.mark.slow
 def test_muon_on_two_ddp_ranks_equals_one_process_and_two_fsdp_ranks_equal_ddp(tmp_path, subprocess_env):
     """fp32, 6 steps, global batch 4: 1 process, 2 DDP ranks and 2 FSDP ranks (each matrix gathered for
-    Newton-Schulz) give the same losses within 1e-6 and the same final weights; the FSDP checkpoint resumes
-    on one process."""
+    Newton-Schulz) train alike; the FSDP checkpoint resumes on one process.
+
+    Step 1 (the same weights) agrees within 1e-6. After it, the gradients of the three differ in their last
+    fp32 bits (sums in another order: one batch of 4, two of 2 all-reduced, reduce-scattered), and torch's
+    Newton-Schulz rounds its input to bfloat16, so such a difference can flip an element's bf16 rounding
+    (2^-8 relative): measured, the losses then differ by up to 5e-6 relative (AdamW's in tests/test_fsdp.py:
+    under 1e-5). The bound here is 2e-5 relative per step, and 2% of the distance training moved the weights
+    for the final weights."""
     data = make_shards(tmp_path / "data")
     sets = ("max_steps=6", "save_steps=3", "optimizer=muon", "z_loss=1e-4")
     one, ddp, fsdp = tmp_path / "one", tmp_path / "ddp", tmp_path / "fsdp"
@@ -151,19 +162,27 @@ def test_muon_on_two_ddp_ranks_equals_one_process_and_two_fsdp_ranks_equal_ddp(t
     _launch(ddp, data, 2, "ddp", *sets, "per_device_train_batch_size=2", env=subprocess_env)
     _launch(fsdp, data, 2, "fsdp", *sets, "per_device_train_batch_size=2", env=subprocess_env)
     r1, r2, r3 = train_rows(one), train_rows(ddp), train_rows(fsdp)
+    assert sorted(r1) == sorted(r2) == sorted(r3) == list(range(1, 7))
+    assert abs(r1[1]["loss"] - r2[1]["loss"]) <= 1e-6 and abs(r2[1]["loss"] - r3[1]["loss"]) <= 1e-6
     for step in range(1, 7):
-        assert abs(r1[step]["loss"] - r2[step]["loss"]) <= 1e-6, (step, r1[step]["loss"], r2[step]["loss"])
-        assert abs(r2[step]["loss"] - r3[step]["loss"]) <= 1e-6, (step, r2[step]["loss"], r3[step]["loss"])
-        assert r1[step]["z_loss"] > 0 and abs(r1[step]["z_loss"] - r3[step]["z_loss"]) <= 1e-8
+        assert _close(r1[step]["loss"], r2[step]["loss"], 2e-5), (step, r1[step]["loss"], r2[step]["loss"])
+        assert _close(r2[step]["loss"], r3[step]["loss"], 2e-5), (step, r2[step]["loss"], r3[step]["loss"])
+        assert r1[step]["z_loss"] > 0 and _close(r1[step]["z_loss"], r3[step]["z_loss"], 2e-5)
+    assert r1[6]["loss"] < r1[1]["loss"]
     w1, w2, w3 = (load_weights(out / "final_model" / "model.safetensors") for out in (one, ddp, fsdp))
-    for k in w1:
-        assert (w1[k] - w2[k]).abs().max().item() <= 1e-5, k
-        assert (w2[k] - w3[k]).abs().max().item() <= 1e-5, k
-    # the FSDP run's sharded checkpoint at step 3 resumes on one process, and ends as the FSDP run did
+    init = build_model(SPEC, seed=get_training_config("demo", {}).seed).state_dict()
+    init["embed_out.weight"] = init.pop("lm_head.weight")
+    flat = lambda w: torch.cat([w[k].flatten() for k in sorted(w1)])  # noqa: E731
+    moved = (flat(w1) - flat(init)).norm()
+    # the runs' weights differ by a small fraction of how far training moved them (a matrix orthogonalised
+    # by shards rather than whole would move it differently: another update altogether)
+    apart = [((flat(a) - flat(b)).norm() / moved).item() for a, b in ((w1, w2), (w2, w3))]
+    assert moved > 0.1 and max(apart) < 0.02, (moved, apart)
+    # the FSDP run's sharded checkpoint at step 3 resumes on one process, and continues as the FSDP run did
     resumed = tmp_path / "resumed"
     ckpt = next((fsdp / "checkpoints").glob("checkpoint-*-step3-*"))
     run(train_cmd(resumed, data, *sets, "per_device_train_batch_size=4", extra=("--resume", str(ckpt))),
         subprocess_env)
     r4 = train_rows(resumed)
     for step in range(4, 7):
-        assert abs(r4[step]["loss"] - r3[step]["loss"]) <= 1e-6, (step, r4[step]["loss"], r3[step]["loss"])
+        assert _close(r4[step]["loss"], r3[step]["loss"], 2e-5), (step, r4[step]["loss"], r3[step]["loss"])
