@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from configs import get_model_spec, get_training_config  # noqa: E402
+from configs.training_config import parse_overrides  # noqa: E402
 
 BASE = {"name": "adamw + hf init (today)", "optimizer": "adamw", "init": "hf", "z_loss": 0.0}
 CONTENDERS = [
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-z-loss", action="store_true", help="skip the z-loss contender")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    overrides = dict(kv.split("=", 1) for kv in args.set)
+    overrides = parse_overrides(args.set)
     cfg = get_training_config(args.config, overrides)
     spec = get_model_spec(cfg.model)
     seq_len = cfg.seq_len or spec.max_position_embeddings
