@@ -101,6 +101,7 @@ def train(cfg, profile, args) -> int:
     from utils.export import export_final_model, finished_run
     from utils.metrics import MetricsWindow, closing_summary, peak_flops
     from utils.model.fit import check_batch_fits
+    from utils.model.lm_loss import set_z_loss
     from utils.model.preflight import preflight
     from utils.model.spec import resolve_model_spec
     from utils.optim import schedule_from_config
@@ -135,12 +136,14 @@ def train(cfg, profile, args) -> int:
     stop.end_setup_if_asked("data index")
     model, optimizer, scheduler = build_training(parallel, cfg, spec, init_weights if resume_path is None else None, log)
     core = accelerator.unwrap_model(model)
+    z_heads = set_z_loss(core, cfg.z_loss) if cfg.z_loss else []  # the z term: in the loss, logged as z_loss
     state, guard = TrainState(), SpikeGuard(cfg, accelerator, log)
     states = {"model": model, "optimizer": optimizer, "train": state, "scheduler": scheduler, "data": loader,
               "spike_guard": guard} | ({"scaler": accelerator.scaler} if accelerator.scaler is not None else {})
     tokens_per_step = loader.global_batch * cfg.gradient_accumulation_steps * seq_len  # every rank's
     window = MetricsWindow(accelerator, tokens_per_step, core.flops_per_token(seq_len), peak_flops(device),
-                           precision_name(cfg.mixed_precision), PROCESS_STARTED, data_wait=lambda: loader.wait_s)
+                           precision_name(cfg.mixed_precision), PROCESS_STARTED, data_wait=lambda: loader.wait_s,
+                           z_loss_heads=z_heads)
     ckpt = make_checkpointer(cfg, parallel, states, spec, seq_len, output_dir, remote_root, node_uploads, log)
     if resume_path is not None:
         ckpt.restore(resume_path)

@@ -91,35 +91,38 @@ def activation_bytes(policy: str, layers: int, tokens: int, hidden: int, every: 
 
 def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
                 seq_len: int | None = None, checkpointing: str = "none", checkpointing_every: int = 2,
-                moments: str = "fp32") -> MemoryPlan:
+                moments: str = "fp32", optimizer: str = "adamw") -> MemoryPlan:
     s, h, layers = seq_len or spec.max_position_embeddings, spec.hidden_size, spec.num_hidden_layers
     embed = spec.padded_vocab_size * h
     block = spec.block_parameters  # the family's formula (configs/model_config.py)
     params = layers * block + 2 * h + embed * (1 if spec.tie_word_embeddings else 2)
     shards = world_size if strategy == "fsdp" else 1
+    # optimizer state: AdamW two moments per parameter; Muon (utils/muon.py) one momentum buffer per block matrix
+    matrices = layers * (4 * h * h + 2 * h * spec.intermediate_size) if optimizer == "muon" else 0
+    state_values = 2 * params - matrices
     activations = activation_bytes(checkpointing, layers, s * micro_batch, h, checkpointing_every)
     rows = min(LOSS_CHUNK_ROWS, micro_batch * (s - 1))
     return MemoryPlan(weights=4 * params / shards, gradients=4 * params / shards,
-                      optimizer=(4 if moments == "bf16" else 8) * params / shards,
+                      optimizer=(2 if moments == "bf16" else 4) * state_values / shards,
                       gathered=2 * (2 * block + 2 * embed) if strategy == "fsdp" else 0,
                       activations=activations, loss=2 * 4 * rows * spec.padded_vocab_size)
 
 
 def plan_for(profile: "MemoryProfile", spec: ModelSpec, strategy: str, world_size: int,
-             seq_len: int | None = None) -> MemoryPlan:
+             seq_len: int | None = None, optimizer: str = "adamw") -> MemoryPlan:
     return memory_plan(spec, strategy=strategy, world_size=world_size, micro_batch=profile.micro_batch,
                        seq_len=seq_len, checkpointing=profile.activation_checkpointing,
-                       moments=profile.optimizer_state_dtype)
+                       moments=profile.optimizer_state_dtype, optimizer=optimizer)
 
 
 def choose_profile(device_gib: float, spec: ModelSpec | None = None, strategy: str = "ddp", world_size: int = 1,
-                   seq_len: int | None = None) -> MemoryProfile:
+                   seq_len: int | None = None, optimizer: str = "adamw") -> MemoryProfile:
     """The largest profile (by micro-batch) whose plan fits the device; `conservative` when none does."""
     from configs.model_config import get_model_spec
 
     spec = spec or get_model_spec("gpt-neox-1.2b")
     for profile in sorted(PROFILES.values(), key=lambda p: -p.min_device_gib):
-        if plan_for(profile, spec, strategy, world_size, seq_len).fits(device_gib):
+        if plan_for(profile, spec, strategy, world_size, seq_len, optimizer).fits(device_gib):
             return profile
     return PROFILES["conservative"]
 
@@ -148,7 +151,7 @@ def resolve_profile(cfg, device_type: str, device_gib: float | None, world_size:
         from configs.model_config import get_model_spec
 
         spec = None if cfg.init_from else get_model_spec(cfg.model)  # init_from: sized as the 1.2B
-        profile = choose_profile(device_gib, spec, cfg.strategy, world_size, cfg.seq_len or None)
+        profile = choose_profile(device_gib, spec, cfg.strategy, world_size, cfg.seq_len or None, cfg.optimizer)
     else:
         profile = PROFILES[cfg.profile]
     return apply_profile(cfg, profile), profile

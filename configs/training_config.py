@@ -24,6 +24,8 @@ MODEL_IMPLS = ("native", "hf")
 REPORT_TO = (*TRACKERS, "none")  # utils/trackers.py: the registry
 MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "muon")  # utils/optim.py: build_optimizer
+INITS = ("hf", "neox")  # utils/model/init.py: init_weights
 STRATEGIES = ("ddp", "fsdp")  # utils/parallel.py: one class each
 # utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
@@ -140,6 +142,13 @@ class TrainingConfig:
     adam_beta1: float = _field(0.9, "AdamW beta1", "[0, 1)")
     adam_beta2: float = _field(0.95, "AdamW beta2", "[0, 1)")
     adam_eps: float = _field(1e-8, "AdamW epsilon", "(0, inf)")
+    optimizer: str = _field("adamw", "adamw | muon: torch's Muon for the blocks' 2-D weight matrices (AdamW for "
+                                     "embeddings, head, norms, biases), LR matched to AdamW's update size")
+    muon_momentum: float = _field(0.95, "optimizer=muon: Muon's (Nesterov) momentum", "[0, 1)")
+    init: str = _field("hf", "fresh weights: hf (normal, std initializer_range) | neox (GPT-NeoX small_init + "
+                             "wang_init, as Pythia); init_from and resumes are unaffected")
+    z_loss: float = _field(0.0, "auxiliary z-loss coefficient (z_loss * logsumexp^2, OLMo uses 1e-4); 0: off",
+                           "[0, inf)")
     max_grad_norm: float = _field(1.0, "clip gradients to this global norm; 0: no clipping (the norm is still "
                                        "measured and logged, as grad_norm)", "[0, inf)")
     seed: int = _field(42, "seed of the weights, the data order and every RNG", "[0, 4294967295]")
@@ -257,6 +266,13 @@ class TrainingConfig:
         if self.optimizer_state_dtype not in OPTIMIZER_STATE_DTYPES:
             raise ConfigError(f"optimizer_state_dtype='{self.optimizer_state_dtype}' is not valid; use one of "
                               f"{', '.join(OPTIMIZER_STATE_DTYPES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer='{self.optimizer}' is not valid; use one of {', '.join(OPTIMIZERS)}")
+        if self.init not in INITS:
+            raise ConfigError(f"init='{self.init}' is not valid; use one of {', '.join(INITS)}")
+        if self.z_loss and self.model_impl == "hf":
+            raise ConfigError(f"z_loss={self.z_loss:g} needs model_impl=native (its chunked LM-head loss); "
+                              f"use model_impl=native or z_loss=0")
         if self.sample_every and not self.sample_prompts:
             raise ConfigError(f"sample_every={self.sample_every} needs sample_prompts (a list of prompts)")
         if self.lr_schedule not in LR_SCHEDULES:

@@ -16,7 +16,7 @@ from configs.model_config import ConfigError, ModelSpec
 from tests.trainkit import REPO_ROOT, engine_at, make_shards, metrics, run, train_cmd, train_rows
 from utils.checkpoint.format import list_checkpoints
 from utils.model import build_model
-from utils.model import gpt_neox, layers
+from utils.model import gpt_neox, lm_loss
 from utils.model.hf import export_hf, load_hf_pretrained, to_transformers
 
 BASE = ModelSpec("toy", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -57,7 +57,7 @@ def test_native_equals_transformers_logits_loss_and_gradients(variant):
 
 def test_chunked_loss_equals_the_plain_one(monkeypatch):
     """Several chunks (and a ragged last one) give the same loss and gradients as full logits."""
-    monkeypatch.setattr(layers, "LOSS_CHUNK_ROWS", 7)  # the chunked loss every family shares
+    monkeypatch.setattr(lm_loss, "LOSS_CHUNK_ROWS", 7)  # the chunked loss lives in utils/model/lm_loss.py
     model = build_model(BASE, seed=3)
     x = ids(batch=2, length=20)
     loss = model(x)
@@ -72,7 +72,7 @@ def test_chunked_loss_equals_the_plain_one(monkeypatch):
         assert torch.allclose(chunked[name], p.grad, atol=1e-7, rtol=1e-5), name
     # under no_grad (eval) the loss-only path: the same value without the two gradient matmuls
     calls = []
-    monkeypatch.setattr(gpt_neox.ChunkedLMHeadLoss, "forward", lambda *a: calls.append(a))
+    monkeypatch.setattr(lm_loss.ChunkedLMHeadLoss, "forward", lambda *a: calls.append(a))
     with torch.no_grad():
         assert abs(model(x).item() - plain.item()) <= 1e-6
     assert calls == []

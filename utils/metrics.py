@@ -239,8 +239,11 @@ class MetricsWindow:
     `data_wait()` is the loader's own count of the seconds the loop waited for data (ResumableLoader.wait_s)."""
 
     def __init__(self, accelerator, tokens_per_step: int, flops_per_token: float, peak: float | None,
-                 precision: str, process_started: float | None = None, data_wait=None):
+                 precision: str, process_started: float | None = None, data_wait=None, z_loss_heads=()):
         self.accelerator = accelerator
+        # z_loss > 0: the LM heads (utils/model/lm_loss.py) whose z term is taken out of each step's loss
+        # (the row's `loss` is the cross-entropy) and logged as `z_loss`
+        self.z_loss_heads = list(z_loss_heads)
         self._data_wait = data_wait or (lambda: 0.0)
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.precision = precision
@@ -254,6 +257,8 @@ class MetricsWindow:
     def restart(self, first_step: int) -> None:
         """A new window from `first_step`, its clock starting now."""
         self._new_window(first_step)
+        for head in self.z_loss_heads:
+            head.pop_z_loss()  # preflight's forwards, a rolled-back window's: not this window's
         self._clock, self._waited = time.perf_counter(), self._data_wait()
 
     def begin_step(self) -> None:
@@ -267,6 +272,7 @@ class MetricsWindow:
 
     def _new_window(self, first_step: int) -> None:
         self.losses: list[torch.Tensor] = []
+        self.z_losses: list[torch.Tensor] = []
         self.skipped: list[int] = []  # indices into losses of the steps whose update was skipped
         self.first_step = first_step
         self.data_wait_s = self.window_s = 0.0
@@ -278,6 +284,11 @@ class MetricsWindow:
             self.first_step_s = time.perf_counter() - self.process_started
         if skipped:
             self.skipped.append(len(self.losses))
+        z_terms = [z for z in (head.pop_z_loss() for head in self.z_loss_heads) if z is not None]
+        if z_terms:
+            z = sum(z_terms)
+            self.z_losses.append(z)
+            step_loss = step_loss - z
         self.losses.append(step_loss)
         self.trained_steps += 1
         waited = self._data_wait() - self._waited
@@ -336,6 +347,8 @@ class MetricsWindow:
                "window_steps": n}  # the steps the row's averages cover: fewer than logging_steps after a resume
         if self.skipped:
             row["skipped_steps"] = len(self.skipped)
+        if self.z_losses:
+            row["z_loss"] = float(self.accelerator.reduce(torch.stack(self.z_losses), reduction="mean").mean())
         row |= self._device_stats()
         if self.first_step_s is not None and not self._first_step_reported:
             row["first_step_s"] = self.first_step_s

@@ -72,14 +72,31 @@ class BF16MomentAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(model: torch.nn.Module, cfg, fused: bool) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices (dim >= 2) only, never on biases and norm gains."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """AdamW (`optimizer=adamw`); weight decay on matrices (dim >= 2) only, never on biases and norm gains.
+    `optimizer=muon`: MuonWithAdamW (utils/muon.py), Muon for the blocks' weight matrices and this AdamW
+    for the rest."""
+    if getattr(cfg, "optimizer", "adamw") == "muon":
+        from utils.muon import MuonWithAdamW, muon_parameters
+
+        muon = muon_parameters(model)
+        adamw = _adamw(model, cfg, fused, skip={id(p) for p in muon})
+        return MuonWithAdamW(muon, adamw, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                             momentum=cfg.muon_momentum, state_dtype=_state_dtype(cfg))
+    return _adamw(model, cfg, fused)
+
+
+def _state_dtype(cfg) -> torch.dtype:
+    return torch.bfloat16 if getattr(cfg, "optimizer_state_dtype", "fp32") == "bf16" else torch.float32
+
+
+def _adamw(model: torch.nn.Module, cfg, fused: bool, skip: set[int] = frozenset()) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    if getattr(cfg, "optimizer_state_dtype", "fp32") == "bf16":
+    if _state_dtype(cfg) == torch.bfloat16:
         return BF16MomentAdamW(groups, **kwargs)
     return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
 

@@ -93,7 +93,7 @@ class DataParallel:
     def _build(self, spec) -> nn.Module:
         from utils.model import build_model
 
-        return build_model(spec, seed=self.cfg.seed, impl=self.cfg.model_impl)
+        return build_model(spec, seed=self.cfg.seed, impl=self.cfg.model_impl, init=self.cfg.init)
 
     def _new_model(self, spec, init_weights: dict | None) -> nn.Module:
         model = self._build(spec)

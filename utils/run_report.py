@@ -15,9 +15,9 @@ def describe_run(cfg, parallel, log, profile, spec, core, loader, eval_batches: 
              f"({core.parameter_counts()[0] / 1e6:.1f}M params), {world} process(es) on {parallel.device.type}, "
              f"{precision_name(cfg.mixed_precision)} precision, compile={'on' if cfg.compile_model else 'off'}")
     weights = parallel.state_bytes(core)
-    moments = 2 * weights // (2 if cfg.optimizer_state_dtype == "bf16" else 1)
+    moments, what = optimizer_state_bytes(core, cfg, weights)
     log.info(f"  strategy {parallel.name}, world size {world}: per-rank state {(2 * weights + moments) / GB:.2f} GB "
-             f"(parameters {weights} bytes, as many in gradients, {moments / GB:.2f} GB AdamW moments)")
+             f"(parameters {weights} bytes, as many in gradients, {moments / GB:.2f} GB {what})")
     log.info(f"  batch {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps} x {world} "
              f"= {global_batch} sequences of {loader.dataset.seq_len} tokens per step; {loader.num_samples:,} train "
              f"sequences, {eval_batches} eval batches per rank; steps {state.step} -> {cfg.max_steps}")
@@ -30,6 +30,20 @@ def describe_run(cfg, parallel, log, profile, spec, core, loader, eval_batches: 
         log.info(f"  checkpoints upload to {remote_root}/ ({'background' if cfg.background_upload else 'synchronous'})")
     else:
         log.info("  no gcs_bucket configured: checkpoints stay local, nothing is uploaded")
+
+
+def optimizer_state_bytes(core, cfg, weights: int) -> tuple[int, str]:
+    """(bytes of optimizer state this rank holds, what they are): AdamW's two moments per parameter, or with
+    optimizer=muon one momentum buffer per block matrix (utils/muon.py) and AdamW's moments for the rest."""
+    half = 2 if cfg.optimizer_state_dtype == "bf16" else 1
+    if cfg.optimizer != "muon":
+        return 2 * weights // half, "AdamW moments"
+    from utils.distributed import local_tensor
+    from utils.muon import muon_parameters
+
+    matrices = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in muon_parameters(core))
+    return (2 * (weights - matrices) + matrices) // half, f"optimizer state (Muon momentum for {matrices} bytes of " \
+                                                          f"block matrices, AdamW moments for the rest)"
 
 
 class StepReporter:

@@ -19,9 +19,11 @@ from configs.model_config import ConfigError, ModelSpec
 from configs.training_config import MODEL_IMPLS
 
 
-def build_model(spec: ModelSpec, seed: int, impl: str = "native") -> nn.Module:
-    """A freshly initialised model; the same seed gives the same weights on every rank."""
+def build_model(spec: ModelSpec, seed: int, impl: str = "native", init: str = "hf") -> nn.Module:
+    """A freshly initialised model; the same seed gives the same weights on every rank. `init`: the scheme
+    of its fresh weights (utils/model/init.py: hf as built, or neox)."""
     from utils.model.families import family_of
+    from utils.model.init import init_weights
 
     if impl not in MODEL_IMPLS:
         raise ConfigError(f"model_impl='{impl}' is not valid; use one of {', '.join(MODEL_IMPLS)}")
@@ -29,10 +31,11 @@ def build_model(spec: ModelSpec, seed: int, impl: str = "native") -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if impl == "native":
-            return fam.native_model(spec)
-        model = fam.hf_model_class()(fam.hf_config(spec, attn_implementation="sdpa"))
-    model.spec = spec
-    return model
+            model = fam.native_model(spec)
+        else:
+            model = fam.hf_model_class()(fam.hf_config(spec, attn_implementation="sdpa"))
+            model.spec = spec
+        return init_weights(model, init, spec.hidden_size, spec.num_hidden_layers)
 
 
 def hf_model_class(spec: ModelSpec | None = None):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from configs.model_config import LOSS_CHUNK_ROWS
+from utils.model.lm_loss import ChunkedLMHeadLoss, LMHead, chunked_loss_only  # noqa: F401 (the head, shared)
 
 
 def rotary_inv_freq(dims: int, base: float) -> torch.Tensor:
@@ -82,71 +82,6 @@ def _flex_attention():
 
         _FLEX = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
     return _FLEX
-
-
-class ChunkedLMHeadLoss(torch.autograd.Function):
-    """Mean cross-entropy of `hidden @ weight.T` against `targets`, without the full logits.
-
-    Forward walks LOSS_CHUNK_ROWS rows at a time: logits of the chunk in the matmul dtype, log-softmax in
-    fp32, and at once the chunk's gradients (softmax - one-hot) @ weight and its share of weight's gradient,
-    so nothing of the size [rows, vocab] outlives its chunk and backward only scales the two gradients.
-    The same FLOPs as the plain head + cross-entropy (forward matmul, two gradient matmuls)."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype):
-        n = hidden.shape[0]
-        w = weight.to(dtype)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, n, LOSS_CHUNK_ROWS):
-            h = hidden[start:start + LOSS_CHUNK_ROWS].to(dtype)
-            t = targets[start:start + LOSS_CHUNK_ROWS]
-            logits = (h @ w.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            grad = torch.softmax(logits, dim=-1)  # d(sum of losses)/d(logits) = softmax - one-hot
-            grad.scatter_add_(1, t[:, None], -torch.ones_like(grad[:, :1]))
-            grad = grad.to(dtype)
-            grad_hidden[start:start + LOSS_CHUNK_ROWS] = (grad @ w).to(hidden.dtype)
-            grad_weight += (grad.t() @ h).float()
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        ctx.n = n
-        return total / n
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_output / ctx.n
-        return grad_hidden * scale.to(grad_hidden.dtype), grad_weight * scale.to(grad_weight.dtype), None, None
-
-
-class LMHead(nn.Linear):
-    """The output projection (HF's `lm_head`, no bias). Called with `targets` it returns the mean
-    cross-entropy through ChunkedLMHeadLoss instead of logits: the loss is the head's own forward, so a
-    wrapper that acts on module calls (FSDP2 gathers a unit's weights when its forward starts) sees it."""
-
-    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if targets is None:
-            return super().forward(hidden)
-        device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
-        with torch.autocast(device, enabled=False):
-            if torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad):
-                return ChunkedLMHeadLoss.apply(hidden, self.weight, targets, dtype)
-            return chunked_loss_only(hidden, self.weight, targets, dtype)
-
-
-def chunked_loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """ChunkedLMHeadLoss's value without its gradients (eval, no_grad): one vocab-sized matmul per chunk
-    instead of three."""
-    w, total = weight.to(dtype), torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, hidden.shape[0], LOSS_CHUNK_ROWS):
-        logits = (hidden[start:start + LOSS_CHUNK_ROWS].to(dtype) @ w.t()).float()
-        t = targets[start:start + LOSS_CHUNK_ROWS]
-        total += (torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)).sum()
-    return total / hidden.shape[0]
 
 
 

@@ -1,0 +1,74 @@
+"""Fresh weights by scheme (`init = hf | neox`), for any model family whose modules are Linear, Embedding and
+norm layers; `init_from` runs and resumes load their weights over it, so the scheme only shapes a fresh start.
+
+    hf    transformers' initialisation: normal(0, initializer_range) for every Linear and Embedding, zero
+          biases, norm weights 1 (what the models do by themselves; nothing to redo)
+    neox  the GPT-NeoX library's, as Pythia was trained: `small_init` (normal, std sqrt(2 / (5 d)), Nguyen &
+          Salazar 2019) for every weight matrix and embedding, the input embedding and the LM head included,
+          and `wang_init` (normal, std 2 / (L sqrt(d))) for the two projections that write into the residual
+          stream in each block: attention's output (`attention.dense`, Llama's `o_proj`) and the MLP's
+          output (`mlp.dense_4h_to_h`, Llama's `down_proj`). Biases 0, norm weights 1.
+
+Followed: EleutherAI/gpt-neox `megatron/model/init_functions.py` (small_init_init_method: std =
+sqrt(2 / (5 * dim)); wang_init_method: std = 2 / n_layers / sqrt(dim), dim = hidden_size) and the Pythia
+configs (EleutherAI/pythia `models/*/pythia-*.yml`, e.g. pythia-1b: `"init_method": "small_init"`,
+`"output_layer_init_method": "wang_init"`), where `init_method` also initialises the word embeddings and
+the final output layer and `output_layer_init_method` the attention `dense` and MLP `dense_4h_to_h` rows.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+# module names (the last part of a qualified name) that project back into the residual stream
+RESIDUAL_OUTPUTS = ("attention.dense", "mlp.dense_4h_to_h", "self_attn.o_proj", "mlp.down_proj")
+
+
+def small_init_std(hidden: int) -> float:
+    return math.sqrt(2.0 / (5.0 * hidden))
+
+
+def wang_init_std(hidden: int, layers: int) -> float:
+    return 2.0 / (layers * math.sqrt(hidden))
+
+
+def is_residual_output(name: str) -> bool:
+    return any(name == suffix or name.endswith("." + suffix) for suffix in RESIDUAL_OUTPUTS)
+
+
+def planned_stds(model: nn.Module, hidden: int, layers: int) -> dict[str, float]:
+    """`init=neox`: each weight matrix's (and embedding's) name -> the std it is drawn with."""
+    small, wang = small_init_std(hidden), wang_init_std(hidden, layers)
+    plan = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            plan[f"{name}.weight"] = wang if is_residual_output(name) else small
+    return plan
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, scheme: str, hidden: int, layers: int) -> nn.Module:
+    """Re-initialises `model` in place by `scheme` (see the module docstring); `hf` leaves it as built. A
+    tied head shares the embedding's tensor, drawn once. Meta-device parameters are left alone (FSDP builds
+    on meta and materialises rank 0's full weights, built by this same function)."""
+    if scheme == "hf":
+        return model
+    if scheme != "neox":
+        raise ValueError(f"init='{scheme}' is not valid; use hf or neox")
+    stds, done = planned_stds(model, hidden, layers), set()
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            if module.weight.is_meta or id(module.weight) in done:
+                continue
+            done.add(id(module.weight))
+            module.weight.normal_(0.0, stds[f"{name}.weight"])
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
+            if getattr(module, "weight", None) is not None and not module.weight.is_meta:
+                module.weight.fill_(1.0)
+            if getattr(module, "bias", None) is not None and not module.bias.is_meta:
+                module.bias.zero_()
+    return model

@@ -1,0 +1,148 @@
+"""`optimizer=muon`: torch's Muon (torch.optim.Muon: Nesterov momentum, 5 Newton-Schulz steps in bfloat16,
+Keller Jordan's coefficients) for the 2-D weight matrices of the transformer blocks, and AdamW for the
+rest (embeddings, the LM head, norms and biases), in one optimizer object.
+
+The learning rate is matched to AdamW's update size as torch offers (`adjust_lr_fn="match_rms_adamw"`,
+Moonlight: each matrix's update is scaled by 0.2 * sqrt(max(rows, cols)), so an orthogonalised update has
+AdamW's RMS of about 0.2): Muon's matrices and AdamW's parameters share the run's `learning_rate`, its
+schedule and `weight_decay` (decoupled, as torch's Muon: p *= 1 - lr * wd).
+
+One object, one state dict: the groups are AdamW's (the AdamW the run would use otherwise: torch's, fused
+on CUDA, or BF16MomentAdamW) followed by Muon's, and the state is one table keyed by parameter, so
+`state_dict()` / `load_state_dict()` are torch's own (the checkpoint formats, DCP's sharded one included,
+save and restore it unchanged, and a resumed run is bitwise the uninterrupted one). Muon's state is one
+momentum buffer per matrix (half of AdamW's two moments), in `optimizer_state_dtype`.
+
+Under FSDP2 each matrix is a DTensor sharded by rows. The momentum is updated on the local shard; the
+Newton-Schulz iteration needs the whole matrix, so each rank gathers it (`DTensor.full_tensor()`, an
+all-gather of the momentum-blended update), orthogonalises it and keeps its own rows of the result
+(`distribute_tensor(..., src_data_rank=None)`: a local slice, no communication). Communication: one
+all-gather of every Muon matrix per optimizer step, in the gradients' dtype: (world - 1) / world of the
+blocks' matrix bytes received per rank, the same volume as FSDP's forward all-gather of those weights
+(about 1/3 more traffic per step than FSDP with AdamW: forward + backward all-gather and reduce-scatter);
+every rank also does the whole Newton-Schulz FLOPs (5 x ~3 matmuls of the matrix's size: small next to a
+step's forward and backward at the 1.2B shape and batch). Giving whole matrices to ranks in turn
+(Moonlight, Dion) would split that compute; not done here.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+ADJUST_LR_FN = "match_rms_adamw"
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults
+NS_STEPS, NS_EPS = 5, 1e-7
+
+
+def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The 2-D weights of the Linear layers inside the blocks: every Linear but the LM head (and a head
+    tied to the embedding); embeddings, norms and biases are not Linear weights."""
+    from utils.model.lm_loss import LMHead
+
+    out, seen = [], set()
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or isinstance(module, LMHead) or name.split(".")[-1] in (
+                "lm_head", "embed_out"):
+            continue
+        w = module.weight
+        if w.requires_grad and w.dim() == 2 and id(w) not in embeddings and id(w) not in seen:
+            seen.add(id(w))
+            out.append(w)
+    return out
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon for `muon_params`, the given `adamw` optimizer for its own parameters (see the module
+    docstring). `param_groups`: AdamW's groups, then one Muon group (`"muon": True`)."""
+
+    def __init__(self, muon_params: list[torch.Tensor], adamw: torch.optim.Optimizer, lr: float,
+                 weight_decay: float, momentum: float = 0.95, nesterov: bool = True,
+                 state_dtype: torch.dtype = torch.float32):
+        self.adamw = adamw
+        self.state_dtype = state_dtype
+        muon_group = dict(params=list(muon_params), lr=lr, weight_decay=weight_decay, momentum=momentum,
+                          nesterov=nesterov, ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=NS_STEPS,
+                          adjust_lr_fn=ADJUST_LR_FN, muon=True)
+        super().__init__([muon_group], dict(lr=lr))
+        self.param_groups = list(adamw.param_groups) + self.param_groups
+        self._link()
+
+    def _link(self) -> None:
+        """The AdamW shares this object's groups (its own first) and state table."""
+        n = len(self.adamw.param_groups)
+        self.adamw.param_groups = self.param_groups[:n]
+        self.adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # new group dicts and state table: linked again
+        self._link()
+        from utils.optim import BF16MomentAdamW
+
+        if isinstance(self.adamw, BF16MomentAdamW):
+            for group in self.adamw.param_groups:  # its moments back to bfloat16, as its own load does
+                for p in group["params"]:
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if key in self.state.get(p, {}):
+                            self.state[p][key] = self.state[p][key].to(torch.bfloat16)
+        for group in self.param_groups:
+            if group.get("muon"):
+                for p in group["params"]:
+                    if "momentum_buffer" in self.state.get(p, {}):
+                        buf = self.state[p]["momentum_buffer"]
+                        self.state[p]["momentum_buffer"] = buf.to(self.state_dtype)
+
+    def muon_state_bytes(self) -> int:
+        """Bytes of Muon's momentum buffers this rank holds (or will hold: one per matrix shard)."""
+        from utils.distributed import local_tensor
+
+        size = torch.empty((), dtype=self.state_dtype).element_size()
+        return sum(local_tensor(p).numel() * size for g in self.param_groups if g.get("muon") for p in g["params"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.adamw.step()
+        for group in self.param_groups:
+            if group.get("muon"):
+                self._muon_step(group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        """torch.optim.Muon's single-tensor step (the same operations in the same order), with the whole
+        matrix gathered for Newton-Schulz when it is a DTensor shard."""
+        lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, dtype=self.state_dtype)
+            buf = state["momentum_buffer"]
+            if buf.dtype == grad.dtype:
+                buf.lerp_(grad, 1 - momentum)
+                blended = buf
+            else:  # bf16 momentum: blended in fp32, stored rounded
+                blended = buf.to(grad.dtype).lerp_(grad, 1 - momentum)
+                buf.copy_(blended)
+            update = grad.lerp(blended, momentum) if group["nesterov"] else blended
+            update = _orthogonalise(update, group)
+            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+            p.mul_(1 - lr * wd)
+            p.add_(update, alpha=-adjusted_lr)
+
+
+def _orthogonalise(update: torch.Tensor, group: dict) -> torch.Tensor:
+    """Newton-Schulz of the whole matrix; a DTensor shard is gathered and its own rows kept."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+    if not isinstance(update, DTensor):
+        return _zeropower_via_newtonschulz(update, *args)
+    full = _zeropower_via_newtonschulz(update.full_tensor(), *args).to(update.dtype)
+    return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
