@@ -22,7 +22,7 @@ LAYERS = [
     ("data", ["utils.data"]),
     ("checkpoint", ["utils.checkpoint"]),
     ("model", ["utils.model"]),
-    ("engine", ["utils.parallel", "utils.optim", "utils.metrics", "utils.sampling", "utils.evals", "utils.spike_guard"]),
+    ("engine", ["utils.parallel", "utils.optim", "utils.muon", "utils.metrics", "utils.sampling", "utils.evals", "utils.spike_guard"]),
     ("run", ["utils.export", "utils.run_dir", "utils.run_report"]),
 ]
 

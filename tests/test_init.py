@@ -55,3 +55,14 @@ def test_init_field_reaches_the_model_and_hf_is_unchanged():
     assert abs(dense.std().item() / want - 1) < 0.1
     with pytest.raises(ConfigError, match="init='xavier' is not valid"):
         get_training_config("demo", {"init": "xavier"})
+
+
+def test_neox_init_finds_each_family_s_residual_outputs():
+    """The residual-stream outputs come from the family (its RESIDUAL_OUTPUTS): a Llama's o_proj and
+    down_proj get wang_init, its other matrices small_init."""
+    spec = get_model_spec("llama-tiny")
+    model = build_model(spec, seed=0)
+    d, L = spec.hidden_size, spec.num_hidden_layers
+    plan = planned_stds(model, d, L)
+    wang = {n for n, s in plan.items() if s == 2 / (L * math.sqrt(d))}
+    assert len(wang) == 2 * L and all(n.endswith(("o_proj.weight", "down_proj.weight")) for n in wang), wang

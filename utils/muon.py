@@ -36,15 +36,13 @@ NS_STEPS, NS_EPS = 5, 1e-7
 
 
 def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
-    """The 2-D weights of the Linear layers inside the blocks: every Linear but the LM head (and a head
-    tied to the embedding); embeddings, norms and biases are not Linear weights."""
-    from utils.model.lm_loss import LMHead
-
+    """The 2-D weights of the Linear layers inside the blocks (the model's `blocks()`, its interface);
+    embeddings, the LM head, norms and biases are outside them or not Linear weights."""
+    core = getattr(model, "module", model)  # a DDP wrapper's model
     out, seen = [], set()
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or isinstance(module, LMHead) or name.split(".")[-1] in (
-                "lm_head", "embed_out"):
+    embeddings = {id(m.weight) for m in core.modules() if isinstance(m, nn.Embedding)}
+    for module in core.blocks().modules():
+        if not isinstance(module, nn.Linear):
             continue
         w = module.weight
         if w.requires_grad and w.dim() == 2 and id(w) not in embeddings and id(w) not in seen:

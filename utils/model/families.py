@@ -29,6 +29,11 @@ class Family:
     def hf_model_types(self) -> tuple[str, ...]:
         return self.module.HF_MODEL_TYPES
 
+    @property
+    def residual_outputs(self) -> tuple[str, ...]:
+        """A block's Linears that write into the residual stream, by name within the block."""
+        return self.module.RESIDUAL_OUTPUTS
+
     def native_model(self, spec: ModelSpec):
         return self.module.native_model(spec)
 

@@ -6,14 +6,14 @@ norm layers; `init_from` runs and resumes load their weights over it, so the sch
     neox  the GPT-NeoX library's, as Pythia was trained: `small_init` (normal, std sqrt(2 / (5 d)), Nguyen &
           Salazar 2019) for every weight matrix and embedding, the input embedding and the LM head included,
           and `wang_init` (normal, std 2 / (L sqrt(d))) for the two projections that write into the residual
-          stream in each block: attention's output (`attention.dense`, Llama's `o_proj`) and the MLP's
-          output (`mlp.dense_4h_to_h`, Llama's `down_proj`). Biases 0, norm weights 1.
+          stream in each block, attention's output and the MLP's output (each family names them in its
+          folder: `RESIDUAL_OUTPUTS`). Biases 0, norm weights 1.
 
 Followed: EleutherAI/gpt-neox `megatron/model/init_functions.py` (small_init_init_method: std =
 sqrt(2 / (5 * dim)); wang_init_method: std = 2 / n_layers / sqrt(dim), dim = hidden_size) and the Pythia
 configs (EleutherAI/pythia `models/*/pythia-*.yml`, e.g. pythia-1b: `"init_method": "small_init"`,
 `"output_layer_init_method": "wang_init"`), where `init_method` also initialises the word embeddings and
-the final output layer and `output_layer_init_method` the attention `dense` and MLP `dense_4h_to_h` rows.
+the final output layer and `output_layer_init_method` the attention and MLP output projections.
 """
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ import math
 import torch
 from torch import nn
 
-# module names (the last part of a qualified name) that project back into the residual stream
-RESIDUAL_OUTPUTS = ("attention.dense", "mlp.dense_4h_to_h", "self_attn.o_proj", "mlp.down_proj")
 
 
 def small_init_std(hidden: int) -> float:
@@ -34,17 +32,22 @@ def wang_init_std(hidden: int, layers: int) -> float:
     return 2.0 / (layers * math.sqrt(hidden))
 
 
-def is_residual_output(name: str) -> bool:
-    return any(name == suffix or name.endswith("." + suffix) for suffix in RESIDUAL_OUTPUTS)
+def residual_output_names(model: nn.Module) -> set[str]:
+    """Qualified names of the blocks' residual-stream outputs (the family's RESIDUAL_OUTPUTS in each block)."""
+    from utils.model.families import family_of
+
+    suffixes = family_of(model.spec).residual_outputs
+    return {name for name, _ in model.named_modules() if any(name.endswith("." + s) for s in suffixes)}
 
 
 def planned_stds(model: nn.Module, hidden: int, layers: int) -> dict[str, float]:
     """`init=neox`: each weight matrix's (and embedding's) name -> the std it is drawn with."""
     small, wang = small_init_std(hidden), wang_init_std(hidden, layers)
+    residual = residual_output_names(model)
     plan = {}
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            plan[f"{name}.weight"] = wang if is_residual_output(name) else small
+            plan[f"{name}.weight"] = wang if name in residual else small
     return plan
 
 

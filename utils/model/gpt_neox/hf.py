@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from configs.model_config import ConfigError, ModelSpec
 
 HF_MODEL_TYPES = ("gpt_neox",)
+# the Linears of a block that write into the residual stream (init=neox draws them with wang_init)
+RESIDUAL_OUTPUTS = ("attention.dense", "mlp.dense_4h_to_h")
 _NOT_WEIGHTS = re.compile(r"(attention\.(bias|masked_bias)|rotary_emb\.inv_freq)$")
 
 

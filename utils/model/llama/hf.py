@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from configs.model_config import ConfigError, ModelSpec
 
 HF_MODEL_TYPES = ("llama", "qwen2")
+# the Linears of a block that write into the residual stream (init=neox draws them with wang_init)
+RESIDUAL_OUTPUTS = ("self_attn.o_proj", "mlp.down_proj")
 _DROPPED = ("rotary_emb.inv_freq",)  # a buffer some older files carry: not a weight
 
 
