@@ -373,6 +373,33 @@ class Gate:
         return (collections.OrderedDict, ())
 
 
+def test_async_writer_never_waits_on_a_dead_thread():
+    """The writer thread gone mid-write (a job it cannot even unpack kills it before its own try): wait() and
+    the next save() raise BackgroundFailure within seconds, where they waited for good."""
+    from utils.errors import THREAD_FAILED, BackgroundFailure
+
+    writer = AsyncCheckpointWriter()
+    writer._idle.clear()
+    writer._jobs.put(("not a job",))
+    writer._thread.join(10)
+    assert not writer._thread.is_alive()
+    for call in (writer.wait, lambda: writer.save("/nonexistent", "x", small_payload(1))):
+        result = []
+        waiter = threading.Thread(target=lambda: result.append(_raised(call)), daemon=True)
+        waiter.start()
+        waiter.join(20)
+        assert not waiter.is_alive() and isinstance(result[0], BackgroundFailure), result
+        assert str(result[0]).startswith(THREAD_FAILED) and "checkpoint-writer" in str(result[0])
+
+
+def _raised(call):
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - what the test looks at
+        return exc
+    return None
+
+
 def test_async_writer_returns_at_once_and_reports_errors(tmp_path):
     writer = AsyncCheckpointWriter()
     assert writer.wait() is None

@@ -220,6 +220,118 @@ def test_refusals_are_one_line(bucket, prepared, tmp_path):
         build.open_source(Source("data", path="s3://b/x"), request(tmp_path, Shuffle()))
 
 
+# ------------------------------------------------------------------------------- a thread that fails, a stop
+
+
+def _bounded(fn, seconds: float):
+    """fn() in a thread, its result or exception; a wait that does not end within `seconds` fails the test."""
+    out = {}
+
+    def call():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s on a dead thread"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_fetch_or_plan_thread_that_dies_reaches_the_loop_as_one_line_and_no_wait_hangs(bucket, tmp_path):
+    """The plan (coordinator) thread raising while it walks the schedule (as allocating a plan of 1e15 tokens
+    did), and a fetch thread dying inside its own error handler (a shard path naming the cache folder
+    itself): every wait returns the thread's one line within seconds, where it waited forever."""
+    from utils.data.stream_source import ShardFetcher
+    from utils.errors import THREAD_FAILED, BackgroundFailure
+
+    streamed, _ = build.open_source(Source("data", path=bucket), request(tmp_path / "cache", Shuffle()))
+
+    def plan():
+        yield np.arange(4)
+        raise MemoryError("Unable to allocate 114. TiB for an array")
+
+    streamed.read_from(plan())
+    try:
+        line = _bounded(lambda: streamed.wait_ready(500), 20)
+        assert line.startswith(THREAD_FAILED) and "data-fetch-plan" in line and "MemoryError" in line, line
+        assert "\n" not in line
+        loader = ResumableLoader(streamed, 4, 0, 1, seed=3, shuffle=Shuffle())
+        with pytest.raises(BackgroundFailure, match="data-fetch-plan"):
+            _bounded(lambda: [next(loader) for _ in range(200)], 20)
+    finally:
+        streamed.stop_reading()
+
+    folder = tmp_path / "crafted"
+    folder.mkdir()
+    fetcher = ShardFetcher(bucket, folder, [{"path": ".", "bytes": 100, "crc32c": "", "tokens": 64}], SEQ, VOCAB,
+                           budget=lambda: None, log=lambda _line: None)
+    fetcher.read_from(iter([np.arange(2)]))
+    try:
+        line = _bounded(lambda: fetcher.wait_ready(0), 20)
+        assert line.startswith(THREAD_FAILED) and "data-fetch-" in line, line
+        with pytest.raises(BackgroundFailure):
+            _bounded(lambda: fetcher.wait_for([0]), 20)
+    finally:
+        fetcher.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_emulator, bucket, tmp_path,
+                                                                            subprocess_env, monkeypatch):
+    """Downloads hang from the first step on (GCS answers nothing): the loop waits for its next files, a
+    SIGTERM then ends the run within seconds with a checkpoint, exit 0 (it waited until the download ended)."""
+    import signal
+    import subprocess
+
+    from gcp_storage_emulator.server import RequestHandler
+
+    gate, hanging = threading.Event(), threading.Event()
+    original = RequestHandler.do_GET
+
+    def do_get(handler):
+        if "alt=media" in handler.path and ".npz" in handler.path and hanging.is_set():
+            gate.wait(120)
+        original(handler)
+
+    monkeypatch.setattr(RequestHandler, "do_GET", do_get)
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    out = tmp_path / "gs"
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "demo", "--output-dir", str(out),
+           "--data-dir", bucket]
+    for s in [*TINY, f"seq_len={SEQ}", "sample_every=0", "max_steps=500", "shuffle=blocks", "shuffle_block_shards=2",
+              "per_device_train_batch_size=32", f"data_cache_dir={tmp_path / 'cache'}", f"data_cache_gb={40_000 / 1e9}"]:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        rows, deadline = out / "logs" / "metrics.jsonl", time.monotonic() + 240
+        while not (rows.exists() and '"loss"' in rows.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        hanging.set()
+        last, still = rows.read_text(), time.monotonic()
+        while time.monotonic() - still < 3:  # the loop is waiting: no new row for 3 s
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+            if rows.read_text() != last:
+                last, still = rows.read_text(), time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        gate.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    stopped = [line for line in stdout.splitlines() if line.startswith("Stopped by SIGTERM after step")]
+    assert len(stopped) == 1 and "checkpoint" in stopped[0], stdout[-3000:]
+
+
 # ------------------------------------------------------------------------------------------ through train.py
 
 

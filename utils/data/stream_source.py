@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from utils import files
+from utils import files, signals
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.dataset_info import DatasetInfo
@@ -52,7 +52,7 @@ from utils.data.index import DataDirError, ShardIndex
 from utils.data.shards import INPUT_KEY, ShardError, ShardInfo, ShardLayout, check_header, check_vocab, inspect_shard, read_layout
 from utils.data.source import GB, CacheBudget, DataUnavailable, OpenRequest, Source, SourceType
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
-from utils.errors import UserError
+from utils.errors import THREAD_FAILED, BackgroundFailure, UserError
 from utils.lock import OutputDirLock
 from utils.storage import (RemoteObject, StorageError, bytes_match, download_verified, gs_url, join_name, make_client,
                            parse_gs_url, read_object, short_error, thread_client)
@@ -64,6 +64,7 @@ SCAN_CHUNK = 64  # micro-batches of the schedule the coordinator reads between t
 POLL_S = 0.005  # how often a DataLoader worker looks for a file the fetcher has not finished yet
 UNAVAILABLE = ".unavailable"  # the empty note beside a file the fetcher gave up on (the line why stays in-process)
 LOCK_ROOM = 4096  # bytes kept out of the cache's share for its lock file
+WAIT_SLICE_S = 0.5  # a wait on the fetcher's threads: between two slices it looks for a dead thread and a stop signal
 
 
 class StreamError(UserError):
@@ -191,6 +192,7 @@ class ShardFetcher:
         self._workers: list[threading.Thread] = []
         self._generation = 0
         self._coordinator: threading.Thread | None = None
+        self._died: str | None = None  # the line of a thread that failed: every wait returns it from then on
         self.peak_bytes = self.fetched = self.fetched_bytes = 0
         self._reset_window()
         self._lock = OutputDirLock(folder, option="data_cache_dir")
@@ -245,11 +247,12 @@ class ShardFetcher:
             self._running = True
             generation = self._generation
         while len(self._workers) < FETCH_THREADS:
-            worker = threading.Thread(target=self._work, name=f"data-fetch-{len(self._workers)}", daemon=True)
+            worker = threading.Thread(target=self._guarded(self._work), name=f"data-fetch-{len(self._workers)}",
+                                      daemon=True)
             worker.start()
             self._workers.append(worker)
-        self._coordinator = threading.Thread(target=self._coordinate, args=(schedule, generation), daemon=True,
-                                             name="data-fetch-plan")
+        self._coordinator = threading.Thread(target=self._guarded(self._coordinate), args=(schedule, generation),
+                                             daemon=True, name="data-fetch-plan")
         self._coordinator.start()
 
     def handed_out(self, batch: int) -> None:
@@ -265,21 +268,50 @@ class ShardFetcher:
             if batch >= self._wake_at:
                 self._plan_cv.notify()
 
+    def _guarded(self, target):
+        """`target` for a thread: whatever it raises (a bug, MemoryError, an error inside an error handler) is kept
+        as the one line every wait returns from then on, and every waiter wakes; nothing waits on it again."""
+        def run(*args):
+            try:
+                target(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which stops with it
+                self._fail(f"{THREAD_FAILED}: {threading.current_thread().name} of {self.url}: {short_error(exc)}")
+        return run
+
+    def _fail(self, line: str) -> None:
+        with self._lock_state:
+            if self._died is None:
+                self._died = line
+            self._ready_cv.notify_all()
+            self._plan_cv.notify_all()
+            self._task_cv.notify_all()
+
+    def _check_threads(self) -> None:
+        """Under the lock, while a schedule runs: a thread gone without a word (it cannot, guarded) is a failure."""
+        dead = [t.name for t in [self._coordinator, *self._workers] if t is not None and not t.is_alive()]
+        if dead and self._running and self._died is None:
+            self._died = f"{THREAD_FAILED}: {dead[0]} of {self.url} is gone"
+
     def wait_ready(self, last_batch: int) -> str | None:
+        """None once the files of micro-batches up to `last_batch` are here (or a stop signal came: the loop
+        then stops), else the line naming what failed: a file that stayed unavailable, or a thread."""
         with self._lock_state:
             self._waiting = max(self._waiting, last_batch)
             if last_batch > self._scanned:
                 self._plan_cv.notify()
             while True:
+                if self._died is not None:
+                    return self._died
                 needed = {f for b, fs in itertools.takewhile(lambda e: e[0] <= last_batch, self._window) for f in fs}
                 failed = sorted(f for f in needed if f in self._failed)
                 if failed:
                     return self._failed[failed[0]]
                 if (self._scanned >= last_batch or self._exhausted) and needed <= self._ready:
                     return None
-                if not self._running:
+                if not self._running or signals.stop_requested():
                     return None
-                self._ready_cv.wait()
+                self._ready_cv.wait(WAIT_SLICE_S)
+                self._check_threads()
 
     def wait_for(self, needed: list[int]) -> None:
         """In this process, before reading: until `needed` are here; fetched at once when no schedule runs."""
@@ -288,6 +320,8 @@ class ShardFetcher:
                 missing = [f for f in needed if f not in self._ready]
                 if not missing:
                     return
+                if self._died is not None:
+                    raise BackgroundFailure(self._died)
                 failed = [f for f in missing if f in self._failed]
                 if failed:
                     raise DataUnavailable(self._failed[failed[0]])
@@ -306,7 +340,11 @@ class ShardFetcher:
                     raise RuntimeError(f"{self.url}: a read outside the schedule the loader handed over (files "
                                        f"{missing[:3]})")
                 self._plan_cv.notify()
-                self._ready_cv.wait()
+                stop = signals.stop_requested()
+                if stop:
+                    raise signals.StoppedInSetup(stop, "waiting for the data of the first step")
+                self._ready_cv.wait(WAIT_SLICE_S)
+                self._check_threads()
 
     def stop(self) -> None:
         """Ends the current schedule: the coordinator stops, queued downloads are dropped (those in flight
