@@ -297,6 +297,34 @@ def test_a_run_killed_after_some_partitions_is_finished_by_a_rerun_doing_only_th
     assert tree(out) == tree(clean)
 
 
+def test_a_crafted_completion_record_naming_a_file_outside_is_refused(corpus, tokenizer, tmp_path, subprocess_env):
+    """A staging folder whose done.json names ../../secret.txt (or an absolute path) for a shard: the rerun
+    refuses it in one line naming the file and field, and moves nothing, where the merge moved that file into
+    the published dataset."""
+    args = ["--input", corpus[0], "--tokenizer", tokenizer]
+    prepare(args + ["--output", tmp_path / "real"], subprocess_env)
+    description = json.loads((tmp_path / "real" / "dataset.json").read_text())
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a shard, and not the dataset's\n")
+    for i, named in enumerate(["../../secret.txt", str(secret)]):
+        staging = tmp_path / f".crafted{i}.staging"
+        (staging / "p00000").mkdir(parents=True)
+        (staging / "plan.json").write_bytes((tmp_path / "real" / "plan.json").read_bytes())
+        assert description["partitions"] == 1
+        record = {"partition": 0, "plan": description["fingerprint"], "documents": description["documents"],
+                  "documents_empty": description["documents_empty"], "tokens": description["tokens"],
+                  "validation": {"documents": 0, "tokens": 0},
+                  "shards": [{"path": named, "tokens": 10, "bytes": secret.stat().st_size,
+                              "crc32c": ""}]}
+        (staging / "p00000" / "done.json").write_text(json.dumps(record))
+        proc = prepare(args + ["--output", tmp_path / f"crafted{i}"], subprocess_env, check=False)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert re.search(r"p00000/done\.json: shards\[0\]\.path .* is not a shard file", lines[0]), lines[0]
+        assert secret.exists() and not (tmp_path / f"crafted{i}").exists()
+
+
 @pytest.mark.parametrize("case, fragment", [
     ("bad_json", r"b\.jsonl:2: not valid JSON"),
     ("no_field", r"b\.jsonl:1: no 'text' field; name the field with --text-field"),
