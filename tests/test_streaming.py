@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import threading
 import time
@@ -218,6 +219,45 @@ def test_refusals_are_one_line(bucket, prepared, tmp_path):
         build.open_source(Source("data", path="gs://test-bucket/nothing"), request(tmp_path, Shuffle()))
     with pytest.raises(UserError, match=r"data source data \(s3://b/x\): no source type reads it"):
         build.open_source(Source("data", path="s3://b/x"), request(tmp_path, Shuffle()))
+
+
+def test_a_stale_cache_entry_is_fetched_again_and_said_once(gcs_emulator, bucket, prepared, tmp_path):
+    """The dataset prepared again under the same prefix (same shard names and sizes, new contents and crc32c):
+    a reader with the old cache reads the new shards, as a fresh copy does, and says once that it refetched."""
+    from utils.data import stream_source
+    from utils.storage import file_crc32c
+
+    cache, shuffle = tmp_path / "cache", Shuffle()
+
+    def batches(source, n=40):
+        loader = ResumableLoader(source, 4, 0, 1, seed=3, shuffle=shuffle)
+        try:
+            return [next(loader) for _ in range(n)]
+        finally:
+            loader.close()
+
+    lines = []
+    said = OpenRequest(SEQ, VOCAB, log=lines.append, rank=0, shuffle=shuffle, step_sequences=8, cache_dir=str(cache),
+                       cache=CacheBudget(0.0))
+    batches(build.open_source(Source("data", path=bucket), said)[0])  # fills the cache with every shard
+    again = tmp_path / "again"
+    shutil.copytree(prepared, again)
+    description = json.loads((again / DATASET_FILE).read_text())
+    for shard in description["shards"]:
+        path = again / shard["path"]
+        ids = np.load(path)["input_ids"]
+        np.savez(path, input_ids=ids[::-1].copy())  # same ids, other order: same size, other crc32c
+        assert path.stat().st_size == shard["bytes"]
+        shard["crc32c"] = file_crc32c(path)
+    (again / DATASET_FILE).write_text(json.dumps(description))
+    upload(again, bucket)
+    stream_source._DESCRIBED.clear()  # a new process: dataset.json fetched again
+    lines.clear()
+    streamed = batches(build.open_source(Source("data", path=bucket), said)[0])
+    fresh = batches(build.open_source(Source("data", path=again), request(tmp_path / "x", shuffle))[0])
+    assert all(torch.equal(a, b) for a, b in zip(streamed, fresh))
+    stale = [line for line in lines if "fetched again" in line]
+    assert len(stale) == 1 and "crc32c" in stale[0], lines
 
 
 # ------------------------------------------------------------------------------- a thread that fails, a stop

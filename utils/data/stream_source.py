@@ -54,8 +54,8 @@ from utils.data.source import GB, CacheBudget, DataUnavailable, OpenRequest, Sou
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import THREAD_FAILED, BackgroundFailure, UserError
 from utils.lock import OutputDirLock
-from utils.storage import (RemoteObject, StorageError, bytes_match, download_verified, gs_url, join_name, make_client,
-                           parse_gs_url, read_object, short_error, thread_client)
+from utils.storage import (RemoteObject, StorageError, bytes_match, download_verified, file_crc32c, gs_url, join_name,
+                           make_client, parse_gs_url, read_object, short_error, thread_client)
 
 FETCH_THREADS = 4  # downloads in flight per source and process
 FETCH_RETRIES = 5  # a failed download is tried this many more times (with backoff) before its shard is unavailable
@@ -192,6 +192,7 @@ class ShardFetcher:
         self._workers: list[threading.Thread] = []
         self._generation = 0
         self._coordinator: threading.Thread | None = None
+        self._said_stale = False  # whether a stale cached copy was said (once per run)
         self._died: str | None = None  # the line of a thread that failed: every wait returns it from then on
         self.peak_bytes = self.fetched = self.fetched_bytes = 0
         self._reset_window()
@@ -506,7 +507,7 @@ class ShardFetcher:
             left_here = f in self._on_disk
         downloaded, failure = 0, None
         try:
-            if not (left_here and self._passes(f, path)):
+            if not (left_here and self._current(f, path) and self._passes(f, path)):
                 path.unlink(missing_ok=True)
                 downloaded = download_verified(thread_client(), self.bucket, RemoteObject(
                     join_name(self.prefix, self.rels[f]), self.sizes[f], self.crcs[f]), unchecked, retries=FETCH_RETRIES)
@@ -547,6 +548,18 @@ class ShardFetcher:
         if count != self.sequences[f]:
             raise ShardError(f"{name}: holds {count} sequences of {self.seq_len} tokens but dataset.json's count "
                              f"gives {self.sequences[f]}; prepare the dataset again with prepare_data.py")
+
+    def _current(self, f: int, path: Path) -> bool:
+        """Whether a file an earlier run left is the one dataset.json lists now (its crc32c: a dataset prepared
+        again under the same prefix keeps its shards' names and sizes). A stale one is fetched again, said once."""
+        if not self.crcs[f] or file_crc32c(path) == self.crcs[f]:
+            return True
+        with self._lock_state:
+            said, self._said_stale = self._said_stale, True
+        if not said:
+            self.log(f"data: {self.url}: the cache {self.folder} holds copies of its shards other than its dataset.json "
+                     f"lists now (crc32c; prepared again?), e.g. {self.rels[f]}: each is fetched again")
+        return False
 
     def _passes(self, f: int, path: Path) -> bool:
         try:
