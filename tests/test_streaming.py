@@ -372,6 +372,54 @@ def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_
     assert len(stopped) == 1 and "checkpoint" in stopped[0], stdout[-3000:]
 
 
+def _crafted(prepared: Path, dest: Path, edit) -> Path:
+    """A copy of the prepared dataset whose dataset.json `edit` changed."""
+    shutil.copytree(prepared, dest)
+    description = json.loads((dest / DATASET_FILE).read_text())
+    edit(description)
+    (dest / DATASET_FILE).write_text(json.dumps(description))
+    return dest
+
+
+CRAFTED = {  # field -> (edit, what the line says)
+    "path .": (lambda d: d["shards"][3].update(path="."), r"shards\[3\]\.path is '\.', not the relative path of a file"),
+    "tokens 1e15": (lambda d: d["shards"][0].update(tokens=1e15), r"shards\[0\]\.tokens is 1000000000000000\.0, not a non-negative integer"),
+    "tokens 10**15": (lambda d: d["shards"][0].update(tokens=10**15),
+                      r"shards\[0\]\.tokens is 1,000,000,000,000,000, more uint16 tokens than its [\d,]+ bytes can hold"),
+    "tokens -5": (lambda d: d["shards"][1].update(tokens=-5), r"shards\[1\]\.tokens is -5, not a non-negative"),
+    "tokens string": (lambda d: d["validation"]["shards"][0].update(tokens="1024"),
+                      r"validation\.shards\[0\]\.tokens is '1024', not a non-negative integer"),
+    "eos_id string": (lambda d: d["tokenizer"].update(eos_id="0"), r"tokenizer\.eos_id is '0', not a non-negative"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_dataset_json_in_the_bucket_is_refused_naming_the_field(gcs_emulator, prepared, tmp_path, case):
+    edit, said = CRAFTED[case]
+    url = upload(_crafted(prepared, tmp_path / "crafted", edit), f"gs://{gcs_emulator.bucket}/crafted")
+    with pytest.raises(UserError) as e:
+        build.open_source(Source("data", path=url), request(tmp_path / "cache", Shuffle()))
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{url}/dataset.json: ") and re.search(said, str(e.value)), \
+        str(e.value)
+
+
+@pytest.mark.slow
+def test_the_streamed_reproductions_end_in_one_line_within_seconds(gcs_emulator, prepared, tmp_path, subprocess_env):
+    """train.py on a streamed dataset.json naming a shard path "." (a fetch thread died, the loop waited for
+    good) and on one shard of 1e15 tokens (the plan thread died allocating 114 TiB): one line, exit 2, in
+    seconds."""
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    for case in ("path .", "tokens 1e15"):
+        name = case.replace(" ", "-").replace(".", "dot")
+        url = upload(_crafted(prepared, tmp_path / name, CRAFTED[case][0]), f"gs://{gcs_emulator.bucket}/{name}")
+        started = time.monotonic()
+        proc = train(tmp_path / f"out-{name}", url, env, f"data_cache_dir={tmp_path / 'cache'}", check=False)
+        assert time.monotonic() - started < 120
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and re.search(CRAFTED[case][1], errors[0]), errors
+
+
 # ------------------------------------------------------------------------------------------ through train.py
 
 

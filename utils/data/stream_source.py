@@ -47,7 +47,7 @@ import numpy as np
 from utils import files, signals
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.dataset_info import FILE as DATASET_FILE
-from utils.data.dataset_info import DatasetInfo
+from utils.data.dataset_info import DatasetInfo, DatasetInfoError
 from utils.data.index import DataDirError, ShardIndex
 from utils.data.shards import INPUT_KEY, ShardError, ShardInfo, ShardLayout, check_header, check_vocab, inspect_shard, read_layout
 from utils.data.source import GB, CacheBudget, DataUnavailable, OpenRequest, Source, SourceType
@@ -105,7 +105,10 @@ def description_dir(source: Source, cache_dir: str) -> Path:
         with files.write_guard(folder, advice="free space there or set data_cache_dir to a disk with room"):
             folder.mkdir(parents=True, exist_ok=True)
             files.write_bytes(folder / DATASET_FILE, description)
-            info = DatasetInfo.load(folder)
+            try:
+                info = DatasetInfo.load(folder)
+            except DatasetInfoError as exc:  # named as the bucket's file, not its cached copy
+                raise DatasetInfoError(str(exc).replace(str(folder / DATASET_FILE), f"{url}/{DATASET_FILE}")) from None
             tokenizer = info.raw["tokenizer"].get("file", TOKENIZER_FILE)
             text = read_object(client, gs_url(bucket, join_name(prefix, tokenizer)))
             if text is not None:
