@@ -279,7 +279,7 @@ def build_training(parallel, cfg, spec, init_weights, log):
     from utils.data.build import end_of_document
     from utils.optim import build_optimizer, build_scheduler
 
-    eos = end_of_document(cfg) if cfg.attention == "document" else None
+    eos = end_of_document(cfg, spec.vocab_size) if cfg.attention == "document" else None
     model = parallel.build_model(spec, init_weights, log, eos)
     optimizer = build_optimizer(model, cfg, fused=parallel.device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg)
