@@ -117,8 +117,7 @@ class SpikeGuard:
             raise SpikesPersist(f"spike_guard={self.mode}: the last {self.skipped_in_a_row} steps (to step {step}, a "
                                 f"whole spike_window) were all spikes and skipped (loss {step_loss:.4g}, grad norm "
                                 f"{norm:.4g}{'' if finite else ': not finite'}): the run is learning nothing, so it "
-                                f"stops and exports nothing; lower learning_rate (or resume from a checkpoint saved "
-                                f"before the spikes)")
+                                f"stops and exports nothing; lower learning_rate and train again")
         if self.accelerator.scaler is not None:  # fp16: close the step the scaler unscaled for (no optimizer step)
             self.accelerator.scaler.update()
         if self.mode == "rollback":

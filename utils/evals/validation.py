@@ -40,6 +40,5 @@ def run_eval(model, batches, accelerator, state, log, final: bool = False) -> fl
 
             name, value = next(iter(broken.items()))
             raise NonFiniteLoss(f"{name} at the last step ({state.step}) is {value} (not finite): the weights are broken, "
-                                f"so nothing is exported; lower learning_rate and train again (or resume from a "
-                                f"checkpoint saved before the loss broke)")
+                                f"so nothing is exported; lower learning_rate and train again")
     return seconds
