@@ -98,6 +98,21 @@ def test_sigterm_to_the_launcher_pid(tmp_path, subprocess_env, gpus, workers):
     resume_continues(out, data, step, subprocess_env)
 
 
+def test_sighup_to_the_launcher_is_reported_as_sighup(tmp_path, subprocess_env):
+    """SIGHUP (a closed session, some schedulers) is forwarded to the ranks as SIGTERM; both the rank's line
+    and the launcher's name SIGHUP (they said SIGTERM), and the stop is as clean."""
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    proc = start(launcher_cmd(out, data, 1, 0), subprocess_env, out, start_new_session=True)
+    wait_for_steps(out, proc)
+    os.kill(proc.pid, signal.SIGHUP)
+    text = finish(proc, out)
+    assert proc.returncode == 0, text[-3000:]
+    match = STOP_LINE.search(text)
+    assert match and match.group(1) == "SIGHUP", text[-3000:]
+    assert re.search(r"^Stopped by SIGHUP after step \d+: checkpoint", text, re.M), text[-3000:]
+    verify_checkpoint(Path(match.group(3)))
+
+
 @pytest.mark.parametrize("gpus, workers", [(1, 2), (2, 0)])
 def test_sigterm_to_the_process_group(tmp_path, subprocess_env, gpus, workers):
     """SLURM's scancel, systemd and a terminal signal the whole group: the DataLoader workers and torchrun

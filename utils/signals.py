@@ -21,9 +21,20 @@ def stop_requested() -> str | None:
     return _REQUESTED[0] if _REQUESTED else None
 
 
+SIGNAL_SUFFIX = ".signal"  # beside the launcher's status record: the signal it received and forwarded as SIGTERM
+
+
 def _reason(signum: int) -> str:
     if signum == signal.SIGTERM and _SUPERVISOR_LOST:
         return _SUPERVISOR_LOST[0]
+    if signum == signal.SIGTERM and os.environ.get("NEOX_STATUS_FILE"):  # SIGHUP, SIGUSR1 the launcher received
+        try:
+            with open(os.environ["NEOX_STATUS_FILE"] + SIGNAL_SUFFIX) as f:
+                sent = f.read().strip()
+            if sent in {s.name for s in signal.Signals}:
+                return sent
+        except OSError:
+            pass
     return signal.Signals(signum).name
 
 
