@@ -325,6 +325,36 @@ def test_a_crafted_completion_record_naming_a_file_outside_is_refused(corpus, to
         assert secret.exists() and not (tmp_path / f"crafted{i}").exists()
 
 
+def test_a_gs_output_is_locked_as_a_local_one_is(corpus, tokenizer, tmp_path, subprocess_env, gcs_emulator):
+    """--output gs://... held by another prepare (its lock object beside the prefix, another host): refused in
+    one line naming the holder and the lock, nothing written (the two published one after the other); a lock
+    left by a dead process of this host is taken over, and the run's own lock is gone when it ends."""
+    import os
+    import socket
+
+    from utils.storage import make_client
+
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    bucket = make_client().bucket(gcs_emulator.bucket)
+    lock = bucket.blob("sets/.ds.lock")
+    lock.upload_from_string(json.dumps({"host": "trainer-7", "pid": 4242, "started_unix": 0}))
+    args = ["--input", corpus[0], "--tokenizer", tokenizer, "--output", f"gs://{gcs_emulator.bucket}/sets/ds"]
+    proc = prepare(args, env, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is being prepared by another prepare_data.py (host trainer-7, pid 4242)" in lines[0]
+    assert f"remove gs://{gcs_emulator.bucket}/sets/.ds.lock" in lines[0]
+    assert [b.name for b in bucket.list_blobs(prefix="sets/")] == ["sets/.ds.lock"]
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.upload_from_string(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started_unix": 0}))
+    prepare(args, env)
+    names = [b.name for b in bucket.list_blobs(prefix="sets/")]
+    assert "sets/ds/dataset.json" in names and "sets/.ds.lock" not in names, names
+    assert os.getpid() != dead.pid
+
+
 @pytest.mark.parametrize("case, fragment", [
     ("bad_json", r"b\.jsonl:2: not valid JSON"),
     ("no_field", r"b\.jsonl:1: no 'text' field; name the field with --text-field"),
