@@ -1,7 +1,7 @@
 """The launcher's supervisor: runs the training command and delivers a scheduler's stop signal to the
 training ranks, however the scheduler sends it, then waits for their checkpoint however long it takes.
 
-    python utils/launch.py -- accelerate launch ... train.py ...      (start_training.sh execs this)
+    python utils/launch.py -- accelerate launch ... train.py ...      (start_training.sh starts this)
 
 Why it exists. `accelerate launch` with one process only Popens train.py and forwards no signal; torchrun
 (accelerate's multi-process path) forwards SIGTERM but SIGKILLs the ranks 30 s later, before a 1.2B
@@ -35,7 +35,7 @@ from __future__ import annotations
 import signal
 
 _EARLY_STOPS: list[int] = []  # stop signals that came before the supervisor had started anything
-if __name__ == "__main__":  # caught from the first line (start_training.sh execs this): it may come at once
+if __name__ == "__main__":  # caught from the first line (start_training.sh holds one that comes before)
     for _signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):
         signal.signal(_signum, lambda signum, _frame: _EARLY_STOPS.append(signum))
 
