@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import signal
 
-    from utils.data.prepare import check_upload_url, lock_output, prepare, report_line, stderr_progress, upload
+    from utils.data.prepare import BucketLock, check_upload_url, lock_output, prepare, report_line, stderr_progress, upload
 
     signal.signal(signal.SIGTERM, _interrupt)  # stop the pool and clean up, as for Ctrl-C
     progress = None if args.no_progress else stderr_progress()
@@ -96,8 +96,7 @@ def main(argv=None) -> int:
         check_upload_url(args.upload)
         if args.upload and args.output.startswith("gs://"):
             raise UserError(f"--upload with --output {args.output}: the dataset is written there already")
-        if not args.output.startswith("gs://"):
-            lock = lock_output(args.output)
+        lock = BucketLock(args.output).acquire() if args.output.startswith("gs://") else lock_output(args.output)
         result = prepare(args.input, args.tokenizer, args.output, workers=args.workers, text_field=args.text_field,
                          shard_tokens=args.shard_tokens, eos_token=args.eos_token, progress=progress,
                          val_fraction=args.val_fraction, split_seed=args.split_seed,

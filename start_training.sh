@@ -4,12 +4,27 @@
 # (to this PID, as a container's PID 1, to the process group, by timeout or SLURM) and waits for their
 # checkpoint. Run with --help for the options. Everything accelerate needs is passed on its command line;
 # no `accelerate config` file is required.
+# Stop signals are caught from the first line on. Before the supervisor starts: nothing has started, nothing to
+# save. Once it runs (a child of this script, below), each goes to it, held until it catches signals itself.
+supervisor="" supervisor_ready=0 held_signals=()
+on_stop() {
+    if [[ -z "$supervisor" ]]; then
+        echo "start_training.sh: stopped by a signal before training started; nothing to save" >&2
+        exit 0
+    elif [[ "$supervisor_ready" == 1 ]]; then
+        kill -s "$1" "$supervisor" 2>/dev/null || true
+    else
+        held_signals+=("$1")
+    fi
+}
+trap 'on_stop TERM' TERM
+trap 'on_stop HUP' HUP
+trap 'on_stop USR1' USR1
+trap 'on_stop INT' INT
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PROG="start_training.sh"
-# A stop signal before the supervisor takes over (below, `exec`): nothing has started, nothing to save.
-trap 'echo "$PROG: stopped by a signal before training started; nothing to save" >&2; exit 0' TERM HUP USR1 INT
 
 # Python for the checks below: the repo's .venv when set up
 if [[ -x "$SCRIPT_DIR/.venv/bin/python" ]]; then
@@ -252,4 +267,30 @@ echo "+ ${env_args[*]:+${env_args[*]} }${printed% }"
 for assignment in "${env_args[@]}"; do
     export "${assignment?}"
 done
-exec "$python" -S "$SCRIPT_DIR/utils/launch.py" -- "${cmd[@]}"  # -S: no site hooks, so it catches signals sooner
+# The supervisor runs as a child in a session of its own (a signal to this script's process group reaches it
+# once, through this script), never exec'd: an exec'd interpreter dies of a stop signal that comes before its
+# first line has installed its handlers. A signal until then is held here and handed over once it catches them.
+catches_stops() {  # whether process $1 has its handlers for SIGTERM and SIGINT (bits 14 and 1 of /proc's SigCgt)
+    local mask
+    mask="$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null)" || return 1
+    [[ -n "$mask" ]] && (( (16#$mask >> 14) & 1 )) && (( (16#$mask >> 1) & 1 ))
+}
+set +e
+if command -v setsid >/dev/null 2>&1; then
+    setsid "$python" -S "$SCRIPT_DIR/utils/launch.py" -- "${cmd[@]}" &  # -S: no site hooks, it catches sooner
+else
+    "$python" -S "$SCRIPT_DIR/utils/launch.py" -- "${cmd[@]}" &
+fi
+supervisor=$!
+while kill -0 "$supervisor" 2>/dev/null && ! catches_stops "$supervisor"; do
+    sleep 0.01
+done
+supervisor_ready=1
+for held in "${held_signals[@]}"; do
+    kill -s "$held" "$supervisor" 2>/dev/null
+done
+while kill -0 "$supervisor" 2>/dev/null; do
+    wait "$supervisor"  # returns early when a signal's trap ran; the supervisor goes on
+done
+wait "$supervisor"
+exit $?

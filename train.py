@@ -30,7 +30,7 @@ from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORM
                                      precision_name, to_yaml)
 from utils import layout  # noqa: E402
 from utils.console import progress_bar, survive_lost_console  # noqa: E402
-from utils.errors import UserError  # noqa: E402
+from utils.errors import BackgroundFailure, UserError  # noqa: E402
 from utils.run_status import RunStatus, rank_zero  # noqa: E402
 from utils.signals import StoppedInSetup, catch_early, watch_supervisor  # noqa: E402
 
@@ -84,6 +84,10 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         RunStatus(2, error=str(exc)).write()
         return 2
+    except BackgroundFailure as exc:  # a background thread failed or died: its one line, exit 1
+        print(f"error: {exc}", file=sys.stderr)
+        RunStatus(1, error=str(exc)).write()
+        return 1
     finally:  # on every exit path: a gloo/NCCL group left alive can crash or hang the interpreter's exit
         dist = sys.modules.get("torch.distributed")  # none to close unless train() got as far as importing torch
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -280,7 +284,7 @@ def build_training(parallel, cfg, spec, init_weights, log):
     from utils.data.build import end_of_document
     from utils.optim import build_optimizer, build_scheduler
 
-    eos = end_of_document(cfg) if cfg.attention == "document" else None
+    eos = end_of_document(cfg, spec.vocab_size) if cfg.attention == "document" else None
     model = parallel.build_model(spec, init_weights, log, eos)
     optimizer = build_optimizer(model, cfg, fused=parallel.device.type == "cuda")
     scheduler = build_scheduler(optimizer, cfg)

@@ -103,7 +103,8 @@ class TrainingConfig:
                                        "(GPTNeoXForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM)")
     init_from: str = _field("", "an HF directory of a known family (GPT-NeoX, Llama, Qwen2: config.json + "
                                 "safetensors): start from its weights")
-    seq_len: int = _field(0, "tokens per training sequence; 0: the model's max_position_embeddings", "[0, inf)")
+    seq_len: int = _field(0, "tokens per training sequence; 0: the model's max_position_embeddings (1 has no next "
+                             "token to learn)", "[2, inf)", {0: "the model's max_position_embeddings"})
     # data
     data_dir: str = _field("data/training", "local shard directory, or gs://BUCKET/PREFIX of a prepared dataset to "
                                             "stream from (a dataset.json there sets the vocabulary)")
@@ -130,7 +131,8 @@ class TrainingConfig:
                                "[0, inf)")
     per_device_train_batch_size: int = _field(4, "sequences per micro-batch per process", "[1, inf)")
     gradient_accumulation_steps: int = _field(4, "micro-batches per optimizer step", "[1, inf)")
-    learning_rate: float = _field(3e-4, "peak learning rate", "(0, inf)")
+    learning_rate: float = _field(3e-4, "peak learning rate (above 1e12 a typo: the first update overflows fp32)",
+                                  "(0, 1e12]")
     min_lr_ratio: float = _field(0.1, "the schedule decays to learning_rate * min_lr_ratio at max_steps", "[0, 1]")
     warmup_steps: int = _field(500, "linear warmup steps", "[0, inf)")
     lr_schedule: str = _field("cosine", "after warmup: cosine | wsd (stable, then decay at the end) | linear | constant")
@@ -138,7 +140,8 @@ class TrainingConfig:
     decay_fraction: float = _field(0.2, "wsd: the share of max_steps the decay takes when decay_steps is 0",
                                    "[0, 1]")
     decay_shape: str = _field("linear", "wsd: the decay's shape, linear | cosine | sqrt")
-    weight_decay: float = _field(0.1, "AdamW weight decay (matrices only)", "[0, inf)")
+    weight_decay: float = _field(0.1, "AdamW weight decay (matrices only; each step scales them by 1 - "
+                                      "learning_rate * weight_decay)", "[0, 100]")
     adam_beta1: float = _field(0.9, "AdamW beta1", "[0, 1)")
     adam_beta2: float = _field(0.95, "AdamW beta2", "[0, 1)")
     adam_eps: float = _field(1e-8, "AdamW epsilon", "(0, inf)")
@@ -243,6 +246,10 @@ class TrainingConfig:
             raise ConfigError("attention=document masks the native model's attention; use model_impl=native")
         if self.spike_guard not in SPIKE_GUARDS:
             raise ConfigError(f"spike_guard='{self.spike_guard}' is not valid; use one of {', '.join(SPIKE_GUARDS)}")
+        if self.spike_guard == "rollback" and self.spike_patience > self.spike_window:
+            raise ConfigError(f"spike_patience={self.spike_patience} exceeds spike_window={self.spike_window}: that "
+                              f"many spikes never fall within the window, so the run would never roll back; lower "
+                              f"spike_patience or raise spike_window")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ConfigError(f"activation_checkpointing='{self.activation_checkpointing}' is not valid; use one of "
                               f"{', '.join(ACTIVATION_CHECKPOINTING)}")
@@ -357,6 +364,10 @@ def _coerce(name: str, raw, where: str):
             return list(raw)
         if isinstance(raw, (list, tuple)) and name == "report_to":
             return ",".join(str(v) for v in raw)
+        if isinstance(raw, bool) and name == "mixed_precision":  # YAML reads a bare `no` as false: fp32
+            if raw:
+                raise ValueError
+            return "no"
         if isinstance(raw, bool):  # YAML reads a bare off / on (no / yes) as a bool: `profile: off`, `spike_guard: off`
             return "on" if raw else "off"
         if isinstance(raw, (dict, list, tuple)):

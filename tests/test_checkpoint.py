@@ -10,8 +10,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import re
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -373,6 +375,33 @@ class Gate:
         return (collections.OrderedDict, ())
 
 
+def test_async_writer_never_waits_on_a_dead_thread():
+    """The writer thread gone mid-write (a job it cannot even unpack kills it before its own try): wait() and
+    the next save() raise BackgroundFailure within seconds, where they waited for good."""
+    from utils.errors import THREAD_FAILED, BackgroundFailure
+
+    writer = AsyncCheckpointWriter()
+    writer._idle.clear()
+    writer._jobs.put(("not a job",))
+    writer._thread.join(10)
+    assert not writer._thread.is_alive()
+    for call in (writer.wait, lambda: writer.save("/nonexistent", "x", small_payload(1))):
+        result = []
+        waiter = threading.Thread(target=lambda: result.append(_raised(call)), daemon=True)
+        waiter.start()
+        waiter.join(20)
+        assert not waiter.is_alive() and isinstance(result[0], BackgroundFailure), result
+        assert str(result[0]).startswith(THREAD_FAILED) and "checkpoint-writer" in str(result[0])
+
+
+def _raised(call):
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - what the test looks at
+        return exc
+    return None
+
+
 def test_async_writer_returns_at_once_and_reports_errors(tmp_path):
     writer = AsyncCheckpointWriter()
     assert writer.wait() is None
@@ -473,3 +502,37 @@ def test_resolve_resume_from_gcs(tmp_path, gcs_emulator):
     with pytest.raises(CheckpointError, match="start without --resume"):
         resolve_resume("latest", tmp_path / "empty", f"gs://{gcs_emulator.bucket}/nothing/here",
                        client_factory=gcs_emulator.client, log=lambda m: None)
+
+
+def test_dcp_metadata_builds_nothing_but_dcp_s_own_metadata(tmp_path, subprocess_env):
+    """A real `.metadata`, read as before; the same behind a crafted prefix that uses admitted names only and
+    BUILDs {"_str": PATH} onto pathlib.PosixPath (every path the process then builds would point at PATH, and a
+    resume would delete it): refused in one line, no path changed. Each read in its own process."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.trainkit import REPO_ROOT
+
+    checkpoint = tmp_path / "ck"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(4, 4), "o": {"step": 3}}, checkpoint_id=str(checkpoint / "dcp"))
+    real = (checkpoint / "dcp" / ".metadata").read_bytes()
+    victim = str(tmp_path / "victim.txt").encode()
+    crafted = (b"\x80\x04cpathlib\nPosixPath\nN}X\x04\x00\x00\x00_strX" + len(victim).to_bytes(4, "little") + victim
+               + b"s\x86b0" + real)
+    probe = ("import sys; from pathlib import Path; from utils.checkpoint.sharded import MetadataReader\n"
+             "from utils.errors import UserError\n"
+             "try:\n    m = MetadataReader.checked(sys.argv[1]).metadata; print('read', len(m.state_dict_metadata))\n"
+             "except UserError as e:\n    print('error:', e)\n"
+             "print('path', Path('/somewhere/else'))\n")
+    outputs = []
+    for data in (real, crafted):
+        (checkpoint / "dcp" / ".metadata").write_bytes(data)
+        proc = subprocess.run([sys.executable, "-c", probe, str(checkpoint)], env=subprocess_env, cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        outputs.append(proc.stdout.splitlines())
+    assert outputs[0] == ["read 2", "path /somewhere/else"], outputs[0]
+    assert len(outputs[1]) == 2 and outputs[1][1] == "path /somewhere/else", outputs[1]
+    assert re.match(r"error: \S+/dcp/\.metadata sets state on PosixPath, which is none of DCP's metadata: refused",
+                    outputs[1][0]), outputs[1][0]

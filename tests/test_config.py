@@ -72,6 +72,11 @@ def test_bad_overrides(pairs, fragment):
     ({"max_steps": 0}, "max_steps=0 must be at least 1"),
     ({"seq_len": 4096}, "exceeds model"),
     ({"gcs_bucket": "gs://b/x"}, "bare bucket name"),
+    ({"learning_rate": 1e30}, r"learning_rate=1e\+30 must be a finite number within \(0, 1e12\]"),
+    ({"weight_decay": 1e30}, r"weight_decay=1e\+30 must be a finite number within \[0, 100\]"),
+    ({"seq_len": 1}, r"seq_len=1 must be at least 2, or 0 \(the model's max_position_embeddings\)"),
+    ({"spike_guard": "rollback", "spike_patience": 9, "spike_window": 8},
+     "spike_patience=9 exceeds spike_window=8: that many spikes never fall within the window"),
 ])
 def test_bad_values(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -98,6 +103,17 @@ def test_config_file_starts_from_a_base_preset(tmp_path):
     (tmp_path / "c.json").write_text('{"model": "tiny", "compile_model": false}')
     cfg, _ = settle_config(str(tmp_path / "c.json"), [], {}, device=("cpu", None))
     assert cfg.model == "tiny" and cfg.compile_model is False and cfg.warmup_steps == 500  # field defaults
+
+
+def test_a_bare_no_for_mixed_precision_in_a_config_file_is_fp32(tmp_path):
+    """YAML reads `mixed_precision: no` as false: it was refused naming a value 'off' the user never wrote."""
+    path = tmp_path / "fp32.yaml"
+    path.write_text("base: demo\nmixed_precision: no\n")
+    assert get_training_config(str(path)).mixed_precision == "no"
+    path.write_text("base: demo\nmixed_precision: yes\n")
+    with pytest.raises(ConfigError, match="expected a value of type str for mixed_precision, got True"):
+        get_training_config(str(path))
+    get_training_config("demo", {"spike_guard": "warn", "spike_patience": 9, "spike_window": 8})  # not rollback
 
 
 def test_a_bare_off_in_a_config_file_is_the_choice_off(tmp_path):

@@ -130,3 +130,15 @@ def test_document_masking_through_train_py_matches_on_one_and_two_processes_ddp_
         for step in rows:
             assert math.isclose(rows[step]["loss"], ref[step]["loss"], rel_tol=1e-5), (other, step)
     assert abs(train_rows(causal)[1]["loss"] - ref[1]["loss"]) > 1e-4
+
+
+def test_an_eos_id_beyond_the_vocabulary_is_one_line(tmp_path, subprocess_env):
+    """attention=document with eos_id past the model's vocabulary (it was accepted: no document ever ended)."""
+    from tests.trainkit import make_shards, run, train_cmd
+
+    data = make_shards(tmp_path / "data", n_files=2, rows=8)
+    proc = run(train_cmd(tmp_path / "out", data, "attention=document", "eos_id=100000", "max_steps=2"),
+               subprocess_env, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and "eos_id is 100000, not a token id of the model's vocabulary" in errors[0], errors

@@ -265,3 +265,49 @@ def test_export_script_converts_a_checkpoint(tmp_path, subprocess_env):
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr
     bad = run(script + [str(tmp_path / "nope"), str(tmp_path / "x")], subprocess_env, check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "error:" in bad.stderr
+
+
+def test_an_hf_weight_index_naming_a_file_out_of_its_directory_is_refused(tmp_path):
+    """A sharded HF directory whose model.safetensors.index.json names ../x.safetensors, an absolute path, or
+    a symlink out of the directory: one line naming the index and the entry (each was read). The hub cache's
+    own layout (snapshots/REV/ files linking to ../../blobs/) still loads."""
+    from utils.errors import UserError
+
+    spec = replace(BASE, pad_vocab_multiple=1)
+    model = to_transformers(build_model(spec, seed=7, impl="hf").state_dict(), spec)
+    model.save_pretrained(tmp_path / "real", max_shard_size="200KB")
+    index = json.loads((tmp_path / "real" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    _, weights = load_hf_pretrained(tmp_path / "real")
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(tmp_path / "real" / shards[0], outside)
+
+    def crafted(name: str, entry: str, link: bool = False):
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "real", folder)
+        (folder / shards[0]).unlink()
+        if link:
+            (folder / entry).symlink_to(outside)
+        crafted_index = json.loads(json.dumps(index))
+        crafted_index["weight_map"] = {k: entry if v == shards[0] else v for k, v in index["weight_map"].items()}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(crafted_index))
+        return folder
+
+    for folder, entry, said in [(crafted("dotdot", "../outside.safetensors"), "../outside.safetensors", "absolute or '..'"),
+                                (crafted("absolute", str(outside)), str(outside), "absolute or '..'"),
+                                (crafted("link", "w.safetensors", link=True), "w.safetensors", "a symlink out of")]:
+        with pytest.raises(UserError) as e:
+            load_hf_pretrained(folder)
+        line = str(e.value)
+        assert "\n" not in line and "model.safetensors.index.json: weight_map names" in line, line
+        assert repr(entry) in line and said in line, line
+
+    repo = tmp_path / "hub" / "models--x--tiny"  # the hub cache: every file a link into blobs/
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    for path in (tmp_path / "real").iterdir():
+        shutil.copy(path, repo / "blobs" / path.name)
+        (repo / "snapshots" / "abc" / path.name).symlink_to(f"../../blobs/{path.name}")
+    _, cached = load_hf_pretrained(repo / "snapshots" / "abc")
+    assert cached.keys() == weights.keys() and all(torch.equal(cached[k], weights[k]) for k in weights)

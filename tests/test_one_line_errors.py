@@ -72,6 +72,27 @@ def test_disk_full_guard_names_the_file_and_passes_other_errors(tmp_path):
             raise PermissionError(13, "denied")
 
 
+def test_a_cyclic_exception_chain_is_walked_in_bounded_time(tmp_path):
+    """A chain whose __context__ leads back to itself (as urllib3's retries made while GCS did not answer):
+    is_disk_full answered at once, where it walked the cycle for good at 100% CPU."""
+    import threading
+
+    a, b = ConnectionError("a"), TimeoutError("b")
+    a.__context__, b.__context__ = b, a
+    full = OSError(28, "No space left on device")
+    c = RuntimeError("c")
+    c.__context__, full.__context__ = full, c  # a cycle that holds a full disk further on
+    answers = []
+    walker = threading.Thread(target=lambda: answers.extend([files.is_disk_full(a), files.is_disk_full(c)]),
+                              daemon=True)
+    walker.start()
+    walker.join(20)
+    assert not walker.is_alive() and answers == [False, True]
+    with pytest.raises(ConnectionError):  # not a full disk: unchanged, at once
+        with files.disk_full_guard(tmp_path / "x"):
+            raise a
+
+
 def test_log_line_on_a_full_disk_is_one_line(tmp_path):
     """logs/metrics.jsonl linked to /dev/full: the promised DiskFullError, not a TypeError."""
     from utils.metrics import RunLogger

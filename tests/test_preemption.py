@@ -98,6 +98,21 @@ def test_sigterm_to_the_launcher_pid(tmp_path, subprocess_env, gpus, workers):
     resume_continues(out, data, step, subprocess_env)
 
 
+def test_sighup_to_the_launcher_is_reported_as_sighup(tmp_path, subprocess_env):
+    """SIGHUP (a closed session, some schedulers) is forwarded to the ranks as SIGTERM; both the rank's line
+    and the launcher's name SIGHUP (they said SIGTERM), and the stop is as clean."""
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    proc = start(launcher_cmd(out, data, 1, 0), subprocess_env, out, start_new_session=True)
+    wait_for_steps(out, proc)
+    os.kill(proc.pid, signal.SIGHUP)
+    text = finish(proc, out)
+    assert proc.returncode == 0, text[-3000:]
+    match = STOP_LINE.search(text)
+    assert match and match.group(1) == "SIGHUP", text[-3000:]
+    assert re.search(r"^Stopped by SIGHUP after step \d+: checkpoint", text, re.M), text[-3000:]
+    verify_checkpoint(Path(match.group(3)))
+
+
 @pytest.mark.parametrize("gpus, workers", [(1, 2), (2, 0)])
 def test_sigterm_to_the_process_group(tmp_path, subprocess_env, gpus, workers):
     """SLURM's scancel, systemd and a terminal signal the whole group: the DataLoader workers and torchrun
@@ -237,3 +252,53 @@ def test_sigterm_before_the_ranks_can_catch_it_still_ends_the_run_cleanly(tmp_pa
     else:
         assert "Stopped: stopped by SIGTERM during setup" in stdout, stdout
     assert not list_checkpoints(out / "checkpoints") and not leftovers(str(out))
+
+
+def test_sigterm_as_the_supervisor_starts_ends_the_run_cleanly(tmp_path, subprocess_env):
+    """SIGTERM to start_training.sh at the moment its supervisor (utils/launch.py) is starting, before the
+    interpreter has run its first line, with the CPU saturated: it was exec'd and died of the signal (exit
+    -15); now the script holds the signal until the supervisor catches it: exit 0, nothing left running."""
+    import sys
+
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu"]
+    for s in TINY + ["max_steps=5"]:
+        cmd += ["--set", s]
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        for attempt in range(3):
+            proc = subprocess.Popen(cmd + ["--", "--output-dir", str(out), "--data-dir", str(data)],
+                                    env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            deadline = time.monotonic() + 120
+            while not any(b"utils/launch.py" in _cmdline(pid) for pid in [proc.pid, *_children(proc.pid)]):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.001)
+            os.kill(proc.pid, signal.SIGTERM)
+            stdout, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 0, (attempt, proc.returncode, stderr[-3000:])
+            assert "nothing to save" in stdout + stderr, (stdout[-2000:], stderr[-2000:])
+            assert not list_checkpoints(out / "checkpoints")
+            deadline = time.time() + 10
+            while leftovers(str(out)) and time.time() < deadline:
+                time.sleep(0.2)
+            assert leftovers(str(out)) == []
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and _ppid(proc) == pid:
+            found.append(int(proc.name))
+    return found

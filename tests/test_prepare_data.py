@@ -299,6 +299,64 @@ def test_a_run_killed_after_some_partitions_is_finished_by_a_rerun_doing_only_th
     assert tree(out) == tree(clean)
 
 
+def test_a_crafted_completion_record_naming_a_file_outside_is_refused(corpus, tokenizer, tmp_path, subprocess_env):
+    """A staging folder whose done.json names ../../secret.txt (or an absolute path) for a shard: the rerun
+    refuses it in one line naming the file and field, and moves nothing, where the merge moved that file into
+    the published dataset."""
+    args = ["--input", corpus[0], "--tokenizer", tokenizer]
+    prepare(args + ["--output", tmp_path / "real"], subprocess_env)
+    description = json.loads((tmp_path / "real" / "dataset.json").read_text())
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a shard, and not the dataset's\n")
+    for i, named in enumerate(["../../secret.txt", str(secret)]):
+        staging = tmp_path / f".crafted{i}.staging"
+        (staging / "p00000").mkdir(parents=True)
+        (staging / "plan.json").write_bytes((tmp_path / "real" / "plan.json").read_bytes())
+        assert description["partitions"] == 1
+        record = {"partition": 0, "plan": description["fingerprint"], "documents": description["documents"],
+                  "documents_empty": description["documents_empty"], "tokens": description["tokens"],
+                  "validation": {"documents": 0, "tokens": 0},
+                  "shards": [{"path": named, "tokens": 10, "bytes": secret.stat().st_size,
+                              "crc32c": ""}]}
+        (staging / "p00000" / "done.json").write_text(json.dumps(record))
+        proc = prepare(args + ["--output", tmp_path / f"crafted{i}"], subprocess_env, check=False)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert re.search(r"p00000/done\.json: shards\[0\]\.path .* is not a shard file", lines[0]), lines[0]
+        assert secret.exists() and not (tmp_path / f"crafted{i}").exists()
+
+
+def test_a_gs_output_is_locked_as_a_local_one_is(corpus, tokenizer, tmp_path, subprocess_env, gcs_emulator):
+    """--output gs://... held by another prepare (its lock object beside the prefix, another host): refused in
+    one line naming the holder and the lock, nothing written (the two published one after the other); a lock
+    left by a dead process of this host is taken over, and the run's own lock is gone when it ends."""
+    import os
+    import socket
+
+    from utils.storage import make_client
+
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    bucket = make_client().bucket(gcs_emulator.bucket)
+    lock = bucket.blob("sets/.ds.lock")
+    lock.upload_from_string(json.dumps({"host": "trainer-7", "pid": 4242, "started_unix": 0}))
+    args = ["--input", corpus[0], "--tokenizer", tokenizer, "--output", f"gs://{gcs_emulator.bucket}/sets/ds"]
+    proc = prepare(args, env, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is being prepared by another prepare_data.py (host trainer-7, pid 4242)" in lines[0]
+    assert f"remove gs://{gcs_emulator.bucket}/sets/.ds.lock" in lines[0]
+    assert [b.name for b in bucket.list_blobs(prefix="sets/")] == ["sets/.ds.lock"]
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.upload_from_string(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started_unix": 0}))
+    prepare(args, env)
+    names = [b.name for b in bucket.list_blobs(prefix="sets/")]
+    assert "sets/ds/dataset.json" in names and "sets/.ds.lock" not in names, names
+    assert os.getpid() != dead.pid
+
+
 @pytest.mark.parametrize("case, fragment", [
     ("bad_json", r"b\.jsonl:2: not valid JSON"),
     ("no_field", r"b\.jsonl:1: no 'text' field; name the field with --text-field"),

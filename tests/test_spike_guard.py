@@ -313,3 +313,37 @@ def test_spikes_before_the_first_checkpoint_are_skipped_and_the_run_goes_on(tmp_
     assert "but no checkpoint to roll back to yet; they were skipped and training goes on" in proc.stderr
     assert events(out) == [(11, "skip", None), (13, "skip", None)]
     assert sorted(train_rows(out)) == list(range(1, 17)) and (out / "final_model").is_dir()
+
+
+BLOWN_UP = ["spike_guard=skip", "learning_rate=1e12", "warmup_steps=0", "max_grad_norm=1e30", "save_steps=100"]
+
+
+def _error_line(proc) -> str:
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_a_run_that_skipped_every_step_of_a_spike_window_stops_and_exports_nothing(tmp_path, subprocess_env):
+    """spike_guard=skip with an LR that blows the weights up at step 1: every later step is a non-finite
+    "spike", skipped. Once spike_window steps in a row were skipped the run stops in one line, non-zero, with no
+    final_model/ (it ended "done" with one, having learned nothing)."""
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    proc = run(train_cmd(out, data, *BLOWN_UP, "spike_window=4", "max_steps=12"), subprocess_env, check=False)
+    line = _error_line(proc)
+    assert "the last 4 steps (to step 5, a whole spike_window) were all spikes and skipped" in line, line
+    assert "not finite" in line and "learning_rate" in line
+    assert not (out / "final_model").exists()
+
+
+@pytest.mark.slow
+def test_a_run_whose_final_validation_loss_is_not_finite_stops_and_exports_nothing(tmp_path, subprocess_env):
+    """The same run with a spike_window longer than the run: it reaches its last step with weights that give a
+    NaN validation loss; it stops in one line naming it, non-zero, with no final_model/."""
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    proc = run(train_cmd(out, data, *BLOWN_UP, "spike_window=50", "max_steps=4"), subprocess_env, check=False)
+    line = _error_line(proc)
+    assert "val_loss at the last step (4) is nan (not finite)" in line and "nothing is exported" in line, line
+    assert not (out / "final_model").exists()

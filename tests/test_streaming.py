@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import threading
 import time
@@ -218,6 +219,205 @@ def test_refusals_are_one_line(bucket, prepared, tmp_path):
         build.open_source(Source("data", path="gs://test-bucket/nothing"), request(tmp_path, Shuffle()))
     with pytest.raises(UserError, match=r"data source data \(s3://b/x\): no source type reads it"):
         build.open_source(Source("data", path="s3://b/x"), request(tmp_path, Shuffle()))
+
+
+def test_a_stale_cache_entry_is_fetched_again_and_said_once(gcs_emulator, bucket, prepared, tmp_path):
+    """The dataset prepared again under the same prefix (same shard names and sizes, new contents and crc32c):
+    a reader with the old cache reads the new shards, as a fresh copy does, and says once that it refetched."""
+    from utils.data import stream_source
+    from utils.storage import file_crc32c
+
+    cache, shuffle = tmp_path / "cache", Shuffle()
+
+    def batches(source, n=40):
+        loader = ResumableLoader(source, 4, 0, 1, seed=3, shuffle=shuffle)
+        try:
+            return [next(loader) for _ in range(n)]
+        finally:
+            loader.close()
+
+    lines = []
+    said = OpenRequest(SEQ, VOCAB, log=lines.append, rank=0, shuffle=shuffle, step_sequences=8, cache_dir=str(cache),
+                       cache=CacheBudget(0.0))
+    batches(build.open_source(Source("data", path=bucket), said)[0])  # fills the cache with every shard
+    again = tmp_path / "again"
+    shutil.copytree(prepared, again)
+    description = json.loads((again / DATASET_FILE).read_text())
+    for shard in description["shards"]:
+        path = again / shard["path"]
+        ids = np.load(path)["input_ids"]
+        np.savez(path, input_ids=ids[::-1].copy())  # same ids, other order: same size, other crc32c
+        assert path.stat().st_size == shard["bytes"]
+        shard["crc32c"] = file_crc32c(path)
+    (again / DATASET_FILE).write_text(json.dumps(description))
+    upload(again, bucket)
+    stream_source._DESCRIBED.clear()  # a new process: dataset.json fetched again
+    lines.clear()
+    streamed = batches(build.open_source(Source("data", path=bucket), said)[0])
+    fresh = batches(build.open_source(Source("data", path=again), request(tmp_path / "x", shuffle))[0])
+    assert all(torch.equal(a, b) for a, b in zip(streamed, fresh))
+    stale = [line for line in lines if "fetched again" in line]
+    assert len(stale) == 1 and "crc32c" in stale[0], lines
+
+
+# ------------------------------------------------------------------------------- a thread that fails, a stop
+
+
+def _bounded(fn, seconds: float):
+    """fn() in a thread, its result or exception; a wait that does not end within `seconds` fails the test."""
+    out = {}
+
+    def call():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s on a dead thread"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_fetch_or_plan_thread_that_dies_reaches_the_loop_as_one_line_and_no_wait_hangs(bucket, tmp_path):
+    """The plan (coordinator) thread raising while it walks the schedule (as allocating a plan of 1e15 tokens
+    did), and a fetch thread dying inside its own error handler (a shard path naming the cache folder
+    itself): every wait returns the thread's one line within seconds, where it waited forever."""
+    from utils.data.stream_source import ShardFetcher
+    from utils.errors import THREAD_FAILED, BackgroundFailure
+
+    streamed, _ = build.open_source(Source("data", path=bucket), request(tmp_path / "cache", Shuffle()))
+
+    def plan():
+        yield np.arange(4)
+        raise MemoryError("Unable to allocate 114. TiB for an array")
+
+    streamed.read_from(plan())
+    try:
+        line = _bounded(lambda: streamed.wait_ready(500), 20)
+        assert line.startswith(THREAD_FAILED) and "data-fetch-plan" in line and "MemoryError" in line, line
+        assert "\n" not in line
+        loader = ResumableLoader(streamed, 4, 0, 1, seed=3, shuffle=Shuffle())
+        with pytest.raises(BackgroundFailure, match="data-fetch-plan"):
+            _bounded(lambda: [next(loader) for _ in range(200)], 20)
+    finally:
+        streamed.stop_reading()
+
+    folder = tmp_path / "crafted"
+    folder.mkdir()
+    fetcher = ShardFetcher(bucket, folder, [{"path": ".", "bytes": 100, "crc32c": "", "tokens": 64}], SEQ, VOCAB,
+                           budget=lambda: None, log=lambda _line: None)
+    fetcher.read_from(iter([np.arange(2)]))
+    try:
+        line = _bounded(lambda: fetcher.wait_ready(0), 20)
+        assert line.startswith(THREAD_FAILED) and "data-fetch-" in line, line
+        with pytest.raises(BackgroundFailure):
+            _bounded(lambda: fetcher.wait_for([0]), 20)
+    finally:
+        fetcher.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_emulator, bucket, tmp_path,
+                                                                            subprocess_env, monkeypatch):
+    """Downloads hang from the first step on (GCS answers nothing): the loop waits for its next files, a
+    SIGTERM then ends the run within seconds with a checkpoint, exit 0 (it waited until the download ended)."""
+    import signal
+    import subprocess
+
+    from gcp_storage_emulator.server import RequestHandler
+
+    gate, hanging = threading.Event(), threading.Event()
+    original = RequestHandler.do_GET
+
+    def do_get(handler):
+        if "alt=media" in handler.path and ".npz" in handler.path and hanging.is_set():
+            gate.wait(120)
+        original(handler)
+
+    monkeypatch.setattr(RequestHandler, "do_GET", do_get)
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    out = tmp_path / "gs"
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "demo", "--output-dir", str(out),
+           "--data-dir", bucket]
+    for s in [*TINY, f"seq_len={SEQ}", "sample_every=0", "max_steps=500", "shuffle=blocks", "shuffle_block_shards=2",
+              "per_device_train_batch_size=32", f"data_cache_dir={tmp_path / 'cache'}", f"data_cache_gb={40_000 / 1e9}"]:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        rows, deadline = out / "logs" / "metrics.jsonl", time.monotonic() + 240
+        while not (rows.exists() and '"loss"' in rows.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        hanging.set()
+        last, still = rows.read_text(), time.monotonic()
+        while time.monotonic() - still < 3:  # the loop is waiting: no new row for 3 s
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+            if rows.read_text() != last:
+                last, still = rows.read_text(), time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        gate.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    stopped = [line for line in stdout.splitlines() if line.startswith("Stopped by SIGTERM after step")]
+    assert len(stopped) == 1 and "checkpoint" in stopped[0], stdout[-3000:]
+
+
+def _crafted(prepared: Path, dest: Path, edit) -> Path:
+    """A copy of the prepared dataset whose dataset.json `edit` changed."""
+    shutil.copytree(prepared, dest)
+    description = json.loads((dest / DATASET_FILE).read_text())
+    edit(description)
+    (dest / DATASET_FILE).write_text(json.dumps(description))
+    return dest
+
+
+CRAFTED = {  # field -> (edit, what the line says)
+    "path .": (lambda d: d["shards"][3].update(path="."), r"shards\[3\]\.path is '\.', not the relative path of a file"),
+    "tokens 1e15": (lambda d: d["shards"][0].update(tokens=1e15), r"shards\[0\]\.tokens is 1000000000000000\.0, not a non-negative integer"),
+    "tokens 10**15": (lambda d: d["shards"][0].update(tokens=10**15),
+                      r"shards\[0\]\.tokens is 1,000,000,000,000,000, more uint16 tokens than its [\d,]+ bytes can hold"),
+    "tokens -5": (lambda d: d["shards"][1].update(tokens=-5), r"shards\[1\]\.tokens is -5, not a non-negative"),
+    "tokens string": (lambda d: d["validation"]["shards"][0].update(tokens="1024"),
+                      r"validation\.shards\[0\]\.tokens is '1024', not a non-negative integer"),
+    "eos_id string": (lambda d: d["tokenizer"].update(eos_id="0"), r"tokenizer\.eos_id is '0', not a non-negative"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_dataset_json_in_the_bucket_is_refused_naming_the_field(gcs_emulator, prepared, tmp_path, case):
+    edit, said = CRAFTED[case]
+    url = upload(_crafted(prepared, tmp_path / "crafted", edit), f"gs://{gcs_emulator.bucket}/crafted")
+    with pytest.raises(UserError) as e:
+        build.open_source(Source("data", path=url), request(tmp_path / "cache", Shuffle()))
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{url}/dataset.json: ") and re.search(said, str(e.value)), \
+        str(e.value)
+
+
+@pytest.mark.slow
+def test_the_streamed_reproductions_end_in_one_line_within_seconds(gcs_emulator, prepared, tmp_path, subprocess_env):
+    """train.py on a streamed dataset.json naming a shard path "." (a fetch thread died, the loop waited for
+    good) and on one shard of 1e15 tokens (the plan thread died allocating 114 TiB): one line, exit 2, in
+    seconds."""
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    for case in ("path .", "tokens 1e15"):
+        name = case.replace(" ", "-").replace(".", "dot")
+        url = upload(_crafted(prepared, tmp_path / name, CRAFTED[case][0]), f"gs://{gcs_emulator.bucket}/{name}")
+        started = time.monotonic()
+        proc = train(tmp_path / f"out-{name}", url, env, f"data_cache_dir={tmp_path / 'cache'}", check=False)
+        assert time.monotonic() - started < 120
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and re.search(CRAFTED[case][1], errors[0]), errors
 
 
 # ------------------------------------------------------------------------------------------ through train.py

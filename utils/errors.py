@@ -15,3 +15,11 @@ class UserError(Exception):
 class DiskFullError(UserError, OSError):
     """No space left (or quota exceeded) while writing; the message names the filesystem, the space
     needed and free, and what to do."""
+
+
+THREAD_FAILED = "a background thread failed"  # how the line of a BackgroundFailure starts
+
+
+class BackgroundFailure(Exception):
+    """A background thread (a data fetch or its plan, a checkpoint write, an upload) failed, or died: the run
+    stops with this one line (`error: ...`, exit 1), never waiting on the thread again."""

@@ -296,8 +296,11 @@ def write_guard(path, advice: str, needed_bytes: int | None = None) -> Iterator[
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    """True for 'no space left' / 'quota exceeded', including torch's wrapped writer errors."""
-    while exc is not None:
+    """True for 'no space left' / 'quota exceeded', including torch's wrapped writer errors. The walk over
+    `__cause__` / `__context__` visits each exception once and at most 64 (a chain may be cyclic)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen and len(seen) < 64:
+        seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):

@@ -1,7 +1,7 @@
 """The launcher's supervisor: runs the training command and delivers a scheduler's stop signal to the
 training ranks, however the scheduler sends it, then waits for their checkpoint however long it takes.
 
-    python utils/launch.py -- accelerate launch ... train.py ...      (start_training.sh execs this)
+    python utils/launch.py -- accelerate launch ... train.py ...      (start_training.sh starts this)
 
 Why it exists. `accelerate launch` with one process only Popens train.py and forwards no signal; torchrun
 (accelerate's multi-process path) forwards SIGTERM but SIGKILLs the ranks 30 s later, before a 1.2B
@@ -35,7 +35,7 @@ from __future__ import annotations
 import signal
 
 _EARLY_STOPS: list[int] = []  # stop signals that came before the supervisor had started anything
-if __name__ == "__main__":  # caught from the first line (start_training.sh execs this): it may come at once
+if __name__ == "__main__":  # caught from the first line (start_training.sh holds one that comes before)
     for _signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):
         signal.signal(_signum, lambda signum, _frame: _EARLY_STOPS.append(signum))
 
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from utils.console import survive_lost_console  # noqa: E402
 from utils.run_status import STATUS_FILE_ENV, RunStatus  # noqa: E402
-from utils.signals import SUPERVISOR_PID, parent_pid  # noqa: E402
+from utils.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid  # noqa: E402
 
 PROG = "start_training.sh"
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM, signal.SIGUSR1: signal.SIGTERM,
@@ -274,6 +274,7 @@ class Supervisor:
         self.child: subprocess.Popen | None = None
         self.ranks: set[int] = set()
         self.received: list[str] = []
+        self.status_path: str | None = None
         self.delivered: set[int] = set()  # ranks a stop signal reached
         self.child_done = threading.Event()
 
@@ -290,6 +291,11 @@ class Supervisor:
         name = signal.Signals(signum).name
         self.received.append(name)
         forward = FORWARDED[signum]
+        if len(self.received) == 1 and forward != signum and self.status_path:  # the ranks name the signal sent
+            try:
+                Path(self.status_path + SIGNAL_SUFFIX).write_text(name)  # before they get it as SIGTERM
+            except OSError:
+                pass
         targets = self.ranks_now()
         self.ranks.update(targets)
         first = len(self.received) == 1
@@ -337,6 +343,7 @@ class Supervisor:
         fd, status_path = tempfile.mkstemp(prefix="neox-status-", suffix=".json")
         os.close(fd)
         os.unlink(status_path)
+        self.status_path = status_path
         env = dict(os.environ, **{STATUS_FILE_ENV: status_path, SUPERVISOR_PID: str(os.getpid())})
         read_end, write_end, merged = _stderr_channel()
         try:
@@ -354,10 +361,11 @@ class Supervisor:
         code = self._wait_all()
         pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
         status = RunStatus.read(status_path)
-        try:
-            os.unlink(status_path)
-        except OSError:
-            pass
+        for leftover in (status_path, status_path + SIGNAL_SUFFIX):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
         return self._report(code, status, output)
 
     def _wait_all(self) -> int:

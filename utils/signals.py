@@ -12,11 +12,29 @@ import time
 SUPERVISOR_PID = "NEOX_SUPERVISOR_PID"  # set by utils/launch.py for the command it supervises
 _EARLY: list[str] = []  # signals received after catch_early() and before the StopSignal existed
 _SUPERVISOR_LOST: list[str] = []  # why the SIGTERM the watchdog sent came, once it has sent it
+_REQUESTED: list[str] = []  # every stop signal this process received (its reason), for waits outside the loop
+
+
+def stop_requested() -> str | None:
+    """The first stop signal this process received, or None: a wait on a background thread (data not yet
+    fetched) looks at it between slices of its wait, so that a stop ends the run whatever the thread does."""
+    return _REQUESTED[0] if _REQUESTED else None
+
+
+SIGNAL_SUFFIX = ".signal"  # beside the launcher's status record: the signal it received and forwarded as SIGTERM
 
 
 def _reason(signum: int) -> str:
     if signum == signal.SIGTERM and _SUPERVISOR_LOST:
         return _SUPERVISOR_LOST[0]
+    if signum == signal.SIGTERM and os.environ.get("NEOX_STATUS_FILE"):  # SIGHUP, SIGUSR1 the launcher received
+        try:
+            with open(os.environ["NEOX_STATUS_FILE"] + SIGNAL_SUFFIX) as f:
+                sent = f.read().strip()
+            if sent in {s.name for s in signal.Signals}:
+                return sent
+        except OSError:
+            pass
     return signal.Signals(signum).name
 
 
@@ -64,6 +82,7 @@ def catch_early() -> None:
     instead of killing the process mid-setup; the StopSignal then acts on them. A second SIGINT interrupts."""
     def remember(signum, frame):
         _EARLY.append(_reason(signum))
+        _REQUESTED.append(_reason(signum))
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -99,6 +118,7 @@ class StopSignal:
     def _handle(self, signum, frame):
         self.requested = True
         self.signal_name = _reason(signum)
+        _REQUESTED.append(self.signal_name)
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -37,6 +37,9 @@ What each mode does with a spike:
 In every mode but skip and rollback a non-finite loss is not a spike: the run stops at the next check of
 the losses, before anything is saved, as without a guard. Under skip and rollback a non-finite loss or
 gradient norm is a spike (from the first step, full window or not), skipped like any other.
+Under skip and rollback, `spike_window` spikes in a row (a window of steps all skipped, as after weights blown
+up at step 1: every later loss is NaN) stop the run in one line: it is learning nothing. (Independently, a
+validation loss at the last step that is not finite stops the run before the export: utils/evals/validation.py.)
 
 The cost, and why warn is the default. Deciding before the update needs the step's loss on the host: skip
 and rollback make one all-reduce of the two numbers and one device-to-host copy per step, between the
@@ -87,6 +90,7 @@ class SpikeGuard:
         self.spike_steps: list[int] = []  # rollback: the spikes within the window, counted against spike_patience
         self.rollbacks: list[dict] = []  # each: the spike's step, the checkpoint restored, the positions skipped
         self.spikes = self.skipped = 0  # over the whole run
+        self.skipped_in_a_row = 0  # skip, rollback: spike_window of them and the run is learning nothing: it stops
         self.rollback_due = False
         self._pending: list[tuple[int, torch.Tensor]] = []  # warn: (step, [loss, grad norm] on the device)
 
@@ -104,8 +108,16 @@ class SpikeGuard:
             return True
         step_loss, norm = self.accelerator.reduce(values, reduction="mean").tolist()
         if not self._judge(step, step_loss, norm):
+            self.skipped_in_a_row = 0
             return True
         self.skipped += 1
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row >= self.window:
+            finite = math.isfinite(step_loss) and math.isfinite(norm)
+            raise SpikesPersist(f"spike_guard={self.mode}: the last {self.skipped_in_a_row} steps (to step {step}, a "
+                                f"whole spike_window) were all spikes and skipped (loss {step_loss:.4g}, grad norm "
+                                f"{norm:.4g}{'' if finite else ': not finite'}): the run is learning nothing, so it "
+                                f"stops and exports nothing; lower learning_rate and train again")
         if self.accelerator.scaler is not None:  # fp16: close the step the scaler unscaled for (no optimizer step)
             self.accelerator.scaler.update()
         if self.mode == "rollback":
@@ -191,6 +203,7 @@ class SpikeGuard:
         ckpt.restore(path, action="Spike guard: rolled back to")
         self.rollbacks, self.spikes, self.skipped = kept
         self.spike_steps.clear()
+        self.skipped_in_a_row = 0
         start = loader.position
         end = start + loader.skip_to(cursor)
         self.rollbacks.append({"step": spike_step, "checkpoint": path.name, "to_step": state.step,

@@ -466,4 +466,46 @@ def read_checkpoint(path, map_location="cpu", verify: bool = True, objects: bool
         trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: cannot read {TRAINER_STATE_FILE}: {e}") from e
+    check_trainer_state(path, trainer_state, manifest)
     return CheckpointPayload(model_state=model_state, objects=loaded, trainer_state=trainer_state)
+
+
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "max_position_embeddings")
+
+
+def check_trainer_state(path: Path, state, manifest: dict) -> None:
+    """trainer_state.json's values (a checkpoint may come from a bucket, or be crafted) before anything uses
+    them: step, tokens and epoch non-negative integers, world_size a positive one, the model record's shape
+    positive integers that the checkpoint's weight files can hold (a crafted shape would have generate.py or
+    the export allocate it). CheckpointError naming the file and field."""
+    where = f"checkpoint {path}: {TRAINER_STATE_FILE}"
+
+    def bad(field: str, value, want: str):
+        raise CheckpointError(f"{where}: {field} is {value!r}, not {want}; the checkpoint is corrupt or crafted: "
+                              f"resume from another one")
+
+    if not isinstance(state, dict):
+        bad("the file", type(state).__name__, "an object")
+    for field, least in (("step", 0), ("tokens", 0), ("epoch", 0), ("world_size", 1)):
+        if field in state or field == "step":
+            value = state.get(field)
+            if type(value) is not int or value < least:
+                bad(field, value, f"an integer of at least {least}")
+    model = state.get("model")
+    if model is None:
+        return
+    if not isinstance(model, dict):
+        bad("model", model, "an object")
+    for field in _SHAPE_FIELDS:
+        if field in model and (type(model[field]) is not int or model[field] < 1):
+            bad(f"model.{field}", model[field], "a positive integer")
+    if all(field in model for field in _SHAPE_FIELDS[:5]):
+        h, layers, inter = model["hidden_size"], model["num_hidden_layers"], model["intermediate_size"]
+        parameters = model["vocab_size"] * h + layers * (4 * h * h + 2 * h * inter)  # at least (one embedding)
+        weights = sum(int(f.get("size", 0)) for rel, f in manifest.get("files", {}).items()
+                      if isinstance(f, dict) and (rel == MODEL_FILE or rel.startswith(f"{SHARDED_DIR}/")))
+        if parameters > weights + 2**20:  # a byte a parameter is the least any saved precision takes
+            raise CheckpointError(f"{where}: model's shape (hidden_size {h:,}, {layers:,} layers, ...) has "
+                                  f"{parameters:,} parameters, more than its {weights:,} bytes of weights hold; the "
+                                  f"checkpoint is corrupt or crafted: resume from another one")

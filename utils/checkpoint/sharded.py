@@ -34,6 +34,7 @@ whatever the layout.
 """
 from __future__ import annotations
 
+import functools
 import pickle
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -114,12 +115,53 @@ class UnsafeCheckpoint(CheckpointError):
     """A file in `dcp/` holds more than data (a pickle that would import or call something else)."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+@functools.cache
+def _buildable() -> dict[type, frozenset[str]]:
+    """The classes whose instances `.metadata` may BUILD, each with the fields its state may set: DCP's metadata
+    dataclasses (TensorProperties sets its own five from a tuple, through its __setstate__)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import metadata as m
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return {cls: frozenset(f.name for f in dataclasses.fields(cls))
+            for cls in (m.Metadata, m.TensorStorageMetadata, m.TensorProperties, m.ChunkStorageMetadata,
+                        m.BytesStorageMetadata, m.MetadataIndex, m.StorageMeta, _StorageInfo)}
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be checked (the C one's cannot)
+    """Admits DCP's metadata names only (find_class), and BUILDs nothing but an instance of DCP's metadata
+    dataclasses, setting only their own fields: a BUILD onto a class (pathlib.PosixPath's `_str`, which would
+    have every path the process builds point at one file) or onto anything else is refused."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str):
         if (module, name) in _METADATA_GLOBALS or module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
             return super().find_class(module, name)
         raise UnsafeCheckpoint(f"names {module}.{name}, which DCP's metadata never holds: refused (a checkpoint "
                                f"holds data, never code); delete this checkpoint or use another")
+
+    def load_build(self):
+        state, target = self.stack[-1], self.stack[-2]
+        fields = None if isinstance(target, type) else _buildable().get(type(target))
+        what = target.__name__ if isinstance(target, type) else type(target).__name__
+        if fields is None:
+            raise UnsafeCheckpoint(f"sets state on {what}, which is none of DCP's metadata: refused (a checkpoint "
+                                   f"holds data, never code); delete this checkpoint or use another")
+        if type(target).__name__ == "TensorProperties":
+            ok = isinstance(state, tuple) and len(state) == len(fields)
+        else:
+            slots = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+            state = state[0] if isinstance(state, tuple) and len(state) == 2 else state
+            ok = all(d is None or isinstance(d, dict) and all(isinstance(k, str) for k in d) and set(d) <= fields
+                     for d in (state, slots))
+        if not ok:
+            raise UnsafeCheckpoint(f"sets state on {what} other than its fields ({', '.join(sorted(fields))}): "
+                                   f"refused; delete this checkpoint or use another")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 class MetadataReader(FileSystemReader):

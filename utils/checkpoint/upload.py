@@ -166,10 +166,12 @@ class BackgroundUploader:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
-                self._cond.wait(timeout=remaining)
+                self._cond.wait(timeout=1.0 if remaining is None else min(remaining, 1.0))  # looks at the thread
             report, self._results = self._results, UploadReport()
+            dead = self._thread is not None and not self._thread.is_alive()
             for job in ([self._running] if self._running else []) + list(self._waiting):
-                report.failed.append((job.gs_url, f"timed out: upload not finished after {timeout} s"))
+                report.failed.append((job.gs_url, "the upload thread is gone" if dead
+                                      else f"timed out: upload not finished after {timeout} s"))
                 report.local[job.gs_url] = job.local_dir
         return report
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from utils.checkpoint.format import CheckpointError, CheckpointPayload, ShardedPart, non_cpu_tensor, write_checkpoint
-from utils.errors import UserError
+from utils.errors import THREAD_FAILED, BackgroundFailure, UserError
 
 
 class AsyncCheckpointWriter:
@@ -40,7 +40,10 @@ class AsyncCheckpointWriter:
 
     def wait(self) -> Path | None:
         """Blocks until no write is running; returns the last written path or raises the write's error."""
-        self._idle.wait()
+        while not self._idle.wait(1.0):  # never on a dead thread: its write will not end
+            if not self._thread.is_alive():
+                raise BackgroundFailure(f"{THREAD_FAILED}: {self._thread.name} is gone with a checkpoint half written; "
+                                        f"resume from the newest complete one (--resume auto)")
         if self._error is not None:
             error, self._error = self._error, None
             raise error

@@ -69,11 +69,16 @@ def build_data(cfg, seq_len: int, vocab_size: int, accelerator, log) -> tuple[Re
     return loader, EvalBatches(val_batches, {s.name: s.weight for s in sources})
 
 
-def end_of_document(cfg) -> int:
-    """attention=document: the id documents end with, from `eos_id` or the data."""
+def end_of_document(cfg, vocab_size: int | None = None) -> int:
+    """attention=document: the id documents end with, from `eos_id` or the data; within the model's
+    vocabulary (`vocab_size`) when given."""
     eos = cfg.eos_id if cfg.eos_id >= 0 else end_of_document_id(
         description_dir(cfg, str(s.path)) for s in sources_from_config(cfg))
     if eos is None:
         raise UserError(f"attention=document needs the id documents end with, and {cfg.data_dir} has no dataset.json "
                         f"(prepare_data.py writes one): set it with --set eos_id=N")
+    if type(eos) is not int or vocab_size is not None and not 0 <= eos < vocab_size:
+        where = "eos_id" if cfg.eos_id >= 0 else f"the end-of-document id {cfg.data_dir} records"
+        raise UserError(f"{where} is {eos!r}, not a token id of the model's vocabulary (0 to {vocab_size - 1}"
+                        f" with vocab_size {vocab_size}); set eos_id to the id your documents end with")
     return eos

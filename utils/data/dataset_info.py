@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+import numpy as np
 
 from utils import files
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import UserError
 
+MAX_DEFLATE_RATIO = 1032  # the most zlib's deflate compresses: a shard's bytes hold at most this many of its own
 FILE = "dataset.json"
 FORMAT = "gpt-neox-shards"
 VERSION = 1
@@ -77,10 +80,13 @@ class DatasetInfo:
             return None
         try:
             raw = json.loads(path.read_text())
+            _check_fields(path, raw)
             tok = raw["tokenizer"]
             info = cls(path=path, vocab_size=int(tok["vocab_size"]), eos_id=int(tok["eos_id"]),
                        eos_token=str(tok.get("eos_token")), dtype=str(raw["dtype"]), documents=int(raw["documents"]),
                        tokens=int(raw["tokens"]), shards=tuple(raw["shards"]), raw=raw)
+        except DatasetInfoError:
+            raise
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DatasetInfoError(f"{path} is not a readable dataset description ({type(exc).__name__}: {exc}); "
                                    f"rerun prepare_data.py or remove the file") from None
@@ -106,6 +112,53 @@ class DatasetInfo:
                 raise DatasetInfoError(f"{self.path}: {entry} names {rel!r}, which leaves {self.path.parent} (an "
                                        f"absolute path, '..' or a symlink out); a dataset names only files inside "
                                        f"its folder: fix the entry or rerun prepare_data.py")
+
+
+def _check_fields(path: Path, raw) -> None:
+    """dataset.json's values (it may come from a bucket, or be crafted) before anything uses them: counts are
+    non-negative integers (a string, 1e15 or -5 is refused, not read), the dtype a shard's, each shard entry a
+    plain relative file path with its tokens and bytes, and no shard holds more tokens than its bytes can.
+    DatasetInfoError naming the file and field."""
+    from utils.data.shards import ALLOWED_DTYPES
+
+    def bad(field: str, value, want: str):
+        raise DatasetInfoError(f"{path}: {field} is {value!r}, not {want}; rerun prepare_data.py or fix the entry")
+
+    def count(value, field: str) -> int:
+        if type(value) is not int or value < 0:
+            bad(field, value, "a non-negative integer")
+        return value
+
+    if not isinstance(raw, dict) or not isinstance(raw.get("tokenizer"), dict):
+        bad("tokenizer", raw.get("tokenizer") if isinstance(raw, dict) else raw, "an object")
+    count(raw["tokenizer"].get("vocab_size"), "tokenizer.vocab_size")
+    count(raw["tokenizer"].get("eos_id"), "tokenizer.eos_id")
+    count(raw.get("documents"), "documents")
+    count(raw.get("tokens"), "tokens")
+    if raw.get("dtype") not in ALLOWED_DTYPES:
+        bad("dtype", raw.get("dtype"), f"one of {', '.join(ALLOWED_DTYPES)}")
+    itemsize = np.dtype(raw["dtype"]).itemsize
+    splits = [("shards", raw.get("shards"))]
+    if raw.get("validation") is not None:
+        if not isinstance(raw["validation"], dict):
+            bad("validation", raw["validation"], "an object")
+        splits.append(("validation.shards", raw["validation"].get("shards", [])))
+    for name, shards in splits:
+        if not isinstance(shards, list):
+            bad(name, shards, "a list")
+        for i, shard in enumerate(shards):
+            field = f"{name}[{i}]"
+            if not isinstance(shard, dict):
+                bad(field, shard, "an object")
+            rel = shard.get("path")
+            if not isinstance(rel, str) or not rel or rel == "." or PurePosixPath(rel).as_posix() != rel:
+                bad(f"{field}.path", rel, "the relative path of a file (as part-00000/shard-00000.npz)")
+            tokens, size = count(shard.get("tokens"), f"{field}.tokens"), count(shard.get("bytes"), f"{field}.bytes")
+            if not isinstance(shard.get("crc32c", ""), str):
+                bad(f"{field}.crc32c", shard["crc32c"], "a string")
+            if tokens * itemsize > size * MAX_DEFLATE_RATIO + 4096:
+                raise DatasetInfoError(f"{path}: {field}.tokens is {tokens:,}, more {raw['dtype']} tokens than its "
+                                       f"{size:,} bytes can hold; rerun prepare_data.py or fix the entry")
 
 
 def end_of_document_id(data_dirs) -> int | None:

@@ -26,9 +26,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from utils import debug
+from utils import debug, signals
 from utils.data.mixture import MixtureError, MixturePlan, Shuffle, describe_change, epoch_permutation
 from utils.data.source import DEFAULT_SOURCE, DataUnavailable, ReadAhead, SequenceSource, Source
+from utils.errors import THREAD_FAILED, BackgroundFailure
 
 __all__ = ["EvalBatches", "ResumableLoader", "build_eval_batches", "epoch_permutation"]
 
@@ -291,7 +292,10 @@ class ResumableLoader:
             self._iterator = self._make_iterator()
         failed = self._wait_ready(self._returned + 1)
         if failed:  # said in one line here, not from inside a DataLoader worker
-            raise DataUnavailable(failed)
+            raise (BackgroundFailure if failed.startswith(THREAD_FAILED) else DataUnavailable)(failed)
+        stop = signals.stop_requested() if self._read_ahead and self._returned < 0 else None
+        if stop:  # the wait for the first batch ended by a stop signal: nothing trained, nothing to save
+            raise signals.StoppedInSetup(stop, "waiting for the data of the first step")
         array, (plan_state, dropped, number) = next(self._iterator)
         if self._poisoned:
             array = debug.poison(array, self.position + self.rank * self.micro_batch_size, self._poisoned)

@@ -27,13 +27,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
-from utils.data.corpus import InputFile, read_documents
+from utils.data.corpus import InputFile, PrepareError, read_documents
 
 PLAN_FORMAT = "gpt-neox-prepare-plan"
 PLAN_VERSION = 1
@@ -330,5 +331,41 @@ def read_record(store, plan: Plan, index: int) -> dict | None:
         record = json.loads(raw) if raw is not None else None
     except ValueError:
         return None
-    return record if isinstance(record, dict) and record.get("plan") == plan.digest \
-        and record.get("partition") == index else None
+    if not (isinstance(record, dict) and record.get("plan") == plan.digest and record.get("partition") == index):
+        return None
+    check_record(record, f"{store.url(partition_folder(store, index))}/{RECORD_FILE}", index)
+    return record
+
+
+_SHARD_NAME = re.compile(r"shard-\d{5,}\.npz")  # what tokenize_partition names a partition's shards
+
+
+def check_record(record: dict, where: str, index: int) -> None:
+    """A completion record (maybe from a bucket, maybe crafted) as tokenize_partition writes it: counts are
+    non-negative integers, and every shard it names is a shard file of its own partition folder (a path such
+    as ../../x would have the merge move a file from anywhere into the dataset). PrepareError naming the field."""
+    def bad(field: str, what: str):
+        raise PrepareError(f"{where}: {field} {what}; remove that file and run the same command again to redo "
+                           f"partition {index}")
+
+    def count(value, field: str) -> None:
+        if type(value) is not int or value < 0:
+            bad(field, f"is {value!r}, not a non-negative integer")
+
+    for key in ("documents", "documents_empty", "tokens"):
+        count(record.get(key), key)
+    validation, shards = record.get("validation"), record.get("shards")
+    if not isinstance(validation, dict):
+        bad("validation", "is missing or not an object")
+    for key in ("documents", "tokens") + (("bytes",) if validation.get("documents") else ()):
+        count(validation.get(key), f"validation.{key}")
+    if not isinstance(shards, list):
+        bad("shards", "is missing or not a list")
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict):
+            bad(f"shards[{i}]", "is not an object")
+        if not isinstance(shard.get("path"), str) or not _SHARD_NAME.fullmatch(shard["path"]):
+            bad(f"shards[{i}].path", f"{shard.get('path')!r} is not a shard file of the partition's folder "
+                                     f"(shard-NNNNN.npz)")
+        for key in ("tokens", "bytes"):
+            count(shard.get(key), f"shards[{i}].{key}")

@@ -379,3 +379,66 @@ def lock_output(output) -> "OutputDirLock":
     lock = OutputDirLock(output, lock_path=output.parent / f".{output.name}.lock", option="--output")
     lock.acquire(log=lambda msg: None)
     return lock
+
+
+class BucketLock:
+    """A gs:// `--output` held for this run, as lock_output holds a folder: the object `.NAME.lock` beside the
+    prefix (host, pid, start), created only where there is none (`if_generation_match=0`: atomic in GCS), so a
+    second prepare_data on the same prefix is refused at start instead of both publishing and the first one's
+    report being false. A lock whose holder is a dead process of this host is taken over."""
+
+    def __init__(self, url: str):
+        from utils.data.output_store import BucketOutput
+        from utils.storage import parse_gs_url
+
+        store = BucketOutput(url)
+        self.output, self.url = store.output, store.url(f".{store.name}.lock")
+        self.bucket, self.name = parse_gs_url(self.url)
+        self.generation = None
+
+    def acquire(self) -> "BucketLock":
+        import os
+        import socket
+
+        from utils.storage import make_client, short_error
+
+        record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started_unix": time.time()})
+        try:
+            blob = make_client().bucket(self.bucket).blob(self.name)
+            for _ in range(2):
+                if blob.exists():
+                    held = self._held(blob)
+                    if held.get("host") == socket.gethostname() and not files.pid_alive(int(held.get("pid") or 0)):
+                        blob.delete()  # its holder died: taken over
+                        continue
+                    raise PrepareError(f"--output {self.output} is being prepared by another prepare_data.py (host "
+                                       f"{held.get('host', '?')}, pid {held.get('pid', '?')}); wait for it to finish, "
+                                       f"or if it is gone, remove {self.url}")
+                blob.upload_from_string(record, content_type="application/json", if_generation_match=0)
+                self.generation = blob.generation
+                return self
+        except PrepareError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - GCS unreachable, a precondition lost to another run: one line
+            raise PrepareError(f"--output {self.output}: cannot take its lock {self.url} ({short_error(exc)}); "
+                               f"check the network / GCS (or another run took it) and run again") from None
+        raise PrepareError(f"--output {self.output}: cannot take its lock {self.url}; run again")
+
+    @staticmethod
+    def _held(blob) -> dict:
+        try:
+            held = json.loads(blob.download_as_bytes())
+            return held if isinstance(held, dict) else {}
+        except Exception:  # noqa: BLE001 - unreadable or gone meanwhile: held by someone unknown
+            return {}
+
+    def release(self) -> None:
+        from utils.storage import make_client
+
+        if self.generation is None:
+            return
+        try:
+            make_client().bucket(self.bucket).blob(self.name).delete(if_generation_match=self.generation)
+        except Exception:  # noqa: BLE001 - gone already, or GCS away: a dead holder's lock is taken over
+            pass
+        self.generation = None

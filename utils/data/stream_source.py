@@ -44,18 +44,18 @@ from pathlib import Path
 
 import numpy as np
 
-from utils import files
+from utils import files, signals
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.dataset_info import FILE as DATASET_FILE
-from utils.data.dataset_info import DatasetInfo
+from utils.data.dataset_info import DatasetInfo, DatasetInfoError
 from utils.data.index import DataDirError, ShardIndex
 from utils.data.shards import INPUT_KEY, ShardError, ShardInfo, ShardLayout, check_header, check_vocab, inspect_shard, read_layout
 from utils.data.source import GB, CacheBudget, DataUnavailable, OpenRequest, Source, SourceType
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
-from utils.errors import UserError
+from utils.errors import THREAD_FAILED, BackgroundFailure, UserError
 from utils.lock import OutputDirLock
-from utils.storage import (RemoteObject, StorageError, bytes_match, download_verified, gs_url, join_name, make_client,
-                           parse_gs_url, read_object, short_error, thread_client)
+from utils.storage import (RemoteObject, StorageError, bytes_match, download_verified, file_crc32c, gs_url, join_name,
+                           make_client, parse_gs_url, read_object, short_error, thread_client)
 
 FETCH_THREADS = 4  # downloads in flight per source and process
 FETCH_RETRIES = 5  # a failed download is tried this many more times (with backoff) before its shard is unavailable
@@ -64,6 +64,7 @@ SCAN_CHUNK = 64  # micro-batches of the schedule the coordinator reads between t
 POLL_S = 0.005  # how often a DataLoader worker looks for a file the fetcher has not finished yet
 UNAVAILABLE = ".unavailable"  # the empty note beside a file the fetcher gave up on (the line why stays in-process)
 LOCK_ROOM = 4096  # bytes kept out of the cache's share for its lock file
+WAIT_SLICE_S = 0.5  # a wait on the fetcher's threads: between two slices it looks for a dead thread and a stop signal
 
 
 class StreamError(UserError):
@@ -104,7 +105,10 @@ def description_dir(source: Source, cache_dir: str) -> Path:
         with files.write_guard(folder, advice="free space there or set data_cache_dir to a disk with room"):
             folder.mkdir(parents=True, exist_ok=True)
             files.write_bytes(folder / DATASET_FILE, description)
-            info = DatasetInfo.load(folder)
+            try:
+                info = DatasetInfo.load(folder)
+            except DatasetInfoError as exc:  # named as the bucket's file, not its cached copy
+                raise DatasetInfoError(str(exc).replace(str(folder / DATASET_FILE), f"{url}/{DATASET_FILE}")) from None
             tokenizer = info.raw["tokenizer"].get("file", TOKENIZER_FILE)
             text = read_object(client, gs_url(bucket, join_name(prefix, tokenizer)))
             if text is not None:
@@ -191,6 +195,8 @@ class ShardFetcher:
         self._workers: list[threading.Thread] = []
         self._generation = 0
         self._coordinator: threading.Thread | None = None
+        self._said_stale = False  # whether a stale cached copy was said (once per run)
+        self._died: str | None = None  # the line of a thread that failed: every wait returns it from then on
         self.peak_bytes = self.fetched = self.fetched_bytes = 0
         self._reset_window()
         self._lock = OutputDirLock(folder, option="data_cache_dir")
@@ -245,11 +251,12 @@ class ShardFetcher:
             self._running = True
             generation = self._generation
         while len(self._workers) < FETCH_THREADS:
-            worker = threading.Thread(target=self._work, name=f"data-fetch-{len(self._workers)}", daemon=True)
+            worker = threading.Thread(target=self._guarded(self._work), name=f"data-fetch-{len(self._workers)}",
+                                      daemon=True)
             worker.start()
             self._workers.append(worker)
-        self._coordinator = threading.Thread(target=self._coordinate, args=(schedule, generation), daemon=True,
-                                             name="data-fetch-plan")
+        self._coordinator = threading.Thread(target=self._guarded(self._coordinate), args=(schedule, generation),
+                                             daemon=True, name="data-fetch-plan")
         self._coordinator.start()
 
     def handed_out(self, batch: int) -> None:
@@ -265,21 +272,50 @@ class ShardFetcher:
             if batch >= self._wake_at:
                 self._plan_cv.notify()
 
+    def _guarded(self, target):
+        """`target` for a thread: whatever it raises (a bug, MemoryError, an error inside an error handler) is kept
+        as the one line every wait returns from then on, and every waiter wakes; nothing waits on it again."""
+        def run(*args):
+            try:
+                target(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which stops with it
+                self._fail(f"{THREAD_FAILED}: {threading.current_thread().name} of {self.url}: {short_error(exc)}")
+        return run
+
+    def _fail(self, line: str) -> None:
+        with self._lock_state:
+            if self._died is None:
+                self._died = line
+            self._ready_cv.notify_all()
+            self._plan_cv.notify_all()
+            self._task_cv.notify_all()
+
+    def _check_threads(self) -> None:
+        """Under the lock, while a schedule runs: a thread gone without a word (it cannot, guarded) is a failure."""
+        dead = [t.name for t in [self._coordinator, *self._workers] if t is not None and not t.is_alive()]
+        if dead and self._running and self._died is None:
+            self._died = f"{THREAD_FAILED}: {dead[0]} of {self.url} is gone"
+
     def wait_ready(self, last_batch: int) -> str | None:
+        """None once the files of micro-batches up to `last_batch` are here (or a stop signal came: the loop
+        then stops), else the line naming what failed: a file that stayed unavailable, or a thread."""
         with self._lock_state:
             self._waiting = max(self._waiting, last_batch)
             if last_batch > self._scanned:
                 self._plan_cv.notify()
             while True:
+                if self._died is not None:
+                    return self._died
                 needed = {f for b, fs in itertools.takewhile(lambda e: e[0] <= last_batch, self._window) for f in fs}
                 failed = sorted(f for f in needed if f in self._failed)
                 if failed:
                     return self._failed[failed[0]]
                 if (self._scanned >= last_batch or self._exhausted) and needed <= self._ready:
                     return None
-                if not self._running:
+                if not self._running or signals.stop_requested():
                     return None
-                self._ready_cv.wait()
+                self._ready_cv.wait(WAIT_SLICE_S)
+                self._check_threads()
 
     def wait_for(self, needed: list[int]) -> None:
         """In this process, before reading: until `needed` are here; fetched at once when no schedule runs."""
@@ -288,6 +324,8 @@ class ShardFetcher:
                 missing = [f for f in needed if f not in self._ready]
                 if not missing:
                     return
+                if self._died is not None:
+                    raise BackgroundFailure(self._died)
                 failed = [f for f in missing if f in self._failed]
                 if failed:
                     raise DataUnavailable(self._failed[failed[0]])
@@ -306,7 +344,11 @@ class ShardFetcher:
                     raise RuntimeError(f"{self.url}: a read outside the schedule the loader handed over (files "
                                        f"{missing[:3]})")
                 self._plan_cv.notify()
-                self._ready_cv.wait()
+                stop = signals.stop_requested()
+                if stop:
+                    raise signals.StoppedInSetup(stop, "waiting for the data of the first step")
+                self._ready_cv.wait(WAIT_SLICE_S)
+                self._check_threads()
 
     def stop(self) -> None:
         """Ends the current schedule: the coordinator stops, queued downloads are dropped (those in flight
@@ -468,7 +510,7 @@ class ShardFetcher:
             left_here = f in self._on_disk
         downloaded, failure = 0, None
         try:
-            if not (left_here and self._passes(f, path)):
+            if not (left_here and self._current(f, path) and self._passes(f, path)):
                 path.unlink(missing_ok=True)
                 downloaded = download_verified(thread_client(), self.bucket, RemoteObject(
                     join_name(self.prefix, self.rels[f]), self.sizes[f], self.crcs[f]), unchecked, retries=FETCH_RETRIES)
@@ -509,6 +551,18 @@ class ShardFetcher:
         if count != self.sequences[f]:
             raise ShardError(f"{name}: holds {count} sequences of {self.seq_len} tokens but dataset.json's count "
                              f"gives {self.sequences[f]}; prepare the dataset again with prepare_data.py")
+
+    def _current(self, f: int, path: Path) -> bool:
+        """Whether a file an earlier run left is the one dataset.json lists now (its crc32c: a dataset prepared
+        again under the same prefix keeps its shards' names and sizes). A stale one is fetched again, said once."""
+        if not self.crcs[f] or file_crc32c(path) == self.crcs[f]:
+            return True
+        with self._lock_state:
+            said, self._said_stale = self._said_stale, True
+        if not said:
+            self.log(f"data: {self.url}: the cache {self.folder} holds copies of its shards other than its dataset.json "
+                     f"lists now (crc32c; prepared again?), e.g. {self.rels[f]}: each is fetched again")
+        return False
 
     def _passes(self, f: int, path: Path) -> bool:
         try:

@@ -26,7 +26,7 @@ class Evaluator:
     def run_if_due(self, state, last: bool) -> None:
         """After optimizer step `state.step` (`last`: the run's last step, when validation always runs)."""
         if state.step % self.every == 0 or last:
-            run_eval(self.model, self.val_batches, self.accelerator, state, self.log)
+            run_eval(self.model, self.val_batches, self.accelerator, state, self.log, final=last)
         if self.evals.due(state.step):
             self.evals.run(self.core, state.step, state.tokens)
         if self.sampler.due(state.step):

@@ -91,9 +91,12 @@ def _weight_files(directory: Path, where: str) -> list[Path]:
         index = directory / index_name
         if index.is_file():
             try:
-                shards = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                named = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise HFLoadError(f"{where}{index}: unreadable shard index ({exc})") from None
+            for rel in named:
+                _check_inside(directory, rel, f"{where}{index}: weight_map names")
+            shards = [directory / rel for rel in named]
             missing = [p.name for p in shards if not p.is_file()]
             if missing:
                 raise HFLoadError(f"{where}{index}: lists {missing[0]}, which is not there; download every shard")
@@ -101,6 +104,21 @@ def _weight_files(directory: Path, where: str) -> list[Path]:
     other = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != "config.json") or ["nothing else"]
     raise HFLoadError(f"{where}{directory}: no weights (model.safetensors, pytorch_model.bin or their sharded "
                       f"index .json; found {', '.join(other[:5])}); give a complete HF model directory")
+
+
+def _check_inside(directory: Path, rel, what: str) -> None:
+    """A weight file an HF directory's index names stays in the directory: a relative path without '..', and
+    no symlink out of it, except into the hub cache's blobs/ beside snapshots/ (how the hub stores files)."""
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise HFLoadError(f"{what} {rel!r}, a path out of {directory} (absolute or '..'); an index names only "
+                          f"the weight files beside it")
+    if files.inside(directory, rel):
+        return
+    real = (directory / rel).resolve()
+    blobs = directory.resolve().parent.parent / "blobs" if directory.resolve().parent.name == "snapshots" else None
+    if blobs is None or not real.is_relative_to(blobs.resolve()):
+        raise HFLoadError(f"{what} {rel!r}, a symlink out of {directory} (to {real}); an index names only the weight "
+                          f"files beside it: copy them in (cp -L)")
 
 
 def engine_names(state: dict[str, torch.Tensor], spec: ModelSpec | None = None) -> dict[str, torch.Tensor]:
