@@ -31,7 +31,7 @@ from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORM
 from utils import layout  # noqa: E402
 from utils.console import progress_bar, survive_lost_console  # noqa: E402
 from utils.errors import UserError  # noqa: E402
-from utils.run_status import RunStatus, rank_zero  # noqa: E402
+from utils.run_status import RunStatus, mark_trained, rank_zero  # noqa: E402
 from utils.signals import StoppedInSetup, catch_early, watch_supervisor  # noqa: E402
 
 
@@ -96,7 +96,7 @@ def train(cfg, profile, args) -> int:
     from utils.accelerator import make_accelerator
     from utils.checkpoint.checkpointer import find_checkpoint, remote_checkpoint_root
     from utils.data.build import build_data
-    from utils.debug import BatchTrace
+    from utils.debug import BatchTrace, step_delay_s
     from utils.evals.runner import DownstreamEvals
     from utils.export import export_final_model, finished_run
     from utils.metrics import MetricsWindow, closing_summary, peak_flops
@@ -150,7 +150,7 @@ def train(cfg, profile, args) -> int:
     reporter = StepReporter(cfg.logging_steps, log, window, schedule_from_config(cfg), loader, guard, bar)
     evaluator = make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len, log)
     grad_norm = torch.zeros((), device=device)
-    trace = BatchTrace(output_dir, accelerator)
+    trace, step_delay = BatchTrace(output_dir, accelerator), step_delay_s()
     exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
     try:
         bar.set_description_str("setup: preflight (compiles the blocks)" if cfg.compile_model else "setup: preflight")
@@ -179,6 +179,9 @@ def train(cfg, profile, args) -> int:
                         scheduler.step()  # a skipped step too: the LR at step k is lr_at(k)
                         optimizer.zero_grad(set_to_none=True)
             state.advance(tokens_per_step)
+            mark_trained()  # a failure from here on may be restarted by the launcher (--max-restarts)
+            if step_delay:
+                time.sleep(step_delay)  # NEOX_DEBUG_STEP_DELAY_S only
             window.add(step_loss, skipped=not applied)
             bar.update(1)
             if guard.rollback_due and guard.roll_back(ckpt, loader, state):  # the newest checkpoint, data since skipped
