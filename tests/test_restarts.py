@@ -123,3 +123,44 @@ def test_a_bad_setting_is_not_restarted(tmp_path, env):
     assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert "restart" not in proc.stderr.replace("--max-restarts", ""), proc.stderr[-2000:]
     assert "error:" in proc.stderr and "no-such-checkpoint" in proc.stderr
+
+
+def hang_files(out: Path) -> dict[int, str]:
+    found = {}
+    for path in (out / "logs").glob("hang-*-rank*.txt"):
+        found[int(path.stem.rsplit("rank", 1)[1])] = path.read_text()
+    return found
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_stopped_rank_is_found_by_the_hang_watchdog(tmp_path, env, restarts):
+    """SIGSTOP to rank 1 past a checkpoint: within hang_timeout_s + 30 s every rank's stacks are on disk and
+    a line names rank 1; the run exits non-zero, or with --max-restarts comes back and finishes."""
+    data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
+    timeout_s = 20
+    steps = 1000 if restarts == 0 else 14
+    proc = start(launcher_cmd(out, data, "--max-restarts", str(restarts), "--restart-delay", "0",
+                              sets=[f"hang_timeout_s={timeout_s}", f"max_steps={steps}"]), env, log)
+    pid = wait_past_a_checkpoint(out, proc, log)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.time()
+    try:
+        while len(hang_files(out)) < 2 or "hang watchdog:" not in log.read_text():
+            assert time.time() - stopped < timeout_s + 30, f"no stacks in time:\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    stacks = hang_files(out)
+    assert "no training progress" in stacks[0] and "Thread" in stacks[0], stacks[0][:2000]
+    assert "not running" in stacks[1] and "train.py" in stacks[1], stacks[1][:2000]
+    proc.wait(timeout=400)
+    text = log.read_text()
+    assert re.search(rf"hang watchdog: rank 0 made no training progress .*rank 1 \(pid {pid}, .*\) is not running",
+                     text), text[-4000:]
+    if restarts == 0:
+        assert proc.returncode != 0, text[-4000:]
+    else:
+        assert proc.returncode == 0 and "restart 1 of 1" in text and "(1 restart(s))" in text, text[-4000:]
