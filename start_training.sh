@@ -72,6 +72,14 @@ Forwarded to train.py:
   -- ARGS...               everything after -- goes to train.py unchanged (e.g. --output-dir DIR;
                            default: runs/RUN_NAME/ here, RUN_NAME being run_name or the preset's name)
 
+Restarts (inside the allocation; see docs/preemptible-gpus.md):
+  --max-restarts N         when a training process dies after a training step (killed, a CUDA error, a lost
+                           peer, the hang watchdog), end the others and relaunch every rank with --resume auto
+                           from the newest complete checkpoint, up to N times (default 0: no restarts). A stop
+                           signal, a setting or input error (exit 2) or a failure before the first step is
+                           never retried.
+  --restart-delay S        seconds before the first restart, doubled for each next one, at most 300 (default 10)
+
 Other:
   --dry-run                print the accelerate command and exit without running it
   -h, --help               this text
@@ -116,7 +124,7 @@ is_count() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
 # --- arguments ---------------------------------------------------------------------------------------
 config="" gpus="" cpu=0 nodes=1 node_rank=0 main_addr="" main_port="" strategy="ddp" dry_run=0
-mixed_precision=""
+mixed_precision="" max_restarts=0 restart_delay=10
 train_args=()
 sets=()
 extra_args=()
@@ -150,6 +158,11 @@ while [[ $# -gt 0 ]]; do
         --no-background-upload) train_args+=(--no-background-upload); shift ;;
         --set) need_value "$1" $#; [[ "$2" == *=* ]] || usage_error "--set '$2': expected KEY=VALUE"
                train_args+=(--set "$2"); sets+=(--set "$2"); shift 2 ;;
+        --max-restarts) need_value "$1" $#; is_count "$2" || usage_error "--max-restarts '$2' is not a whole number"
+                        max_restarts="$2"; shift 2 ;;
+        --restart-delay) need_value "$1" $#; [[ "$2" =~ ^[0-9]+(\.[0-9]+)?$ ]] \
+                             || usage_error "--restart-delay '$2' is not a number of seconds"
+                         restart_delay="$2"; shift 2 ;;
         --dry-run) dry_run=1; shift ;;
         --) shift; extra_args=("$@"); break ;;
         --output-dir|--data-dir|--print-config) usage_error "$1 is a train.py option: put it after -- (e.g. -- $1 ...)" ;;
@@ -277,9 +290,11 @@ catches_stops() {  # whether process $1 has its handlers for SIGTERM and SIGINT 
 }
 set +e
 if command -v setsid >/dev/null 2>&1; then
-    setsid "$python" -S "$SCRIPT_DIR/utils/launch.py" -- "${cmd[@]}" &  # -S: no site hooks, it catches sooner
+    setsid "$python" -S "$SCRIPT_DIR/utils/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
+        -- "${cmd[@]}" &  # -S: no site hooks, it catches sooner
 else
-    "$python" -S "$SCRIPT_DIR/utils/launch.py" -- "${cmd[@]}" &
+    "$python" -S "$SCRIPT_DIR/utils/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
+        -- "${cmd[@]}" &
 fi
 supervisor=$!
 while kill -0 "$supervisor" 2>/dev/null && ! catches_stops "$supervisor"; do

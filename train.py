@@ -31,7 +31,7 @@ from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORM
 from utils import layout  # noqa: E402
 from utils.console import progress_bar, survive_lost_console  # noqa: E402
 from utils.errors import BackgroundFailure, UserError  # noqa: E402
-from utils.run_status import RunStatus, rank_zero  # noqa: E402
+from utils.run_status import RunStatus, mark_trained, rank_zero  # noqa: E402
 from utils.signals import StoppedInSetup, catch_early, watch_supervisor  # noqa: E402
 
 
@@ -100,7 +100,7 @@ def train(cfg, profile, args) -> int:
     from utils.accelerator import make_accelerator
     from utils.checkpoint.checkpointer import find_checkpoint, remote_checkpoint_root
     from utils.data.build import build_data
-    from utils.debug import BatchTrace
+    from utils.debug import BatchTrace, step_delay_s
     from utils.evals.runner import DownstreamEvals
     from utils.export import export_final_model, finished_run
     from utils.metrics import MetricsWindow, closing_summary, peak_flops
@@ -115,8 +115,10 @@ def train(cfg, profile, args) -> int:
     from utils.signals import StopSignal
     from utils.spike_guard import SpikeGuard
     from utils.state import RngState, TrainState
+    from utils.watchdog import HangWatchdog, nccl_flight_recorder_env
 
     output_dir = Path(args.output_dir or default_output_dir(cfg, REPO_ROOT)).resolve()
+    nccl_flight_recorder_env(output_dir / layout.LOGS)  # CUDA: before the process group exists
     accelerator = make_accelerator(cfg, output_dir / layout.LOGS)
     device, world = accelerator.device, accelerator.num_processes
     parallel = make_parallelism(cfg, accelerator)
@@ -159,8 +161,9 @@ def train(cfg, profile, args) -> int:
     reporter = StepReporter(cfg.logging_steps, log, window, schedule_from_config(cfg), loader, guard, bar)
     evaluator = make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len, log)
     grad_norm = torch.zeros((), device=device)
-    trace = BatchTrace(output_dir, accelerator)
+    trace, step_delay = BatchTrace(output_dir, accelerator), step_delay_s()
     exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
+    watchdog = HangWatchdog(cfg.hang_timeout_s, output_dir / layout.LOGS, accelerator.process_index, world)
     try:
         bar.set_description_str("setup: preflight (compiles the blocks)" if cfg.compile_model else "setup: preflight")
         preflight(model, val_batches, cfg, accelerator, log, stop)
@@ -169,6 +172,7 @@ def train(cfg, profile, args) -> int:
         bar.set_description_str("train")
         window.restart(state.step + 1)
         data_iter = iter(loader)
+        watchdog.start(state.step)  # from here, no progress for hang_timeout_s ends the run (utils/watchdog.py)
         while state.step < cfg.max_steps:
             window.begin_step()  # the step's time, and the loader's waits, are what tokens/s and MFU count
             step_loss = torch.zeros((), device=device)
@@ -188,6 +192,10 @@ def train(cfg, profile, args) -> int:
                         scheduler.step()  # a skipped step too: the LR at step k is lr_at(k)
                         optimizer.zero_grad(set_to_none=True)
             state.advance(tokens_per_step)
+            mark_trained()  # a failure from here on may be restarted by the launcher (--max-restarts)
+            watchdog.beat(state.step)
+            if step_delay:
+                time.sleep(step_delay)  # NEOX_DEBUG_STEP_DELAY_S only
             window.add(step_loss, skipped=not applied)
             bar.update(1)
             if guard.rollback_due and guard.roll_back(ckpt, loader, state):  # the newest checkpoint, data since skipped
@@ -208,6 +216,7 @@ def train(cfg, profile, args) -> int:
                 ckpt.wait()
                 log.info(f"Stopped by {stopped_by} after step {state.step}: checkpoint {last_checkpoint}")
                 break
+        watchdog.stop()  # the loop is over: what follows (uploads, export) has its own limits
         bar.close()
         ckpt.wait()
         if stopped_by is None:
@@ -217,6 +226,7 @@ def train(cfg, profile, args) -> int:
                                  session_s=time.perf_counter() - PROCESS_STARTED, window=window,
                                  checkpoint=last_checkpoint, final_model=export_dir, spikes=guard.summary()))
     finally:
+        watchdog.stop()
         exit_code = close_run(exit_code, stopped_by, state, last_checkpoint, export_dir, bar, loader, ckpt, log, lock)
     return exit_code
 

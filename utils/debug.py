@@ -7,6 +7,8 @@
                                     (tests of the fp8 path on a CPU)
     NEOX_DEBUG_CHECKPOINT_DELAY_S=S each checkpoint write sleeps S seconds before its manifest: a slow disk, for
                                     the preemption tests
+    NEOX_DEBUG_STEP_DELAY_S=S       every optimizer step sleeps S seconds after it: a slow step, so that a test can
+                                    act (kill, stop a rank) between two steps of a toy run
     NEOX_DEBUG_POISON_SEQUENCES=A-B[,C-D...]
                                     the sequences at global stream positions [A, B) (the data cursor's count)
                                     reach the model as their first token repeated: a loss spike on demand, for
@@ -32,6 +34,10 @@ def fp8_emulated() -> bool:
 
 def checkpoint_write_delay_s() -> float:
     return float(os.environ.get("NEOX_DEBUG_CHECKPOINT_DELAY_S", "0") or 0)
+
+
+def step_delay_s() -> float:
+    return float(os.environ.get("NEOX_DEBUG_STEP_DELAY_S", "0") or 0)
 
 
 def poisoned_sequences() -> list[range]:

@@ -29,6 +29,22 @@ workers and torchrun before train.py could act on it. So:
 - a rank killed by a signal (SIGKILL, the OOM killer) is one line naming it and the signal, not the other
   ranks' tracebacks about the peer they lost, nor torchrun's report;
 - a console that goes away (`| tee log` and Ctrl-C, a closed terminal) never stops it (utils/console.py).
+
+Restarts inside the allocation (`--max-restarts N`, `--restart-delay S`). When the command fails after a
+training step (a rank killed by SIGKILL or the OOM killer, a CUDA error, a lost peer, the hang watchdog's
+exit), the supervisor kills what is left of it at once (torchrun has already ended the other ranks) and
+launches the same command again with `--resume auto`, so every rank continues from the newest complete
+checkpoint; up to N times, waiting S, 2S, 4S ... (at most 300 s) in between. Each restart is one line on
+stderr; the ranks see the count in `NEOX_RESTART_COUNT` and rank 0's status record carries it (`restarts`);
+N exhausted, the last line names the restarts and the exit status is the failure's. Never restarted: a stop
+signal (it checkpoints and exits 0; one during the backoff ends the launcher, exit 0), a user error (exit 2),
+and a failure before the first training step of a launch (a setting, a missing file: it would fail again;
+rank 0 marks the first step beside the status file, `mark_trained`).
+Why not torchrun's own `--max-restarts`: it relaunches the workers with the same arguments (no `--resume
+auto`: a fresh run would start over, or be refused by its own output folder), it retries every non-zero
+exit, a user error's exit 2 and a failure during setup included, it cannot read the status record that says
+which is which, and `accelerate launch` of one process does not go through torchrun at all, so one GPU or one
+CPU process would get no restarts. Restarting the whole command here serves all of them the same way.
 """
 from __future__ import annotations
 
@@ -52,7 +68,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's utils package
 
 from utils.console import survive_lost_console  # noqa: E402
-from utils.run_status import STATUS_FILE_ENV, RunStatus  # noqa: E402
+from utils.run_status import RESTARTS_ENV, STATUS_FILE_ENV, TRAINED_SUFFIX, RunStatus  # noqa: E402
 from utils.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid  # noqa: E402
 
 PROG = "start_training.sh"
@@ -61,6 +77,7 @@ FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM, sign
 PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE_S = 30.0  # non-rank leftovers (e.g. a stuck DataLoader worker) get this long after the ranks
 LATE_RANK_WAIT_S = 600.0  # how long a stop signal waits for ranks that are still starting
+MAX_RESTART_DELAY_S = 300.0  # the backoff between restarts doubles up to this
 
 
 class StderrFilter:
@@ -268,8 +285,9 @@ def _children_of(pid: int) -> list[int]:
 
 
 class Supervisor:
-    def __init__(self, cmd: list[str]):
+    def __init__(self, cmd: list[str], max_restarts: int = 0, restart_delay: float = 10.0):
         self.cmd = cmd
+        self.max_restarts, self.restart_delay = max_restarts, restart_delay
         self.via_launcher = any(k in " ".join(cmd[:4]) for k in ("accelerate", "torchrun", "torch.distributed.run"))
         self.child: subprocess.Popen | None = None
         self.ranks: set[int] = set()
@@ -340,17 +358,68 @@ class Supervisor:
             print(f"{PROG}: stopped by {_signal_name(_EARLY_STOPS[0])} before training started; nothing to save",
                   file=sys.stderr)
             return 0
+        restarts = 0
+        while True:
+            launched = self._launch(restarts)
+            if isinstance(launched, int):
+                return launched
+            code, status, output, trained = launched
+            why = self._restartable(code, status, output, trained)
+            if why is None or restarts >= self.max_restarts:
+                result = self._report(code, status, output, restarts)
+                if why is not None and self.max_restarts:
+                    print(f"{PROG}: gave up after {restarts} restart(s) (--max-restarts {self.max_restarts}): {why}; "
+                          f"continue from the newest checkpoint with --resume auto", file=sys.stderr, flush=True)
+                return result
+            restarts += 1
+            delay = min(self.restart_delay * 2 ** (restarts - 1), MAX_RESTART_DELAY_S)
+            print(f"{PROG}: {why}; restart {restarts} of {self.max_restarts} in {delay:g} s: every rank again with "
+                  f"--resume auto (the newest complete checkpoint)", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + delay
+            while time.monotonic() < deadline and not self.received:
+                time.sleep(0.1)
+            if self.received:
+                print(f"{PROG}: stopped by {self.received[0]} before restart {restarts}; nothing running, nothing "
+                      f"more to save (continue with --resume auto)", file=sys.stderr, flush=True)
+                return 0
+
+    def _restartable(self, code: int, status: RunStatus | None, output: StderrFilter, trained: bool) -> str | None:
+        """Why this launch's end deserves a restart (what went wrong, in words), or None: it finished or
+        stopped cleanly, it was stopped by a signal (never retried), it failed on a setting or input (exit 2)
+        or before its first training step (a restart would fail the same way), or restarts are off."""
+        if not self.max_restarts or code == 0 or self.received:
+            return None
+        if code == 2 or (status is not None and status.exit_code == 2):
+            return None
+        if not trained:
+            print(f"{PROG}: not restarting: the run failed before its first training step (a setting, a missing "
+                  f"file or the machine; a restart would fail the same way)", file=sys.stderr, flush=True)
+            return None
+        if output.killed_rank is not None:
+            rank, pid, signum = output.killed_rank
+            return f"rank {rank}{f' (pid {pid})' if pid else ''} was killed by {_signal_name(signum)}"
+        if code < 0:
+            return f"training was killed by {_signal_name(-code)}"
+        return f"training failed (exit status {status.exit_code if status and status.exit_code else code})"
+
+    def _launch(self, restarts: int):
+        """One launch of the command (after a restart: with --resume auto). Returns (exit status, status
+        record, output filter, whether a step was trained), or an exit status when it could not start."""
+        self.child, self.ranks, self.delivered = None, set(), set()
+        self.child_done = threading.Event()
         fd, status_path = tempfile.mkstemp(prefix="neox-status-", suffix=".json")
         os.close(fd)
         os.unlink(status_path)
         self.status_path = status_path
-        env = dict(os.environ, **{STATUS_FILE_ENV: status_path, SUPERVISOR_PID: str(os.getpid())})
+        env = dict(os.environ, **{STATUS_FILE_ENV: status_path, SUPERVISOR_PID: str(os.getpid()),
+                                  RESTARTS_ENV: str(restarts)})
+        cmd = self.cmd + (["--resume", "auto"] if restarts else [])  # the last --resume wins (argparse)
         read_end, write_end, merged = _stderr_channel()
         try:
-            self.child = subprocess.Popen(self.cmd, env=env, start_new_session=True, stderr=write_end,
+            self.child = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=write_end,
                                           stdout=write_end if merged else None)
         except OSError as exc:
-            print(f"{PROG}: error: cannot start {self.cmd[0]}: {exc}", file=sys.stderr)
+            print(f"{PROG}: error: cannot start {cmd[0]}: {exc}", file=sys.stderr)
             return 1
         finally:
             os.close(write_end)
@@ -361,12 +430,13 @@ class Supervisor:
         code = self._wait_all()
         pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
         status = RunStatus.read(status_path)
-        for leftover in (status_path, status_path + SIGNAL_SUFFIX):
+        trained = os.path.exists(status_path + TRAINED_SUFFIX)
+        for path in (status_path, status_path + SIGNAL_SUFFIX, status_path + TRAINED_SUFFIX):
             try:
-                os.unlink(leftover)
+                os.unlink(path)
             except OSError:
                 pass
-        return self._report(code, status, output)
+        return code, status, output, trained
 
     def _wait_all(self) -> int:
         """Reaps every child (ours and the orphans reparented to us) until none is left; returns the
@@ -380,7 +450,8 @@ class Supervisor:
             except ChildProcessError:
                 return code if code is not None else 1
             if pid == 0:  # children left, none finished yet: leftovers after the command ended
-                if not (self.ranks & set(_children_of(os.getpid()))) and \
+                restart_may_follow = code != 0 and self.max_restarts and not self.received
+                if restart_may_follow or not (self.ranks & set(_children_of(os.getpid()))) and \
                         time.monotonic() - child_done_at > LEFTOVER_GRACE_S:
                     for leftover in _children_of(os.getpid()):
                         os.kill(leftover, signal.SIGKILL)
@@ -391,7 +462,11 @@ class Supervisor:
                 code = os.waitstatus_to_exitcode(status)
                 child_done_at = time.monotonic()
 
-    def _report(self, code: int, status: RunStatus | None, output: StderrFilter) -> int:
+    def _report(self, code: int, status: RunStatus | None, output: StderrFilter, restarts: int = 0) -> int:
+        if code != 0 and self.received and status is not None and status.stopped_by and not status.exit_code:
+            # the stop signal reached accelerate/torchrun too (Slurm's scancel and preemption signal every process
+            # of the step) and ended it, while the ranks stopped cleanly at a checkpoint: that is the run's end
+            code = 0
         if code < 0:  # killed by a signal nobody caught
             print(f"{PROG}: training was killed by {_signal_name(-code)}", file=sys.stderr)
             return 128 - code
@@ -417,7 +492,7 @@ class Supervisor:
                   f"(continue with --resume auto)", flush=True)
         elif status.final_model:
             print(f"{PROG}: finished after step {status.step}; last checkpoint {status.checkpoint}, "
-                  f"model in {status.final_model}", flush=True)
+                  f"model in {status.final_model}" + (f" ({restarts} restart(s))" if restarts else ""), flush=True)
         return 0
 
 
@@ -430,14 +505,25 @@ def _signal_name(signum: int) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" in argv:
-        argv = argv[argv.index("--") + 1:]
+    options, argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
+    usage = (f"usage: python utils/{Path(__file__).name} [--max-restarts N] [--restart-delay S] -- COMMAND [ARGS...] "
+             f"(start_training.sh runs it for you)")
     if not argv:
-        print(f"{Path(__file__).name}: error: no command to run; usage: python utils/{Path(__file__).name} -- COMMAND "
-              f"[ARGS...] (start_training.sh runs it for you)", file=sys.stderr)
+        print(f"{Path(__file__).name}: error: no command to run; {usage}", file=sys.stderr)
         return 2
+    settings = {"--max-restarts": 0, "--restart-delay": 10.0}
+    while options:
+        name, value = options.pop(0), options.pop(0) if options else ""
+        try:
+            settings[name] = type(settings[name])(value)
+            if settings[name] < 0:
+                raise ValueError
+        except (KeyError, ValueError):
+            print(f"{Path(__file__).name}: error: {name} {value!r}: expected --max-restarts N (a whole number) or "
+                  f"--restart-delay S (seconds, >= 0); {usage}", file=sys.stderr)
+            return 2
     survive_lost_console()
-    return Supervisor(argv).run()
+    return Supervisor(argv, settings["--max-restarts"], settings["--restart-delay"]).run()
 
 
 if __name__ == "__main__":

@@ -8,10 +8,33 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 STATUS_FILE_ENV = "NEOX_STATUS_FILE"
+RESTARTS_ENV = "NEOX_RESTART_COUNT"  # set by the launcher: how many times it has restarted the ranks (--max-restarts)
+TRAINED_SUFFIX = ".trained"  # beside the status file: a rank finished a training step in this launch
+_trained_marked: list[bool] = []
+
+
+def restarts_so_far() -> int:
+    value = os.environ.get(RESTARTS_ENV, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def mark_trained() -> None:
+    """After a training step (any rank, once per process): tells the launcher that this launch trained, so a
+    failure after it may be restarted (--max-restarts), while one before the first step (a setting, a missing
+    file) is not. An empty file beside the status file; nothing without the launcher."""
+    if _trained_marked:
+        return
+    _trained_marked.append(True)
+    path = os.environ.get(STATUS_FILE_ENV)
+    if path:
+        try:
+            open(path + TRAINED_SUFFIX, "a").close()
+        except OSError:
+            pass
 
 
 def rank_zero() -> bool:
@@ -27,6 +50,7 @@ class RunStatus:
     checkpoint: str | None = None  # the last checkpoint written
     final_model: str | None = None  # where the exported model is
     error: str | None = None  # the one line a user error said
+    restarts: int = field(default_factory=restarts_so_far)  # the launcher's restarts before this launch
 
     def write(self) -> None:
         """Rank 0, where the launcher asks for it: the record, atomically. A courtesy to the launcher: the
