@@ -420,6 +420,26 @@ def test_the_streamed_reproductions_end_in_one_line_within_seconds(gcs_emulator,
         assert len(errors) == 1 and re.search(CRAFTED[case][1], errors[0]), errors
 
 
+@pytest.mark.slow
+def test_a_fetch_thread_that_dies_in_a_run_stops_it_in_one_line_exit_1(bucket, gcs_emulator, tmp_path, subprocess_env):
+    """A folder in the cache where a shard's file goes: its fetch thread dies inside its own error handler
+    (IsADirectoryError), as with a shard path "."; the run stops with that thread's one line, exit 1, within
+    its time bound (the loop waited for that shard for good)."""
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    cache = tmp_path / "cache"
+    (cache / "test-bucket" / "ds" / "rank-0" / "part-00000" / "shard-00005.npz").mkdir(parents=True)
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "demo", "--output-dir", str(tmp_path / "out"),
+           "--data-dir", bucket]
+    for s in [*TINY, f"seq_len={SEQ}", "sample_every=0", "max_steps=200", f"data_cache_dir={cache}"]:
+        cmd += ["--set", s]
+    proc = run(cmd, env, check=False, timeout=240)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines()
+            if "a background thread failed: data-fetch-" in line and "IsADirectoryError" in line]
+    assert len(said) == 1, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert said[0].startswith(("Stopped by a background thread failed", "error: a background thread failed")), said
+
+
 # ------------------------------------------------------------------------------------------ through train.py
 
 
