@@ -219,6 +219,9 @@ def test_refusals_are_one_line(bucket, prepared, tmp_path):
         build.open_source(Source("data", path="gs://test-bucket/nothing"), request(tmp_path, Shuffle()))
     with pytest.raises(UserError, match=r"data source data \(s3://b/x\): no source type reads it"):
         build.open_source(Source("data", path="s3://b/x"), request(tmp_path, Shuffle()))
+    (tmp_path / "a-file").write_text("not a folder")  # data_cache_dir naming a file: was a traceback
+    with pytest.raises(StreamError, match=r"data_cache_dir \S+/a-file: .* cannot be made there \(a file is in the way\)"):
+        build.open_source(Source("data", path=bucket), request(tmp_path / "a-file", Shuffle()))
 
 
 def test_a_stale_cache_entry_is_fetched_again_and_said_once(gcs_emulator, bucket, prepared, tmp_path):
