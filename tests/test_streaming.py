@@ -324,10 +324,12 @@ def test_a_fetch_or_plan_thread_that_dies_reaches_the_loop_as_one_line_and_no_wa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("when", ["later step", "first step"])
 def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_emulator, bucket, tmp_path,
-                                                                            subprocess_env, monkeypatch):
-    """Downloads hang from the first step on (GCS answers nothing): the loop waits for its next files, a
-    SIGTERM then ends the run within seconds with a checkpoint, exit 0 (it waited until the download ended)."""
+                                                                            subprocess_env, monkeypatch, when):
+    """Training shards' downloads hang (GCS answers nothing) from the first step on, or from the start: the loop
+    waits for its next files, a SIGTERM then ends the run within seconds, exit 0, with a checkpoint (or, before
+    the first step, nothing to save); it waited until the download ended."""
     import signal
     import subprocess
 
@@ -337,7 +339,8 @@ def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_
     original = RequestHandler.do_GET
 
     def do_get(handler):
-        if "alt=media" in handler.path and ".npz" in handler.path and hanging.is_set():
+        name = handler.path.split("/o/", 1)[-1]
+        if "alt=media" in handler.path and ".npz" in name and "val" not in name and hanging.is_set():
             gate.wait(120)
         original(handler)
 
@@ -349,10 +352,12 @@ def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_
     for s in [*TINY, f"seq_len={SEQ}", "sample_every=0", "max_steps=500", "shuffle=blocks", "shuffle_block_shards=2",
               "per_device_train_batch_size=32", f"data_cache_dir={tmp_path / 'cache'}", f"data_cache_gb={40_000 / 1e9}"]:
         cmd += ["--set", s]
+    if when == "first step":
+        hanging.set()
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         rows, deadline = out / "logs" / "metrics.jsonl", time.monotonic() + 240
-        while not (rows.exists() and '"loss"' in rows.read_text()):
+        while not (rows.exists() and ('"loss"' if when == "later step" else '"val_loss"') in rows.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.01)
         hanging.set()
@@ -371,6 +376,10 @@ def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_
             proc.communicate()
     assert proc.returncode == 0, stderr[-3000:]
     assert "Traceback" not in stderr
+    if when == "first step":
+        assert "Stopped: stopped by SIGTERM during setup (waiting for the data of the first step)" in stdout, stdout
+        assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+        return
     stopped = [line for line in stdout.splitlines() if line.startswith("Stopped by SIGTERM after step")]
     assert len(stopped) == 1 and "checkpoint" in stopped[0], stdout[-3000:]
 
