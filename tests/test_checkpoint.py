@@ -536,3 +536,51 @@ def test_dcp_metadata_builds_nothing_but_dcp_s_own_metadata(tmp_path, subprocess
     assert len(outputs[1]) == 2 and outputs[1][1] == "path /somewhere/else", outputs[1]
     assert re.match(r"error: \S+/dcp/\.metadata sets state on PosixPath, which is none of DCP's metadata: refused",
                     outputs[1][0]), outputs[1][0]
+
+
+@pytest.mark.slow
+def test_a_crafted_trainer_state_json_is_one_line_naming_the_field(tmp_path, subprocess_env):
+    """trainer_state.json (a checkpoint may come from a bucket) with a string step, a negative one, and a model
+    shape far beyond the weights saved: --resume and generate.py stop in one line naming the file and field
+    (they were a traceback, "Resumed at step -5", and a traceback allocating the shape)."""
+    import shutil
+    import sys
+
+    from tests.trainkit import REPO_ROOT
+    from utils.storage import file_crc32c
+
+    from tests.trainkit import make_shards, run, train_cmd
+
+    data, out = make_shards(tmp_path / "data", n_files=3, rows=16), tmp_path / "out"
+    run(train_cmd(out, data, "max_steps=2", "save_steps=2"), subprocess_env)
+    original = next((out / "checkpoints").glob("checkpoint-*"))
+
+    def crafted(name, edit):
+        checkpoint = tmp_path / name / original.name
+        shutil.copytree(original, checkpoint)
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        edit(state)
+        (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+        manifest = json.loads((checkpoint / "manifest.json").read_text())  # whoever crafts it writes this too
+        manifest["files"]["trainer_state.json"] = {"size": (checkpoint / "trainer_state.json").stat().st_size,
+                                                   "crc32c": file_crc32c(checkpoint / "trainer_state.json")}
+        (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+        return checkpoint
+
+    cases = [
+        ("string", lambda s: s.update(step="2"), "resume", r"trainer_state\.json: step is '2', not an integer"),
+        ("negative", lambda s: s.update(step=-5), "resume", r"trainer_state\.json: step is -5, not an integer"),
+        ("huge", lambda s: s["model"].update(hidden_size=1_000_000), "generate",
+         r"trainer_state\.json: model's shape \(hidden_size 1,000,000, .*more than its [\d,]+ bytes of weights hold"),
+    ]
+    for name, edit, tool, said in cases:
+        checkpoint = crafted(name, edit)
+        if tool == "resume":
+            cmd = train_cmd(tmp_path / f"out-{name}", data, "max_steps=4", extra=("--resume", str(checkpoint)))
+        else:
+            cmd = [sys.executable, str(REPO_ROOT / "generate.py"), str(checkpoint), "--prompt", "x"]
+        proc = run(cmd, subprocess_env, check=False, timeout=180)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and re.search(said, errors[0]), (name, errors, proc.stderr[-2000:])
+        assert "Resumed at step" not in proc.stdout + proc.stderr

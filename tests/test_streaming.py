@@ -219,6 +219,9 @@ def test_refusals_are_one_line(bucket, prepared, tmp_path):
         build.open_source(Source("data", path="gs://test-bucket/nothing"), request(tmp_path, Shuffle()))
     with pytest.raises(UserError, match=r"data source data \(s3://b/x\): no source type reads it"):
         build.open_source(Source("data", path="s3://b/x"), request(tmp_path, Shuffle()))
+    (tmp_path / "a-file").write_text("not a folder")  # data_cache_dir naming a file: was a traceback
+    with pytest.raises(StreamError, match=r"data_cache_dir \S+/a-file: .* cannot be made there \(a file is in the way\)"):
+        build.open_source(Source("data", path=bucket), request(tmp_path / "a-file", Shuffle()))
 
 
 def test_a_stale_cache_entry_is_fetched_again_and_said_once(gcs_emulator, bucket, prepared, tmp_path):
@@ -321,10 +324,12 @@ def test_a_fetch_or_plan_thread_that_dies_reaches_the_loop_as_one_line_and_no_wa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("when", ["later step", "first step"])
 def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_emulator, bucket, tmp_path,
-                                                                            subprocess_env, monkeypatch):
-    """Downloads hang from the first step on (GCS answers nothing): the loop waits for its next files, a
-    SIGTERM then ends the run within seconds with a checkpoint, exit 0 (it waited until the download ended)."""
+                                                                            subprocess_env, monkeypatch, when):
+    """Training shards' downloads hang (GCS answers nothing) from the first step on, or from the start: the loop
+    waits for its next files, a SIGTERM then ends the run within seconds, exit 0, with a checkpoint (or, before
+    the first step, nothing to save); it waited until the download ended."""
     import signal
     import subprocess
 
@@ -334,7 +339,8 @@ def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_
     original = RequestHandler.do_GET
 
     def do_get(handler):
-        if "alt=media" in handler.path and ".npz" in handler.path and hanging.is_set():
+        name = handler.path.split("/o/", 1)[-1]
+        if "alt=media" in handler.path and ".npz" in name and "val" not in name and hanging.is_set():
             gate.wait(120)
         original(handler)
 
@@ -346,10 +352,12 @@ def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_
     for s in [*TINY, f"seq_len={SEQ}", "sample_every=0", "max_steps=500", "shuffle=blocks", "shuffle_block_shards=2",
               "per_device_train_batch_size=32", f"data_cache_dir={tmp_path / 'cache'}", f"data_cache_gb={40_000 / 1e9}"]:
         cmd += ["--set", s]
+    if when == "first step":
+        hanging.set()
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         rows, deadline = out / "logs" / "metrics.jsonl", time.monotonic() + 240
-        while not (rows.exists() and '"loss"' in rows.read_text()):
+        while not (rows.exists() and ('"loss"' if when == "later step" else '"val_loss"') in rows.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.01)
         hanging.set()
@@ -368,6 +376,10 @@ def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_
             proc.communicate()
     assert proc.returncode == 0, stderr[-3000:]
     assert "Traceback" not in stderr
+    if when == "first step":
+        assert "Stopped: stopped by SIGTERM during setup (waiting for the data of the first step)" in stdout, stdout
+        assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+        return
     stopped = [line for line in stdout.splitlines() if line.startswith("Stopped by SIGTERM after step")]
     assert len(stopped) == 1 and "checkpoint" in stopped[0], stdout[-3000:]
 
@@ -418,6 +430,26 @@ def test_the_streamed_reproductions_end_in_one_line_within_seconds(gcs_emulator,
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and re.search(CRAFTED[case][1], errors[0]), errors
+
+
+@pytest.mark.slow
+def test_a_fetch_thread_that_dies_in_a_run_stops_it_in_one_line_exit_1(bucket, gcs_emulator, tmp_path, subprocess_env):
+    """A folder in the cache where a shard's file goes: its fetch thread dies inside its own error handler
+    (IsADirectoryError), as with a shard path "."; the run stops with that thread's one line, exit 1, within
+    its time bound (the loop waited for that shard for good)."""
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    cache = tmp_path / "cache"
+    (cache / "test-bucket" / "ds" / "rank-0" / "part-00000" / "shard-00005.npz").mkdir(parents=True)
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "demo", "--output-dir", str(tmp_path / "out"),
+           "--data-dir", bucket]
+    for s in [*TINY, f"seq_len={SEQ}", "sample_every=0", "max_steps=200", f"data_cache_dir={cache}"]:
+        cmd += ["--set", s]
+    proc = run(cmd, env, check=False, timeout=240)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines()
+            if "a background thread failed: data-fetch-" in line and "IsADirectoryError" in line]
+    assert len(said) == 1, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert said[0].startswith(("Stopped by a background thread failed", "error: a background thread failed")), said
 
 
 # ------------------------------------------------------------------------------------------ through train.py

@@ -172,6 +172,7 @@ class ResumableLoader:
         self.shuffle = shuffle or Shuffle()
         self._read_ahead = [(i, d) for i, d in enumerate(self.datasets) if isinstance(d, ReadAhead)]
         self._returned = -1  # the last micro-batch of the current iterator returned to the loop
+        self._any_returned = False  # whether any batch was returned in this process (a rollback keeps it)
         self.dataset = self.datasets[0]
         self.micro_batch_size, self.rank, self.world_size, self.seed = micro_batch_size, rank, world_size, seed
         self.log = log or (lambda _msg: None)
@@ -293,8 +294,8 @@ class ResumableLoader:
         failed = self._wait_ready(self._returned + 1)
         if failed:  # said in one line here, not from inside a DataLoader worker
             raise (BackgroundFailure if failed.startswith(THREAD_FAILED) else DataUnavailable)(failed)
-        stop = signals.stop_requested() if self._read_ahead and self._returned < 0 else None
-        if stop:  # the wait for the first batch ended by a stop signal: nothing trained, nothing to save
+        stop = signals.stop_requested() if self._read_ahead and not self._any_returned else None
+        if stop:  # the wait for this session's first batch ended by a stop signal: nothing trained, nothing to save
             raise signals.StoppedInSetup(stop, "waiting for the data of the first step")
         array, (plan_state, dropped, number) = next(self._iterator)
         if self._poisoned:
@@ -304,6 +305,7 @@ class ResumableLoader:
             batch = batch.pin_memory()
         self._plan.restore(plan_state)
         self._returned = number
+        self._any_returned = True
         for _, d in self._read_ahead:
             d.returned(number)
         for name in dropped:

@@ -102,8 +102,14 @@ def description_dir(source: Source, cache_dir: str) -> Path:
             raise StreamError(f"{url}/{DATASET_FILE} not found: training from gs:// reads the dataset description "
                               f"prepare_data.py writes (every shard's size and crc32c); prepare the data with --output "
                               f"{url}, or download the shards (download_training_data.py) and train from the copy")
-        with files.write_guard(folder, advice="free space there or set data_cache_dir to a disk with room"):
-            folder.mkdir(parents=True, exist_ok=True)
+        advice = ("free space there, set data_cache_dir to a folder on a disk with room, or lower data_cache_gb to what "
+                  "it holds")
+        with files.write_guard(folder, advice=advice):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except (NotADirectoryError, FileExistsError):
+                raise StreamError(f"data_cache_dir {cache_root(cache_dir)}: {folder} cannot be made there (a file is in "
+                                  f"the way); set data_cache_dir to a folder") from None
             files.write_bytes(folder / DATASET_FILE, description)
             try:
                 info = DatasetInfo.load(folder)
