@@ -289,6 +289,7 @@ catches_stops() {  # whether process $1 has its handlers for SIGTERM and SIGINT 
     [[ -n "$mask" ]] && (( (16#$mask >> 14) & 1 )) && (( (16#$mask >> 1) & 1 ))
 }
 set +e
+export NEOX_LAUNCHER_PID=$$  # the ranks stop with a checkpoint if this script is SIGKILLed (utils/launch.py)
 if command -v setsid >/dev/null 2>&1; then
     setsid "$python" -S "$SCRIPT_DIR/utils/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
         -- "${cmd[@]}" &  # -S: no site hooks, it catches sooner

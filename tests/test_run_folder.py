@@ -29,16 +29,19 @@ def _children(pid: int) -> list[int]:
 
 
 def _rank_pids(launcher_pid: int) -> dict[int, int]:
-    """{RANK: pid} of the training processes under the launcher (the children of accelerate's torchrun)."""
-    found = {}
-    for launcher_child in _children(launcher_pid):
-        for pid in _children(launcher_child):
-            try:
-                env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
-            except OSError:
-                continue
-            if b"RANK" in env:
-                found[int(env[b"RANK"])] = pid
+    """{RANK: pid} of the training processes under the launcher (start_training.sh -> its supervisor ->
+    accelerate's torchrun -> the ranks): the descendants whose environment has RANK."""
+    found, todo = {}, _children(launcher_pid)
+    while todo:
+        pid = todo.pop()
+        try:
+            env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if b"RANK" in env and b"python" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            found[int(env[b"RANK"])] = pid
+        else:
+            todo += _children(pid)
     return found
 
 

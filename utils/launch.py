@@ -284,6 +284,17 @@ def _children_of(pid: int) -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and parent_pid(int(entry)) == pid]
 
 
+LAUNCHER_PID = "NEOX_LAUNCHER_PID"  # start_training.sh's own pid, which it sets for this supervisor
+
+
+def watched_launcher() -> str:
+    """The pid the ranks watch (utils/signals.py watch_supervisor): start_training.sh's when it started this
+    supervisor (a `kill -9` of the launcher the user started then stops the run with a checkpoint, as one of
+    the supervisor did when the script exec'd it), else this supervisor's."""
+    launcher = os.environ.get(LAUNCHER_PID, "")
+    return launcher if launcher.isdigit() and int(launcher) == os.getppid() else str(os.getpid())
+
+
 class Supervisor:
     def __init__(self, cmd: list[str], max_restarts: int = 0, restart_delay: float = 10.0):
         self.cmd = cmd
@@ -411,7 +422,7 @@ class Supervisor:
         os.close(fd)
         os.unlink(status_path)
         self.status_path = status_path
-        env = dict(os.environ, **{STATUS_FILE_ENV: status_path, SUPERVISOR_PID: str(os.getpid()),
+        env = dict(os.environ, **{STATUS_FILE_ENV: status_path, SUPERVISOR_PID: watched_launcher(),
                                   RESTARTS_ENV: str(restarts)})
         cmd = self.cmd + (["--resume", "auto"] if restarts else [])  # the last --resume wins (argparse)
         read_end, write_end, merged = _stderr_channel()
