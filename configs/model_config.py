@@ -139,11 +139,12 @@ MODELS: dict[str, ModelSpec] = {
               ("smollm2-1.7b", 49152, 2048, 24, 32, 32, 8192, 8192, 130000.0, 1e-5, 0.02, (), False),
               ("qwen2.5-0.5b", 151936, 896, 24, 14, 2, 4864, 32768, 1000000.0, 1e-6, 0.02, (), True),
               ("qwen2.5-1.5b", 151936, 1536, 28, 12, 2, 8960, 131072, 1000000.0, 1e-6, 0.02, (), True))),
-        # The Llama-family CPU demo (--set model=llama-demo) and its unit-test size: GQA, tied embeddings.
+        # The Llama-family CPU demo (--set model=llama-demo: the demo model's size, GQA, its head untied as the
+        # demo's is) and the unit-test size (GQA, tied embeddings).
         ModelSpec("llama-demo", vocab_size=2048, hidden_size=192, num_hidden_layers=4, num_attention_heads=6,
-                  intermediate_size=512, max_position_embeddings=128, family="llama", num_key_value_heads=2,
+                  intermediate_size=768, max_position_embeddings=128, family="llama", num_key_value_heads=2,
                   rotary_pct=1.0, use_parallel_residual=False, attention_bias=False, hidden_act="silu",
-                  tie_word_embeddings=True),
+                  tie_word_embeddings=False),
         ModelSpec("llama-tiny", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, max_position_embeddings=64, family="llama", num_key_value_heads=2,
                   rotary_pct=1.0, use_parallel_residual=False, attention_bias=False, hidden_act="silu",

@@ -216,7 +216,7 @@ def test_fp8_with_document_attention_trains_a_llama(runs, tmp_path):
     """torchao's float8 training (emulated on the CPU) converts the Llama's Linear layers, with attention=document."""
     pytest.importorskip("torchao")
     out = tmp_path / "fp8"
-    proc = run(train_cmd(out, runs["data"], *LLAMA, "mixed_precision=fp8", "attention=document", "max_steps=2",
+    proc = run(train_cmd(out, runs["data"], *LLAMA, "mixed_precision=fp8", "attention=document", "eos_id=0", "max_steps=2",
                          "save_steps=2", "preflight_steps=0", "per_device_train_batch_size=2"),
                runs["env"] | {"NEOX_FP8_EMULATE": "1"})
     import re
