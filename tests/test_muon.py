@@ -170,7 +170,8 @@ def test_muon_on_two_ddp_ranks_equals_one_process_and_two_fsdp_ranks_equal_ddp(t
         assert r1[step]["z_loss"] > 0 and _close(r1[step]["z_loss"], r3[step]["z_loss"], 2e-5)
     assert r1[6]["loss"] < r1[1]["loss"]
     w1, w2, w3 = (load_weights(out / "final_model" / "model.safetensors") for out in (one, ddp, fsdp))
-    init = build_model(SPEC, seed=get_training_config("demo", {}).seed).state_dict()
+    demo = get_training_config("demo", {})
+    init = build_model(SPEC, seed=demo.seed, init=demo.init).state_dict()  # the runs' starting weights
     init["embed_out.weight"] = init.pop("lm_head.weight")
     flat = lambda w: torch.cat([w[k].flatten() for k in sorted(w1)])  # noqa: E731
     moved = (flat(w1) - flat(init)).norm()
