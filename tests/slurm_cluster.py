@@ -1,5 +1,5 @@
 """A real one-node Slurm cluster on localhost for the tests: munged, slurmctld and slurmd (Debian's `slurmctld`,
-`slurmd`, `slurm-client` and `munge`; `./setup.sh --slurm` installs them as root), with a generated slurm.conf
+`slurmd`, `slurm-client` and `munge`: `apt-get install slurmctld slurmd slurm-client munge` as root), with a generated slurm.conf
 in a folder of its own (its own munge key and socket, its own ports: nothing of the machine's is touched):
 proctrack/linuxproc, task/none, select/cons_tres, a `low` (default) and a `high` partition with
 preempt/partition_prio and PreemptMode=REQUEUE, and count-only GPUs (gres) so that scripts asking for GPUs
@@ -46,8 +46,7 @@ class SlurmCluster:
             raise SlurmUnavailable("needs root to run slurmd")
         missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch") if not shutil.which(b)]
         if missing:
-            raise SlurmUnavailable(f"{', '.join(missing)} not installed (./setup.sh --slurm as root, or apt-get "
-                                   f"install {PACKAGES})")
+            raise SlurmUnavailable(f"{', '.join(missing)} not installed (as root: apt-get install {PACKAGES})")
         munge_dir = self.root / "munge"
         for sub in ("state", "spool", "munge"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
