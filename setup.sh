@@ -149,6 +149,16 @@ if ! cmp -s utils/quiet_imports.py "$site_dir/neox_quiet_imports.py"; then
     echo "import neox_quiet_imports" > "$site_dir/neox_quiet_imports.pth"
 fi
 
+# The Slurm tests (tests/test_slurm.py) start a real one-node cluster: as root with apt-get (a CI machine, a
+# container), the dev set installs Debian's Slurm and munge once; elsewhere those tests skip, saying why.
+if [[ "$dev" -eq 1 && "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1 && ! command -v slurmctld >/dev/null 2>&1; then
+    step "installing Slurm and munge for the Slurm tests (apt-get)"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            slurmctld slurmd slurm-client munge >/dev/null; }; then
+        echo "warning: apt-get could not install slurmctld slurmd slurm-client munge; the Slurm tests will skip" >&2
+    fi
+fi
+
 # --- sanity check ------------------------------------------------------------------------------------
 step "checking the environment"
 "$VPY" - "$dev" "$torch_build" "$TORCH_VERSION" <<'EOF' || die "the installed packages do not import (see above); run ./setup.sh --force"
