@@ -31,7 +31,7 @@ from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORM
 from utils import layout  # noqa: E402
 from utils.console import progress_bar, survive_lost_console  # noqa: E402
 from utils.errors import BackgroundFailure, UserError  # noqa: E402
-from utils.run_status import RunStatus, mark_trained, rank_zero  # noqa: E402
+from utils.run_status import RunStatus, rank_zero  # noqa: E402
 from utils.signals import StoppedInSetup, catch_early, watch_supervisor  # noqa: E402
 
 
@@ -100,7 +100,7 @@ def train(cfg, profile, args) -> int:
     from utils.accelerator import make_accelerator
     from utils.checkpoint.checkpointer import find_checkpoint, remote_checkpoint_root
     from utils.data.build import build_data
-    from utils.debug import BatchTrace, step_delay_s
+    from utils.debug import BatchTrace
     from utils.evals.runner import DownstreamEvals
     from utils.export import export_final_model, finished_run
     from utils.metrics import MetricsWindow, closing_summary, peak_flops
@@ -129,12 +129,8 @@ def train(cfg, profile, args) -> int:
     node_uploads = parallel.sharded and not shared_output_dir(output_dir, accelerator, remote_root, log)
     resume_path = (find_checkpoint(args.resume, accelerator, output_dir / layout.CHECKPOINTS, remote_root, log)
                    if args.resume else None)
-    finished = resume_path and finished_run(resume_path, cfg, output_dir, accelerator, log)
-    if finished:  # nothing to train: no preflight, no export unless final_model/ is missing
-        log.close()
-        lock.release()
-        RunStatus(0, step=cfg.max_steps, checkpoint=str(resume_path), final_model=str(finished)).write()
-        return 0
+    if resume_path and finished_run(resume_path, cfg, output_dir, accelerator, log, lock):
+        return 0  # nothing to train: no preflight, no export unless final_model/ is missing
     spec, seq_len, init_weights = resolve_model_spec(cfg, log)
     check_batch_fits(cfg, spec, seq_len, device, world)
     loader, val_batches = build_data(cfg, seq_len, spec.vocab_size, accelerator, log)
@@ -161,7 +157,7 @@ def train(cfg, profile, args) -> int:
     reporter = StepReporter(cfg.logging_steps, log, window, schedule_from_config(cfg), loader, guard, bar)
     evaluator = make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len, log)
     grad_norm = torch.zeros((), device=device)
-    trace, step_delay = BatchTrace(output_dir, accelerator), step_delay_s()
+    trace = BatchTrace(output_dir, accelerator)  # NEOX_TRACE_BATCHES, NEOX_DEBUG_STEP_DELAY_S
     exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
     watchdog = HangWatchdog(cfg.hang_timeout_s, output_dir / layout.LOGS, accelerator.process_index, world)
     try:
@@ -192,10 +188,8 @@ def train(cfg, profile, args) -> int:
                         scheduler.step()  # a skipped step too: the LR at step k is lr_at(k)
                         optimizer.zero_grad(set_to_none=True)
             state.advance(tokens_per_step)
-            mark_trained()  # a failure from here on may be restarted by the launcher (--max-restarts)
-            watchdog.beat(state.step)
-            if step_delay:
-                time.sleep(step_delay)  # NEOX_DEBUG_STEP_DELAY_S only
+            watchdog.beat(state.step)  # progress: for the hang watchdog and the launcher's restarts
+            trace.after_step()
             window.add(step_loss, skipped=not applied)
             bar.update(1)
             if guard.rollback_due and guard.roll_back(ckpt, loader, state):  # the newest checkpoint, data since skipped

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from pathlib import Path
 
@@ -64,6 +65,12 @@ class BatchTrace:
     def __init__(self, output_dir: Path, accelerator):
         self.path, self.accelerator = Path(output_dir) / layout.LOGS / layout.BATCH_TRACE, accelerator
         self.enabled = os.environ.get("NEOX_TRACE_BATCHES") == "1"
+        self.step_delay = step_delay_s()
+
+    def after_step(self) -> None:
+        """`NEOX_DEBUG_STEP_DELAY_S`: a pause after each step (tests act between two steps); nothing unless set."""
+        if self.step_delay:
+            time.sleep(self.step_delay)
 
     def record(self, step: int, input_ids) -> None:
         """Every rank calls it for every micro-batch; it does nothing unless NEOX_TRACE_BATCHES=1."""

@@ -10,6 +10,7 @@ from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.checkpoint.format import parse_checkpoint_name
 from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
+from utils.run_status import RunStatus
 
 
 def export_final_model(model, spec, cfg, state, output_dir: Path, parallel, log) -> tuple[Path | None, bool]:
@@ -35,9 +36,10 @@ def export_final_model(model, spec, cfg, state, output_dir: Path, parallel, log)
     return export_dir, in_sync
 
 
-def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log) -> Path | None:
-    """A checkpoint at `max_steps` is a finished run: says so and returns final_model/, exporting it from the
-    checkpoint (rank 0) only when it is missing; None when there are steps left to train."""
+def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log, lock) -> Path | None:
+    """A checkpoint at `max_steps` is a finished run: says so, exports final_model/ from the checkpoint (rank 0)
+    only when it is missing, closes the log, frees the output dir and records the run's status; returns
+    final_model/. None when there are steps left to train."""
     parsed = parse_checkpoint_name(Path(resume_path).name)
     step = parsed[1] if parsed else None
     if step != cfg.max_steps:
@@ -55,4 +57,7 @@ def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log) -> 
             log.info(f"The run already finished at step {step} ({resume_path.name}); final_model/ was missing: "
                      f"exported it to {final}")
     accelerator.wait_for_everyone()
+    log.close()
+    lock.release()
+    RunStatus(0, step=cfg.max_steps, checkpoint=str(resume_path), final_model=str(final)).write()
     return final

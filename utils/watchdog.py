@@ -34,6 +34,8 @@ import time
 import traceback
 from pathlib import Path
 
+from utils.run_status import mark_trained
+
 HANG_EXIT = 3
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WAIT_FOR_PEER_STACKS_S = 15.0
@@ -73,6 +75,9 @@ class HangWatchdog:
         return self
 
     def beat(self, step: int) -> None:
+        """A training step is done: progress for this watchdog, and for the launcher (a failure from here on
+        may be restarted: --max-restarts), whether or not the watchdog is on."""
+        mark_trained()
         self.step, self.progress_t, self.progress_wall = step, time.monotonic(), time.time()
 
     def stop(self) -> None:
