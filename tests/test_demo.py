@@ -62,8 +62,11 @@ def test_demo_command_learns_within_ten_minutes(tmp_path, subprocess_env, capsys
     from utils.model import build_model
     from utils.model.hf import export_hf
 
-    spec = get_model_spec("demo")
-    export_hf(build_model(spec, seed=42).state_dict(), spec, tmp_path / "untrained", tokenizer=tmp_path / "data")
+    from configs import get_training_config
+
+    spec, demo = get_model_spec("demo"), get_training_config("demo")
+    untrained_model = build_model(spec, seed=demo.seed, init=demo.init)  # the run's own starting weights
+    export_hf(untrained_model.state_dict(), spec, tmp_path / "untrained", tokenizer=tmp_path / "data")
     capsys.readouterr()
     for path, step in ((out / "final_model", 400), (tmp_path / "untrained", 0)):
         assert evaluate.main([str(path), "--task", f"next_line={task}", "--json", "--batch-size", "16"]) == 0

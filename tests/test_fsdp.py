@@ -19,7 +19,9 @@ import torch
 from tests.conftest import Emulator
 from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
 
-STEPS = ("max_steps=8", "save_steps=4", "save_total_limit=3")
+# init=hf: the 1e-5 bounds below were measured with transformers' init (std 0.02); the demo preset's neox init
+# draws the tiny model's weights about 4x larger, and the same rounding noise then ends at 1.4e-5
+STEPS = ("max_steps=8", "save_steps=4", "save_total_limit=3", "init=hf")
 
 
 def launch(out: Path, data: Path, gpus: int, *sets: str, extra: tuple = (), env=None):
