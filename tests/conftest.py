@@ -95,3 +95,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_stop_signal_left_over():
+    """Each test starts with no stop signal on record in this process: a test that signals the pytest
+    process itself (a StopSignal, catch_early) must not make a later in-process wait (utils/signals.py's
+    stop_requested, looked at by the streaming loader) think a stop came."""
+    signals = sys.modules.get("utils.signals")
+    if signals is not None:
+        for name in ("_REQUESTED", "_EARLY", "_SUPERVISOR_LOST"):
+            getattr(signals, name, []).clear()
+    yield
