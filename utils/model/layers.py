@@ -101,6 +101,30 @@ class FlopsMixin:
         return 6.0 * self.parameter_counts()[1] + 12.0 * s.num_hidden_layers * s.num_attention_heads * s.head_dim * seq_len
 
 
+class HFCausalLM(FlopsMixin):
+    """The engine's interface on transformers' *ForCausalLM (`model_impl=hf`), mixed in before it: `forward(input_ids)
+    -> loss` (the LM head on every position but the last, cross-entropy in fp32 for a stable log-softmax under
+    autocast), through transformers' own accessors (`base_model`, `get_input_embeddings`); a family's subclass
+    adds `output_units()` (its final norm and the head)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.base_model(input_ids=input_ids).last_hidden_state[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.base_model(input_ids=input_ids).last_hidden_state)
+
+    def blocks(self):
+        return self.base_model.layers
+
+    def input_embedding(self):
+        return self.get_input_embeddings()
+
+    def compile_blocks(self) -> None:
+        for layer in self.blocks():
+            layer.compile()
+
+
 class CausalLM(FlopsMixin, nn.Module):
     """The engine's view of a native model. A family sets `trunk_name` and implements `_embed`, `_norm`,
     `_layers` and `init_weights`; rotary tables are `rotary_cos`/`rotary_sin` buffers (never saved), built by

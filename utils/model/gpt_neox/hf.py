@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 
 from configs.model_config import ConfigError, ModelSpec
 
@@ -110,32 +109,13 @@ def hf_model_class():
         return _HF_CLASS
     from transformers import GPTNeoXForCausalLM
 
-    from utils.model.layers import FlopsMixin
+    from utils.model.layers import HFCausalLM
 
-    class HFGPTNeoX(FlopsMixin, GPTNeoXForCausalLM):
-        """`forward(input_ids) -> loss`: the LM head on every position but the last, cross-entropy in fp32
-        (for a stable log-softmax under bf16/fp16 autocast)."""
-
-        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-            hidden = self.gpt_neox(input_ids=input_ids).last_hidden_state
-            logits = self.lm_head(hidden[:, :-1])
-            return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
-
-        def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-            return self.lm_head(self.gpt_neox(input_ids=input_ids).last_hidden_state)
-
-        def blocks(self):
-            return self.gpt_neox.layers
-
-        def input_embedding(self):
-            return self.gpt_neox.embed_in
+    class HFGPTNeoX(HFCausalLM, GPTNeoXForCausalLM):
+        """transformers' class with the engine's interface (utils/model/layers.py HFCausalLM)."""
 
         def output_units(self):
             return [self.gpt_neox.final_layer_norm, self.lm_head]
-
-        def compile_blocks(self) -> None:
-            for layer in self.gpt_neox.layers:
-                layer.compile()
 
     _HF_CLASS = HFGPTNeoX
     return HFGPTNeoX

@@ -10,7 +10,6 @@ model (biases on q/k/v, none on o), any other a Llama one.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from configs.model_config import ConfigError, ModelSpec
 
@@ -135,33 +134,15 @@ def _hf_class(model_type: str):
         return _HF_CLASSES[model_type]
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
-    from utils.model.layers import FlopsMixin
+    from utils.model.layers import HFCausalLM
 
     base = Qwen2ForCausalLM if model_type == "qwen2" else LlamaForCausalLM
 
-    class HFLlama(FlopsMixin, base):
-        """`forward(input_ids) -> loss`: the LM head on every position but the last, cross-entropy in fp32."""
-
-        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-            hidden = self.model(input_ids=input_ids).last_hidden_state
-            logits = self.lm_head(hidden[:, :-1])
-            return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
-
-        def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-            return self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
-
-        def blocks(self):
-            return self.model.layers
-
-        def input_embedding(self):
-            return self.model.embed_tokens
+    class HFLlama(HFCausalLM, base):
+        """transformers' class with the engine's interface (utils/model/layers.py HFCausalLM)."""
 
         def output_units(self):
             return [self.model.norm, self.lm_head]
-
-        def compile_blocks(self) -> None:
-            for layer in self.model.layers:
-                layer.compile()
 
     HFLlama.__name__ = HFLlama.__qualname__ = f"HF{base.__name__}"
     _HF_CLASSES[model_type] = HFLlama
