@@ -99,14 +99,13 @@ def train(cfg, profile, args) -> int:
 
     from utils.accelerator import make_accelerator
     from utils.checkpoint.checkpointer import find_checkpoint, remote_checkpoint_root
-    from utils.data.build import build_data
+    from utils.data.build import build_data, description_dir
     from utils.debug import BatchTrace
     from utils.evals.runner import DownstreamEvals
-    from utils.export import export_final_model, finished_run
-    from utils.metrics import MetricsWindow, closing_summary, peak_flops
+    from utils.export import finished_run
+    from utils.metrics import MetricsWindow, peak_flops
     from utils.model.fit import check_batch_fits
     from utils.model.lm_loss import set_z_loss
-    from utils.model.preflight import preflight
     from utils.model.spec import resolve_model_spec
     from utils.optim import schedule_from_config
     from utils.parallel import make_parallelism
@@ -129,12 +128,13 @@ def train(cfg, profile, args) -> int:
     node_uploads = parallel.sharded and not shared_output_dir(output_dir, accelerator, remote_root, log)
     resume_path = (find_checkpoint(args.resume, accelerator, output_dir / layout.CHECKPOINTS, remote_root, log)
                    if args.resume else None)
-    if resume_path and finished_run(resume_path, cfg, output_dir, accelerator, log, lock):
+    described = description_dir(cfg)  # the data's dataset.json and tokenizer.json: vocabulary, evals, exports
+    if resume_path and finished_run(resume_path, cfg, described, output_dir, accelerator, log, lock):
         return 0  # nothing to train: no preflight, no export unless final_model/ is missing
-    spec, seq_len, init_weights = resolve_model_spec(cfg, log)
+    spec, seq_len, init_weights = resolve_model_spec(cfg, described, log)
     check_batch_fits(cfg, spec, seq_len, device, world)
     loader, val_batches = build_data(cfg, seq_len, spec.vocab_size, accelerator, log)
-    evals = DownstreamEvals(cfg, spec, accelerator, log, parallel.sharded)  # eval_tasks, read before the model build
+    evals = DownstreamEvals(cfg, spec, described, accelerator, log, parallel.sharded)  # read before the model build
     stop.end_setup_if_asked("data index")
     model, optimizer, scheduler = build_training(parallel, cfg, spec, init_weights if resume_path is None else None, log)
     core = accelerator.unwrap_model(model)
@@ -146,7 +146,8 @@ def train(cfg, profile, args) -> int:
     window = MetricsWindow(accelerator, tokens_per_step, core.flops_per_token(seq_len), peak_flops(device),
                            precision_name(cfg.mixed_precision), PROCESS_STARTED, data_wait=lambda: loader.wait_s,
                            z_loss_heads=z_heads)
-    ckpt = make_checkpointer(cfg, parallel, states, spec, seq_len, output_dir, remote_root, node_uploads, log)
+    ckpt = make_checkpointer(cfg, parallel, states, spec, seq_len, output_dir, remote_root, node_uploads, described,
+                             log)
     if resume_path is not None:
         ckpt.restore(resume_path)
     stop.end_setup_if_asked("model build")
@@ -155,17 +156,13 @@ def train(cfg, profile, args) -> int:
     describe_run(cfg, parallel, log, profile, spec, core, loader, len(val_batches), state, remote_root)
     bar = progress_bar(cfg.max_steps, state.step, accelerator.is_main_process)
     reporter = StepReporter(cfg.logging_steps, log, window, schedule_from_config(cfg), loader, guard, bar)
-    evaluator = make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len, log)
+    evaluator = make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len, described, log)
     grad_norm = torch.zeros((), device=device)
     trace = BatchTrace(output_dir, accelerator)  # NEOX_TRACE_BATCHES, NEOX_DEBUG_STEP_DELAY_S
     exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
     watchdog = HangWatchdog(cfg.hang_timeout_s, output_dir / layout.LOGS, accelerator.process_index, world)
     try:
-        bar.set_description_str("setup: preflight (compiles the blocks)" if cfg.compile_model else "setup: preflight")
-        preflight(model, val_batches, cfg, accelerator, log, stop)
-        stop.end_setup_if_asked("preflight")
-        evaluator.at_start(state, bar)  # a fresh run's step 0: where the curves start
-        bar.set_description_str("train")
+        start_run(model, val_batches, cfg, accelerator, log, stop, evaluator, state, bar)
         window.restart(state.step + 1)
         data_iter = iter(loader)
         watchdog.start(state.step)  # from here, no progress for hang_timeout_s ends the run (utils/watchdog.py)
@@ -211,18 +208,42 @@ def train(cfg, profile, args) -> int:
                 log.info(f"Stopped by {stopped_by} after step {state.step}: checkpoint {last_checkpoint}")
                 break
         watchdog.stop()  # the loop is over: what follows (uploads, export) has its own limits
-        bar.close()
-        ckpt.wait()
-        if stopped_by is None:
-            export_dir, in_sync = export_final_model(model, spec, cfg, state, output_dir, parallel, log)
-            exit_code = 0 if in_sync else 1
-        log.info(closing_summary(output_dir / layout.LOGS / layout.METRICS, step=state.step, tokens=state.tokens,
-                                 session_s=time.perf_counter() - PROCESS_STARTED, window=window,
-                                 checkpoint=last_checkpoint, final_model=export_dir, spikes=guard.summary()))
+        export_dir, exit_code = end_run(model, spec, described, state, output_dir, parallel, log, bar, ckpt, window,
+                                        guard, stopped_by, exit_code, last_checkpoint)
     finally:
         watchdog.stop()
         exit_code = close_run(exit_code, stopped_by, state, last_checkpoint, export_dir, bar, loader, ckpt, log, lock)
     return exit_code
+
+
+def start_run(model, val_batches, cfg, accelerator, log, stop, evaluator, state, bar) -> None:
+    """Before the first step: the preflight (a compile happens here), then a fresh run's step-0 evaluation."""
+    from utils.model.preflight import preflight
+
+    bar.set_description_str("setup: preflight (compiles the blocks)" if cfg.compile_model else "setup: preflight")
+    preflight(model, val_batches, cfg, accelerator, log, stop)
+    stop.end_setup_if_asked("preflight")
+    evaluator.at_start(state, bar)  # a fresh run's step 0: where the curves start
+    bar.set_description_str("train")
+
+
+def end_run(model, spec, described, state, output_dir, parallel, log, bar, ckpt, window, guard, stopped_by,
+            exit_code: int, last_checkpoint):
+    """After the loop: the checkpoint writer drained, final_model/ exported unless the run stopped early (every
+    rank: the export checks the ranks agree), and the closing summary. Returns (export dir or None, exit code)."""
+    from utils.export import export_final_model
+    from utils.metrics import closing_summary
+
+    bar.close()
+    ckpt.wait()
+    export_dir = None
+    if stopped_by is None:
+        export_dir, in_sync = export_final_model(model, spec, described, state, output_dir, parallel, log)
+        exit_code = 0 if in_sync else 1
+    log.info(closing_summary(output_dir / layout.LOGS / layout.METRICS, step=state.step, tokens=state.tokens,
+                             session_s=time.perf_counter() - PROCESS_STARTED, window=window,
+                             checkpoint=last_checkpoint, final_model=export_dir, spikes=guard.summary()))
+    return export_dir, exit_code
 
 
 def close_run(exit_code: int, stopped_by, state, last_checkpoint, export_dir, bar, loader, ckpt, log, lock) -> int:
@@ -254,7 +275,8 @@ def open_output_dir(output_dir: Path, args, accelerator):
     return lock, RunLogger(output_dir / layout.LOGS, is_main=accelerator.is_main_process)
 
 
-def make_checkpointer(cfg, parallel, states, spec, seq_len: int, output_dir: Path, remote_root, node_uploads: bool, log):
+def make_checkpointer(cfg, parallel, states, spec, seq_len: int, output_dir: Path, remote_root, node_uploads: bool,
+                      described: Path, log):
     """The Checkpointer of every stateful thing in `states`: the config's policy, the run's record (what a resume
     must match), the checkpoint's name from the data cursor and the step."""
     from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer
@@ -264,20 +286,20 @@ def make_checkpointer(cfg, parallel, states, spec, seq_len: int, output_dir: Pat
     loader, state, world = states["data"], states["train"], parallel.accelerator.num_processes
     global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world
     return Checkpointer(parallel.accelerator, states,
-                        CheckpointPolicy.from_config(cfg, output_dir / layout.CHECKPOINTS, remote_root, node_uploads),
+                        CheckpointPolicy.from_config(cfg, output_dir / layout.CHECKPOINTS, remote_root, node_uploads,
+                                                                 described),
                         RunRecord(world, parallel.name, global_batch, seq_len, cfg.to_dict(), spec.to_dict(),
                                   loader.fingerprint(), cfg.max_steps),
                         lambda: checkpoint_name(loader.epoch, state.step, loader.files_consumed()), log,
                         sharded=parallel.sharded)
 
 
-def make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len: int, log):
+def make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len: int, described: Path, log):
     """Validation, the downstream evals and the samples, each on its own schedule (utils/evals/evaluator.py)."""
-    from utils.data.build import description_dir
     from utils.evals.evaluator import Evaluator
     from utils.sampling import Sampler
 
-    sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, description_dir(cfg), seq_len,
+    sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, described, seq_len,
                       cfg.seed, parallel.accelerator, log, sharded=parallel.sharded)
     return Evaluator(cfg.eval_interval, model, core, val_batches, evals, sampler, parallel.accelerator, log)
 

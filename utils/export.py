@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from utils import files, layout
-from utils.data.build import description_dir
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.checkpoint.format import parse_checkpoint_name
@@ -13,7 +12,7 @@ from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
 from utils.run_status import RunStatus
 
 
-def export_final_model(model, spec, cfg, state, output_dir: Path, parallel, log) -> tuple[Path | None, bool]:
+def export_final_model(model, spec, described: Path, state, output_dir: Path, parallel, log) -> tuple[Path | None, bool]:
     """End of a completed run: check the ranks agree on the weights, export final_model/ (rank 0).
     Returns (export dir or None, weights in sync). Collective: every rank calls it."""
     weights = parallel.full_state_dict(model)  # rank 0 gets it
@@ -22,9 +21,9 @@ def export_final_model(model, spec, cfg, state, output_dir: Path, parallel, log)
         log.error(f"weights differ between ranks after training: {all_sums}")
     if weights is None:
         return None, in_sync
-    tokenizer = ExportTokenizer.find(description_dir(cfg))  # its dataset.json names EOS
+    tokenizer = ExportTokenizer.find(described)  # its dataset.json names EOS
     if tokenizer is None:
-        log.warning(f"no tokenizer.json in {description_dir(cfg)}, so {output_dir / layout.FINAL_MODEL} has none: "
+        log.warning(f"no tokenizer.json in {described}, so {output_dir / layout.FINAL_MODEL} has none: "
                     f"AutoTokenizer cannot load it. Export a checkpoint again with scripts/export_hf.py CHECKPOINT "
                     f"OUT --tokenizer PATH (the tokenizer.json the data was prepared with)")
     with files.write_guard(output_dir / layout.FINAL_MODEL, advice="the checkpoints are intact: export one with "
@@ -36,7 +35,7 @@ def export_final_model(model, spec, cfg, state, output_dir: Path, parallel, log)
     return export_dir, in_sync
 
 
-def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log, lock) -> Path | None:
+def finished_run(resume_path: Path, cfg, described: Path, output_dir: Path, accelerator, log, lock) -> Path | None:
     """A checkpoint at `max_steps` is a finished run: says so, exports final_model/ from the checkpoint (rank 0)
     only when it is missing, closes the log, frees the output dir and records the run's status; returns
     final_model/. None when there are steps left to train."""
@@ -51,9 +50,8 @@ def finished_run(resume_path: Path, cfg, output_dir: Path, accelerator, log, loc
                      f"is in {final}; nothing to do (raise --max-steps to train further)")
         else:
             spec, weights, _ = load_checkpoint_model(resume_path)
-            data_dir = description_dir(cfg)
-            has_tokenizer = (data_dir / DATASET_FILE).is_file() or (data_dir / TOKENIZER_FILE).is_file()
-            export_hf(weights, spec, final, tokenizer=data_dir if has_tokenizer else resume_path)
+            has_tokenizer = (described / DATASET_FILE).is_file() or (described / TOKENIZER_FILE).is_file()
+            export_hf(weights, spec, final, tokenizer=described if has_tokenizer else resume_path)
             log.info(f"The run already finished at step {step} ({resume_path.name}); final_model/ was missing: "
                      f"exported it to {final}")
     accelerator.wait_for_everyone()

@@ -47,7 +47,6 @@ from utils.checkpoint.resume import resolve_resume
 from utils.checkpoint.run_record import RunRecord
 from utils.checkpoint.upload import BackgroundUploader
 from utils.checkpoint.writer import AsyncCheckpointWriter
-from utils.data.build import description_dir
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.distributed import local_tensor, main_process_first, main_process_only
 from utils.errors import DiskFullError, UserError
@@ -140,10 +139,12 @@ class CheckpointPolicy:
     extra_files: Mapping[str, Path] = field(default_factory=dict)  # copied in when present at save time
 
     @classmethod
-    def from_config(cls, cfg, root: Path, remote_root: str | None, node_uploads: bool = False) -> "CheckpointPolicy":
+    def from_config(cls, cfg, root: Path, remote_root: str | None, node_uploads: bool = False,
+                    described: Path | None = None) -> "CheckpointPolicy":
+        """`described`: the data's description folder, whose tokenizer.json each checkpoint carries."""
         return cls(Path(root), cfg.save_steps, cfg.save_total_limit, remote_root, cfg.background_upload,
                    cfg.upload_timeout_s, node_uploads,
-                   {TOKENIZER_FILE: description_dir(cfg) / TOKENIZER_FILE})
+                   {TOKENIZER_FILE: described / TOKENIZER_FILE} if described is not None else {})
 
 
 class Checkpointer:

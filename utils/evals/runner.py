@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.data.build import description_dir
 from utils.errors import UserError
 from utils.evals.scoring import RequestEncoder, loglikelihoods, task_metrics
 from utils.evals.tasks import Task, load_task
@@ -69,7 +68,7 @@ class DownstreamEvals:
     Every rank scores a share of the requests; the model is the unwrapped one (DDP) or the sharded one
     (FSDP: every rank runs each forward), in the run's autocast. Micro-batch: the training one."""
 
-    def __init__(self, cfg, spec, accelerator, log, sharded: bool = False):
+    def __init__(self, cfg, spec, described: Path, accelerator, log, sharded: bool = False):
         self.every = cfg.eval_tasks_every or cfg.eval_interval
         self.max_steps, self.batch_size = cfg.max_steps, cfg.per_device_train_batch_size
         self.max_length = spec.max_position_embeddings
@@ -78,7 +77,7 @@ class DownstreamEvals:
         self.tasks: list[PreparedTask] = []
         if cfg.eval_tasks:
             tasks = load_tasks(cfg.eval_tasks, cfg.eval_tasks_limit)
-            encoder = load_encoder(description_dir(cfg), self.max_length, advice="eval_tasks needs the data's tokenizer "
+            encoder = load_encoder(described, self.max_length, advice="eval_tasks needs the data's tokenizer "
                                    "there (prepare_data.py writes it), or leave eval_tasks empty")
             self.tasks = prepare_tasks(tasks, encoder)
             log.info("eval_tasks: " + "; ".join(

@@ -3,19 +3,20 @@ vocabulary a prepared dataset's tokenizer sets (its dataset.json)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from configs import get_model_spec
 from configs.training_config import check_seq_len
-from utils.data.build import description_dir
 from utils.data.dataset_info import DatasetInfo
 from utils.errors import UserError
 from utils.model.hf import check_weights, load_hf_pretrained
 
 
-def resolve_model_spec(cfg, log):
+def resolve_model_spec(cfg, described: Path, log):
     """(architecture, seq_len, weights to start from or None). The architecture is the `model` preset, or
     with `init_from` the HF model directory's own; a dataset.json in the data directory (prepare_data.py)
-    sets the vocabulary to its tokenizer's."""
+    sets the vocabulary to its tokenizer's. `described`: the folder holding the data's dataset.json
+    (`utils.data.build.description_dir`)."""
     weights = None
     if cfg.init_from:
         spec, weights = load_hf_pretrained(cfg.init_from)
@@ -26,7 +27,7 @@ def resolve_model_spec(cfg, log):
                  f"--resume, the checkpoint's weights, optimizer and schedule are restored instead)")
     else:
         spec = get_model_spec(cfg.model)
-    info = DatasetInfo.load(description_dir(cfg))
+    info = DatasetInfo.load(described)
     if info is not None and cfg.init_from:
         if info.vocab_size > spec.padded_vocab_size:
             raise UserError(f"{info.path}: its tokenizer has {info.vocab_size:,} ids but the init_from model "
