@@ -375,6 +375,7 @@ class Gate:
         return (collections.OrderedDict, ())
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies on purpose
 def test_async_writer_never_waits_on_a_dead_thread():
     """The writer thread gone mid-write (a job it cannot even unpack kills it before its own try): wait() and
     the next save() raise BackgroundFailure within seconds, where they waited for good."""
