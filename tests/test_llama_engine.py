@@ -184,13 +184,14 @@ def test_demo_with_the_llama_preset_learns(tmp_path, subprocess_env):
     out = tmp_path / "out"
     env = {k: v for k, v in subprocess_env.items() if k != "OMP_NUM_THREADS"}
     cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--", "--output-dir", str(out),
-           "--data-dir", str(tmp_path / "data"), "--set", "model=llama-demo"]
+           "--data-dir", str(tmp_path / "data"), "--set", "model=llama-demo", "--set", "max_steps=200"]
     run(cmd, env, timeout=1500)
     evals = [r for r in metrics(out) if "val_loss" in r]
     first, last = evals[0], evals[-1]
     drop = 1 - last["val_loss"] / first["val_loss"]
     print(f"llama demo: val_loss {first['val_loss']:.3f} -> {last['val_loss']:.3f} ({100 * drop:.1f}% lower)")
-    assert first["step"] == 0 and drop >= 0.40, (first, last)
+    # half the demo's 400 steps (the suite's time): 38% lower there (2026-11-26); the full demo's >= 40% is test_demo's
+    assert first["step"] == 0 and last["step"] == 200 and drop >= 0.33, (first, last)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out / "final_model")
