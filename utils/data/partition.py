@@ -324,13 +324,32 @@ def split_document(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
     return pieces
 
 
+def json_object(raw: bytes | None) -> dict | None:
+    """A JSON object from a file prepare wrote (plan.json, done.json, dataset.json: maybe from a bucket, maybe
+    crafted), or None for anything else: no file, not JSON, too deeply nested to parse, not an object."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def staged_plan_digest(raw: bytes | None) -> str | None:
+    """The digest a staging area's plan.json names (None: no plan.json; "" one that names none). Only the
+    digest is read, and only a plan.json naming this run's own digest is taken for it: the partitions are
+    always this run's plan's, never the file's."""
+    if raw is None:
+        return None
+    plan = json_object(raw)
+    digest = plan.get("sha256") if plan is not None else None
+    return digest if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) else ""
+
+
 def read_record(store, plan: Plan, index: int) -> dict | None:
     """Partition `index`'s completion record when there is one made under this plan, else None."""
-    raw = store.read_bytes(f"{partition_folder(store, index)}/{RECORD_FILE}")
-    try:
-        record = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
+    record = json_object(store.read_bytes(f"{partition_folder(store, index)}/{RECORD_FILE}"))
     if not (isinstance(record, dict) and record.get("plan") == plan.digest and record.get("partition") == index):
         return None
     check_record(record, f"{store.url(partition_folder(store, index))}/{RECORD_FILE}", index)

@@ -45,7 +45,8 @@ from utils.data.output_store import LocalOutput, output_store
 from utils.data.tokenizer import EOS_CANDIDATES, GPT2_FILES, read_tokenizer
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.data.partition import (DEFAULT_PARTITION_BYTES, PLAN_FILE, VAL_PIECE, DocumentSplit, Plan, ShardWriter,
-                                  make_plan, partition_folder, partition_jobs, read_record, validation_rate)
+                                  json_object, make_plan, partition_folder, partition_jobs, read_record,
+                                  staged_plan_digest, validation_rate)
 
 # 2^24 ids per shard: 32 MiB as uint16. Big enough that a bucket holds thousands, not millions, of objects
 # and each download is efficient; small enough that the last `val_files` shards held out for validation are
@@ -291,19 +292,21 @@ def _validation_piece(store, partition: int, record: dict) -> np.ndarray:
 
 def _staged_plan(store) -> str | None:
     """The digest of the plan in the staging area, if there is one."""
-    raw = store.read_bytes(f"{store.staging}/{PLAN_FILE}")
-    try:
-        return json.loads(raw).get("sha256") if raw is not None else None
-    except (ValueError, AttributeError):
-        return ""
+    return staged_plan_digest(store.read_bytes(f"{store.staging}/{PLAN_FILE}"))
 
 
 def _finished(store, plan: Plan) -> dict | None:
-    try:
-        description = json.loads(store.read_bytes(f"{store.name}/{DATASET_FILE}") or b"")
-    except ValueError:
+    from utils.data.dataset_info import _check_fields
+
+    description = json_object(store.read_bytes(f"{store.name}/{DATASET_FILE}"))
+    if description is None or description.get("fingerprint") != plan.digest:
         return None
-    return description if description.get("fingerprint") == plan.digest else None
+    _check_fields(store.url(f"{store.name}/{DATASET_FILE}"), description)  # read for the report: its counts
+    if type(description.get("documents_empty")) is not int or description["documents_empty"] < 0:
+        raise PrepareError(f"{store.url(f'{store.name}/{DATASET_FILE}')}: documents_empty is "
+                           f"{description.get('documents_empty')!r}, not a non-negative integer; remove the file and "
+                           f"run the same command again")
+    return description
 
 
 def upload(output: Path, url: str) -> int:
