@@ -51,17 +51,51 @@ class LocalExecutor:
                 yield tokenize_partition(job, tokenizer_json)
             return
         import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures.process import BrokenProcessPool
 
         started = time.perf_counter()
-        context = multiprocessing.get_context("spawn")
         processes = min(self.workers, len(jobs))
-        with context.Pool(processes, initializer=_init_pool_worker,
-                          initargs=(tokenizer_json, self.workers // processes)) as pool:
+        # concurrent.futures' pool, not multiprocessing.Pool: a worker that dies (the kernel's OOM killer, a
+        # signal) breaks it, and every wait on it ends, where multiprocessing.Pool waits forever for its task
+        pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_pool_worker, initargs=(tokenizer_json, self.workers // processes))
+        finished = False
+        try:
+            futures = [pool.submit(_pool_task, job) for job in jobs]
             self.startup_seconds = time.perf_counter() - started
-            yield from pool.imap_unordered(_pool_task, jobs, chunksize=1)
+            for future in as_completed(futures):
+                try:
+                    record = future.result()
+                except BrokenProcessPool:
+                    raise PrepareError("a worker process died while tokenizing (killed by the kernel for memory, "
+                                       "or by a signal); the partitions done are kept: run the same command again "
+                                       "(with fewer --workers if memory is short)") from None
+                yield record
+            finished = True
+        finally:
+            _stop_pool(pool, finished)
 
 
 _POOL_TOKENIZER: list[str] = []
+
+
+def _stop_pool(pool, finished: bool) -> None:
+    """Every job done: the pool's ordinary shutdown. Otherwise (an error in one worker, a dead worker, a stop
+    signal) nothing waits on the others' partitions: pending jobs are cancelled and the workers ended."""
+    if finished:
+        pool.shutdown(wait=True)
+        return
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in workers:
+        if process.is_alive():
+            process.terminate()
+    for process in workers:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
 
 
 def _init_pool_worker(tokenizer_json: str, threads: int) -> None:

@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -35,6 +36,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from utils.data.corpus import InputFile, PrepareError, read_documents
+from utils.debug import partition_delay_s
 
 PLAN_FORMAT = "gpt-neox-prepare-plan"
 PLAN_VERSION = 1
@@ -278,6 +280,9 @@ def tokenize_partition(job: PartitionJob, tokenizer_json: str) -> dict:
             piece = save_shard(work, VAL_PIECE, np.concatenate(held_out))
             store.publish(work / VAL_PIECE, f"{folder}/{VAL_PIECE}")
             record["validation"].update({k: piece[k] for k in ("path", "bytes", "crc32c")})
+    delay = partition_delay_s()  # fault injection: a slow worker, for the tests that kill one
+    if delay:
+        time.sleep(delay)
     store.write_bytes(f"{folder}/{RECORD_FILE}", (json.dumps(record, indent=1) + "\n").encode())
     return record
 

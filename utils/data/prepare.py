@@ -29,7 +29,6 @@ import io
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -172,6 +171,49 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
     return result
 
 
+def threaded_map(fn: Callable, items, threads: int, name: str) -> list:
+    """[fn(item) for item in items] on up to `threads` daemon threads (a bucket's many small calls at once).
+    The first exception in any of them is raised here at once: the others take no new item, and nothing
+    waits for the calls still under way (daemon threads: not at exit either), so a dead or stuck thread never
+    holds prepare; a stop signal reaches this (main) thread within a fraction of a second."""
+    import threading
+
+    items = list(items)
+    results: list = [None] * len(items)
+    failed: list[BaseException] = []
+    lock, done = threading.Lock(), threading.Event()
+    state = {"next": 0, "left": len(items)}
+
+    def work() -> None:
+        while not failed:
+            with lock:
+                i = state["next"]
+                if i >= len(items):
+                    return
+                state["next"] += 1
+            try:
+                results[i] = fn(items[i])
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread, raised there
+                with lock:
+                    failed.append(exc)
+                done.set()
+                return
+            with lock:
+                state["left"] -= 1
+                if not state["left"]:
+                    done.set()
+
+    if not items:
+        return results
+    for k in range(min(threads, len(items))):
+        threading.Thread(target=work, name=f"{name}-{k}", daemon=True).start()
+    while not done.wait(0.2):
+        pass
+    if failed:
+        raise failed[0]
+    return results
+
+
 def _staging(store, plan: Plan, log: Callable[[str], None]) -> list[int]:
     """Readies the staging area for `plan` (an earlier run's under another plan is discarded); returns the
     partitions already done under this one."""
@@ -195,8 +237,7 @@ def _staging(store, plan: Plan, log: Callable[[str], None]) -> list[int]:
 def _records(store, plan: Plan) -> list[dict | None]:
     """Each partition's completion record made under `plan`, or None; read in parallel (a bucket's
     thousands of small reads)."""
-    with ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="prepare-records") as pool:
-        return list(pool.map(lambda p: read_record(store, plan, p), range(plan.count)))
+    return threaded_map(lambda p: read_record(store, plan, p), range(plan.count), STORE_THREADS, "prepare-records")
 
 
 def _warnings(description: dict) -> list[str]:
@@ -240,8 +281,7 @@ def _merge(store, plan: Plan, tok: TokenizerInfo, dtype: np.dtype, shard_tokens:
             final = shard_name("", len(shards))
             moves.append((p, f"{partition_folder(store, p)}/{shard['path']}", f"{store.assembly}/{final}", shard["bytes"]))
             shards.append({**shard, "path": final, "partition": p})
-    with ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="prepare-merge") as pool:
-        list(pool.map(lambda move: _move_shard(store, *move), moves))
+    threaded_map(lambda move: _move_shard(store, *move), moves, STORE_THREADS, "prepare-merge")
     with store.scratch(store.assembly) as work:
         held_out = ShardWriter(work, shard_tokens, dtype, name=lambda k: shard_name(f"{VAL_FOLDER}/", k),
                                publish=lambda path, name: store.publish(path, f"{store.assembly}/{name}"))
