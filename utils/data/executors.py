@@ -135,7 +135,8 @@ class RayExecutor:
 
         started = time.perf_counter()
         env = {"py_modules": [str(UTILS_PACKAGE)], "env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-        options = {"address": self.address} if self.address else {"num_cpus": self.workers, "include_dashboard": False}
+        options = {"address": self.address} if self.address else {"num_cpus": self.workers, "include_dashboard": False,
+                                                                   "_temp_dir": self._start_reaper()}
         try:
             ray.init(runtime_env=env, logging_level="ERROR", log_to_driver=False, **options)
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -161,6 +162,31 @@ class RayExecutor:
                 yield outcome["record"]
         finally:
             ray.shutdown()
+            self._stop_reaper()
+
+    _reaper = None
+
+    def _start_reaper(self) -> str:
+        """A temp dir for a local Ray's session, and the process that ends that session's processes when
+        this one ends, however (utils/data/ray_reaper.py); Ray's socket paths must stay short: /tmp/ray-XXXX."""
+        import subprocess
+        import sys
+        import tempfile
+
+        directory = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        self._reaper = subprocess.Popen([sys.executable, "-m", "utils.data.ray_reaper", directory],
+                                        stdin=subprocess.PIPE, cwd=UTILS_PACKAGE.parent, start_new_session=True,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return directory
+
+    def _stop_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.stdin.close()  # it ends what ray.shutdown() left, removes the temp dir, and exits
+            try:
+                self._reaper.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - it finishes on its own
+                pass
+            self._reaper = None
 
 
 def _check_reachable(address: str, timeout: float = 10.0) -> None:
