@@ -616,3 +616,38 @@ def test_sigterm_during_a_prepare_to_a_bucket_ends_it_within_seconds(tokenizer, 
     assert "Traceback" not in err and "interrupted: nothing was published" in err, err
     time.sleep(1)
     assert not [p for p in workers if p.is_running() and p.status() != "zombie"], "a worker outlived prepare"
+
+
+@pytest.mark.slow
+def test_upload_to_a_stopped_bucket_is_one_line_and_sigterm_during_it_ends_it_in_seconds(tokenizer, tmp_path,
+                                                                                         subprocess_env,
+                                                                                         gcs_emulator):
+    """--upload while the emulator does not answer: the upload's retries end in one line (exit 1, the local
+    dataset kept) in bounded time; SIGTERM during those retries ends it within seconds (exit 130)."""
+    corpus = many_partitions(tmp_path / "corpus", n=2)
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    gcs_emulator.stop()
+    args = PREPARE + ["--input", str(corpus), "--tokenizer", str(tokenizer), "--partition-mb", "0.2",
+                      "--upload", f"gs://{gcs_emulator.bucket}/sets/ds", "--no-progress"]
+    started = time.monotonic()
+    proc = run(args + ["--output", str(tmp_path / "a")], env, check=False, timeout=300)
+    assert proc.returncode == 1 and time.monotonic() - started < 240, (proc.returncode, proc.stderr[-2000:])
+    line = one_error(proc.stderr)
+    assert f"upload to gs://{gcs_emulator.bucket}/sets/ds failed" in line and "is complete" in line, line
+
+    proc = subprocess.Popen(args + ["--output", str(tmp_path / "b")], env=env, cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for out_line in proc.stdout:  # the report line: the upload (and its retries) comes next
+            if out_line.startswith("prepared "):
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and took < 20, (proc.returncode, took, err[-2000:])
+    assert "Traceback" not in err and "interrupted during the upload" in err, err
