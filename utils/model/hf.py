@@ -89,8 +89,8 @@ def check_hf_config(config: dict, source: str) -> None:
     """An HF config.json's values (the directory may come from a bucket, or be crafted) before a family reads
     them: the sizes positive integers (a JSON number, not a string or 1.5) below 2**31, hidden_size divisible
     by num_attention_heads and that by num_key_value_heads, head_dim a positive integer, norms' eps, rotary
-    bases and initializer_range positive finite numbers, the rotary share in (0, 1], flags true/false, token
-    ids inside the vocabulary. ConfigError naming the file and field."""
+    bases and initializer_range positive finite numbers, the rotary share in (0, 1], flags true/false, BOS and
+    EOS ids inside the vocabulary. ConfigError naming the file and field."""
     import math
 
     def bad(field: str, value, want: str):
@@ -131,7 +131,7 @@ def check_hf_config(config: dict, source: str) -> None:
             bad(field, config[field], "true or false")
     if config.get("hidden_act") is not None and not isinstance(config["hidden_act"], str):
         bad("hidden_act", config["hidden_act"], "a string")
-    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    for field in ("bos_token_id", "eos_token_id"):  # (pad_token_id: some published configs say -1 or null)
         value = config.get(field)
         for token in value if isinstance(value, list) else [value]:
             if token is not None and (type(token) is not int or not 0 <= token < config["vocab_size"]):
