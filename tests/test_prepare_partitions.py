@@ -174,9 +174,11 @@ def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_kil
 
 
 @pytest.mark.slow
-def test_a_sigkilled_ray_driver_leaves_no_ray_process(tokenizer, tmp_path, subprocess_env):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_ray_driver_leaves_no_ray_process(tokenizer, tmp_path, subprocess_env, sig):
     """prepare with a local Ray, SIGKILLed mid-partition (the OOM killer): within 30 s nothing of its Ray
-    session runs any more (GCS server, raylet, agents, log monitor, workers), and its temp dir is gone."""
+    session runs any more (GCS server, raylet, agents, log monitor, workers), and its temp dir is gone.
+    SIGTERM: the same, and prepare itself ends within seconds with its interrupted line (exit 130)."""
     import psutil
 
     big = tmp_path / "big"
@@ -188,7 +190,7 @@ def test_a_sigkilled_ray_driver_leaves_no_ray_process(tokenizer, tmp_path, subpr
     proc = subprocess.Popen(PREPARE + ["--input", str(big), "--tokenizer", str(tokenizer), "--output",
                                        str(tmp_path / "out"), "--partition-mb", "0.15", "--executor", "ray",
                                        "--workers", "2", "--no-progress"],
-                            env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
         while not ray_task_workers(proc.pid):
@@ -199,8 +201,12 @@ def test_a_sigkilled_ray_driver_leaves_no_ray_process(tokenizer, tmp_path, subpr
                     if "/session_" in arg}
         assert len(sessions) == 1 and len(started) >= 4, (sessions, [p.cmdline()[:2] for p in started])
         (session,) = sessions
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.send_signal(sig)
+        signalled = time.time()
+        _, err = proc.communicate(timeout=60)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 130 and time.time() - signalled < 20, (proc.returncode, err[-2000:])
+            assert "Traceback" not in err and "interrupted: nothing was published" in err, err[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

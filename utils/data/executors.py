@@ -137,8 +137,10 @@ class RayExecutor:
         env = {"py_modules": [str(UTILS_PACKAGE)], "env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
         options = {"address": self.address} if self.address else {"num_cpus": self.workers, "include_dashboard": False,
                                                                    "_temp_dir": self._start_reaper()}
+        handlers = _stop_handlers()
         try:
             ray.init(runtime_env=env, logging_level="ERROR", log_to_driver=False, **options)
+            _restore_handlers(handlers)  # Ray's own (a stack dump, exit 1) replaced prepare's SIGTERM handler
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise PrepareError(f"--ray-address {self.address}: cannot join the Ray cluster "
                                f"({str(exc).splitlines()[0][:200]}); check the address (ray://HOST:10001 or "
@@ -187,6 +189,24 @@ class RayExecutor:
             except Exception:  # noqa: BLE001 - it finishes on its own
                 pass
             self._reaper = None
+
+
+def _stop_handlers() -> dict:
+    """The Python handlers of the stop signals, where this is the main thread (signal handlers live there)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+            if signal.getsignal(sig) is not None}
+
+
+def _restore_handlers(handlers: dict) -> None:
+    import signal
+
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def _check_reachable(address: str, timeout: float = 10.0) -> None:
