@@ -443,13 +443,14 @@ class BucketLock:
         import os
         import socket
 
-        from utils.storage import make_client, short_error
+        from utils.storage import make_client, retry_call, short_error
 
         record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started_unix": time.time()})
         try:
             blob = make_client().bucket(self.bucket).blob(self.name)
             for _ in range(2):
-                if blob.exists():
+                # bounded retries (the client's own go on for minutes while GCS does not answer)
+                if retry_call(lambda: blob.exists(retry=None, timeout=30), what=f"checking {self.url}"):
                     held = self._held(blob)
                     if held.get("host") == socket.gethostname() and not files.pid_alive(int(held.get("pid") or 0)):
                         blob.delete()  # its holder died: taken over
@@ -476,12 +477,14 @@ class BucketLock:
             return {}
 
     def release(self) -> None:
-        from utils.storage import make_client
+        from utils.storage import make_client, retry_call
 
         if self.generation is None:
             return
-        try:
-            make_client().bucket(self.bucket).blob(self.name).delete(if_generation_match=self.generation)
+        blob = make_client().bucket(self.bucket).blob(self.name)
+        try:  # bounded: a prepare that failed because GCS went away must not then wait minutes on its lock
+            retry_call(lambda: blob.delete(if_generation_match=self.generation, retry=None, timeout=30),
+                       what=f"removing {self.url}", retries=3)
         except Exception:  # noqa: BLE001 - gone already, or GCS away: a dead holder's lock is taken over
             pass
         self.generation = None
