@@ -658,3 +658,30 @@ def test_upload_to_a_stopped_bucket_is_one_line_and_sigterm_during_it_ends_it_in
             proc.kill()
     assert proc.returncode == 130 and took < 20, (proc.returncode, took, err[-2000:])
     assert "Traceback" not in err and "interrupted during the upload" in err, err
+
+
+def test_the_store_threads_raise_the_first_error_at_once_and_wait_on_no_stuck_call():
+    """prepare's bucket calls at once (record reads, the merge's moves): results in order; one call's error
+    is raised at once while others are stuck (a GCS call that never returns), none of which is waited on
+    (ThreadPoolExecutor's `with` waited for every one of them)."""
+    import threading
+
+    from utils.data.prepare import threaded_map
+
+    assert threaded_map(lambda x: x * x, range(50), 8, "t") == [x * x for x in range(50)]
+    assert threaded_map(lambda x: x, [], 8, "t") == []
+    stuck = threading.Event()
+
+    def call(i: int) -> int:
+        if i == 5:
+            time.sleep(0.2)
+            raise OSError("the bucket went away")
+        stuck.wait()  # never set: a call that hangs
+        return i
+
+    started = time.monotonic()
+    with pytest.raises(OSError, match="the bucket went away"):
+        threaded_map(call, range(40), 8, "t")
+    assert time.monotonic() - started < 10
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("t-")), "a stuck thread would hold exit"
+    stuck.set()
