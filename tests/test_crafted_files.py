@@ -398,3 +398,122 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_the_earlier_checkpoin
         assert list_checkpoints(out / "checkpoints")[-1].name.startswith("checkpoint-epoch0-step6-")
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+# ------------------------------------------------- 6: every file a bucket may hold is checked once at read
+
+def test_a_crafted_manifest_json_is_refused_naming_the_field(tmp_path):
+    """manifest.json: a string where an int goes, a negative size, a list where an object goes, a path out of
+    the checkpoint; in-process for each, and through generate.py (a real process: exit 2, one line)."""
+    from tests.test_one_line_errors import fake_checkpoint
+    from utils.checkpoint.format import CheckpointError, read_checkpoint
+
+    checkpoint = fake_checkpoint(tmp_path / "ckpts", 2)
+    good = json.loads((checkpoint / "manifest.json").read_text())
+    rel = "model.safetensors"
+    cases = [
+        ({**good, "format_version": "1"}, r"manifest.json: format_version is '1', not a positive integer"),
+        ({**good, "files": {**good["files"], rel: {**good["files"][rel], "size": -5}}},
+         r"files\['model.safetensors'\].size is -5, not a non-negative integer"),
+        ({**good, "files": {**good["files"], rel: {**good["files"][rel], "size": "12"}}},
+         r"files\['model.safetensors'\].size is '12', not a non-negative integer"),
+        ({**good, "files": {**good["files"], rel: {**good["files"][rel], "crc32c": 7}}},
+         r"files\['model.safetensors'\].crc32c is 7, not a string"),
+        ({**good, "files": list(good["files"])}, r"manifest.json: files is 'list', not an object of file entries"),
+        ([good], r"manifest.json: the file is 'list', not an object"),
+        ({**good, "files": {**good["files"], "../../x": {"size": 1, "crc32c": ""}}},
+         r"lists '\.\./\.\./x', outside the checkpoint"),
+    ]
+    for crafted, message in cases:
+        (checkpoint / "manifest.json").write_text(json.dumps(crafted))
+        with pytest.raises(CheckpointError, match=message):
+            read_checkpoint(checkpoint)
+    (checkpoint / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # a parser's recursion
+    with pytest.raises(CheckpointError, match=r"manifest.json is unreadable"):
+        read_checkpoint(checkpoint)
+
+    (checkpoint / "manifest.json").write_text(json.dumps({**good, "format_version": "1"}))
+    line = one_error_line(run([sys.executable, str(REPO_ROOT / "generate.py"), str(checkpoint), "--prompt", "x"],
+                              env_for_runs(), check=False))
+    assert str(checkpoint) in line and "manifest.json: format_version is '1'" in line, line
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A tiny GPT-NeoX as transformers saves it (config.json + model.safetensors)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    path = tmp_path_factory.mktemp("hf") / "tiny-neox"
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=256, max_position_embeddings=64)).save_pretrained(path)
+    return path
+
+
+def test_a_crafted_hf_config_json_is_refused_naming_the_field(hf_model, tmp_path):
+    """config.json of an HF directory (init_from, generate.py, export): types, ranges, head divisibility,
+    flags, token ids, and a shape its weight files cannot hold; in-process for each, and through generate.py."""
+    from configs.model_config import ConfigError
+    from utils.model.hf import load_hf_pretrained
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_model, model)
+    good = json.loads((hf_model / "config.json").read_text())
+    load_hf_pretrained(model)  # as transformers saved it: fine
+    cases = [
+        ({"hidden_size": "64"}, r"hidden_size is '64', not a positive integer"),
+        ({"num_hidden_layers": -2}, r"num_hidden_layers is -2, not a positive integer"),
+        ({"vocab_size": 512.5}, r"vocab_size is 512.5, not a positive integer"),
+        ({"num_attention_heads": 5}, r"hidden_size is 64, not a multiple of num_attention_heads \(5\)"),
+        ({"layer_norm_eps": -1e-5}, r"layer_norm_eps is -1e-05, not a positive finite number"),
+        ({"rotary_pct": 2.0}, r"rotary_pct is 2.0, not a number in \(0, 1\]"),
+        ({"use_parallel_residual": "false"}, r"use_parallel_residual is 'false', not true or false"),
+        ({"eos_token_id": 100_000}, r"eos_token_id is 100000, not a token id below vocab_size \(512\)"),
+        ({"intermediate_size": 2**40}, r"intermediate_size is 1099511627776, not a positive integer below"),
+        ({"hidden_size": 65536, "intermediate_size": 262144},
+         r"has \d[\d,]+ parameters, more than its weight files' [\d,]+ bytes hold"),
+    ]
+    for change, message in cases:
+        (model / "config.json").write_text(json.dumps({**good, **change}))
+        with pytest.raises(ConfigError, match=rf"{model / 'config.json'}: .*{message}"):
+            load_hf_pretrained(model)
+    (model / "config.json").write_text(json.dumps({k: v for k, v in good.items() if k != "num_hidden_layers"}))
+    with pytest.raises(ConfigError, match=r"config.json: num_hidden_layers is missing"):
+        load_hf_pretrained(model)
+
+    for change, said in (({"num_attention_heads": 5}, "not a multiple of num_attention_heads (5)"),
+                         ({"hidden_size": 65536, "intermediate_size": 262144}, "more than its weight files'")):
+        (model / "config.json").write_text(json.dumps({**good, **change}))
+        line = one_error_line(run([sys.executable, str(REPO_ROOT / "generate.py"), str(model), "--prompt", "x"],
+                                  env_for_runs(), check=False))
+        assert f"{model / 'config.json'}:" in line and said in line, line
+
+
+def test_a_crafted_plan_or_dataset_json_in_prepares_output_is_never_trusted(tmp_path):
+    """prepare's staging plan.json counts only when it names this run's own plan digest (then the plan is
+    this run's, never the file's); a crafted one (nested past the parser's depth, a list, a digest that is a
+    number) is discarded and the dataset made afresh, and a crafted dataset.json under the plan's own
+    fingerprint is one line naming the field, never a report of its numbers (real processes)."""
+    from tests.test_prepare_data import bpe_tokenizer
+    from utils.data.partition import staged_plan_digest
+
+    assert staged_plan_digest(None) is None
+    for crafted in (b"[" * 100_000, b"[1]", b'{"sha256": 5}', b'{"sha256": "../x"}', b"\xff"):
+        assert staged_plan_digest(crafted) == "", crafted[:20]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(60)))
+    out = tmp_path / "data"
+    staging = tmp_path / ".data.staging"
+    staging.mkdir()
+    (staging / "plan.json").write_text("[" * 100_000 + "]" * 100_000)
+    prepare = [sys.executable, str(REPO_ROOT / "prepare_data.py"), "--no-progress", "--input", str(corpus),
+               "--tokenizer", str(bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)), "--output", str(out),
+               "--executor", "local", "--workers", "1"]
+    proc = run(prepare, env_for_runs(), check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    description = json.loads((out / "dataset.json").read_text())
+    assert description["documents"] == 60
+
+    description["documents"] = "60"  # the same fingerprint: the rerun reads it for its report
+    (out / "dataset.json").write_text(json.dumps(description))
+    line = one_error_line(run(prepare, env_for_runs(), check=False))
+    assert f"{out / 'dataset.json'}: documents is '60', not a non-negative integer" in line, line

@@ -511,6 +511,14 @@ def crafted_sharded_checkpoint(root: Path) -> Path:
     return write_checkpoint(root, checkpoint_name(0, 1, 1), payload, {"dcp/.metadata": root / "metadata"})
 
 
+def crafted_manifest(root: Path) -> Path:
+    """A checkpoint whose manifest.json's format_version is "1" (it was a TypeError traceback)."""
+    checkpoint = fake_checkpoint(root, 3)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    (checkpoint / "manifest.json").write_text(json.dumps({**manifest, "format_version": "1"}))
+    return checkpoint
+
+
 def tool_cases(tmp: Path) -> list[tuple[str, list]]:
     """Issue 26's inputs to generate.py, export_hf.py, plot_run.py and prepare_data.py's tokenizer."""
     from configs import get_model_spec
@@ -519,7 +527,9 @@ def tool_cases(tmp: Path) -> list[tuple[str, list]]:
     config = family("gpt_neox").hf_config(get_model_spec("tiny")).to_dict()
     for name, extra, weights in (("hf-truncated", {}, b"\x08\x00\x00"), ("hf-mamba", {"model_type": "mamba"}, b""),
                                  ("hf-auto-map", {"auto_map": {"AutoModel": "m.M"}}, b""),
-                                 ("hf-no-weights", {}, None)):
+                                 ("hf-no-weights", {}, None), ("hf-heads-5", {"num_attention_heads": 5}, b""),
+                                 ("hf-string-size", {"hidden_size": "64"}, b""),
+                                 ("hf-eos-beyond", {"eos_token_id": 10**6}, b"")):
         (tmp / name).mkdir()
         (tmp / name / "config.json").write_text(json.dumps(config | extra))
         if weights is not None:
@@ -535,7 +545,10 @@ def tool_cases(tmp: Path) -> list[tuple[str, list]]:
         ("generate: --top-k -1", generate + ["--top-k", "-1"]),
         ("generate: --device tpu", generate + ["--device", "tpu"]),
         *((f"generate: {name}", [py, "generate.py", str(tmp / name), "--prompt", "x"])
-          for name in ("hf-truncated", "hf-auto-map", "hf-mamba", "hf-no-weights")),
+          for name in ("hf-truncated", "hf-auto-map", "hf-mamba", "hf-no-weights", "hf-heads-5", "hf-string-size",
+                       "hf-eos-beyond")),
+        ("generate: a manifest.json whose format_version is a string",
+         [py, "generate.py", str(crafted_manifest(tmp / "manifest")), "--prompt", "x"]),
         ("export: a malformed --tokenizer", [py, "scripts/export_hf.py", str(tmp / "not_a_checkpoint"),
                                               str(tmp / "e2"), "--tokenizer", str(tmp / "a_file")]),
         ("plot_run: -o plot.txt", [py, "scripts/plot_run.py", str(tmp / "run"), "-o", str(tmp / "plot.txt")]),

@@ -494,3 +494,194 @@ def test_the_shard_count_advice_names_only_a_smaller_shard_size_than_the_one_use
     assert advice(16_777_216, 2, 20_000_000) and "--shard-tokens 2,500,000" in advice(16_777_216, 2, 20_000_000)[0]
     assert advice(1024, 3, 9_000) == []  # 9,000 // 8 = 1,125 would be larger than the 1,024 used
     assert advice(1024, 8, 20_000_000) == []
+
+
+# ------------------------------------------------- prepare's own workers and threads: none is waited on dead
+
+def many_partitions(root: Path, n: int = 6) -> Path:
+    """A corpus of `n` files of about 0.2 MB: `n` partitions at --partition-mb 0.2."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(5)
+    for i in range(n):
+        (root / f"d{i}.txt").write_text(text(rng, 36_000))
+    return root
+
+
+def children_of(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def one_error(proc_err: str) -> str:
+    assert "Traceback" not in proc_err, proc_err
+    lines = [line for line in proc_err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc_err
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_partition_stops_prepare_with_one_line(tokenizer, tmp_path, subprocess_env):
+    """A pool worker SIGKILLed (the kernel's OOM killer) while it holds a partition: multiprocessing.Pool
+    waited forever for that partition; now prepare stops within seconds, one line, no worker left."""
+    corpus = many_partitions(tmp_path / "corpus")
+    env = {**subprocess_env, "NEOX_DEBUG_PARTITION_DELAY_S": "60"}  # every partition is in flight for a minute
+    proc = subprocess.Popen(PREPARE + ["--input", str(corpus), "--tokenizer", str(tokenizer), "--output",
+                                       str(tmp_path / "out"), "--workers", "2", "--partition-mb", "0.2",
+                                       "--shard-tokens", "4096", "--no-progress"],
+                            env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list((tmp_path / ".out.staging").glob("p*/shard-*.npz"))) < 2:  # both workers mid-partition
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        workers = children_of(proc.pid)
+        assert len(workers) >= 2, workers
+        victim = max(workers, key=lambda p: p.memory_info().rss)  # a tokenizing worker, not the resource tracker
+        victim.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=60)  # it waited for good on the dead worker's partition
+        assert time.monotonic() - killed < 45, "prepare took too long to notice"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert "a worker process died while tokenizing" in one_error(err)
+    time.sleep(1)
+    assert not [p for p in workers if p.is_running() and p.status() != "zombie"], "a worker outlived prepare"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_bucket_stopping_mid_prepare_is_one_line_in_bounded_time(tokenizer, tmp_path, subprocess_env,
+                                                                    gcs_emulator):
+    """--output gs://...: the emulator stops while the partitions are being written (and their records are
+    still to come): prepare ends non-zero with one line, in bounded time, no worker left."""
+    corpus = many_partitions(tmp_path / "corpus", n=4)
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url, "NEOX_DEBUG_PARTITION_DELAY_S": "3"}
+    proc = subprocess.Popen(PREPARE + ["--input", str(corpus), "--tokenizer", str(tokenizer), "--output",
+                                       f"gs://{gcs_emulator.bucket}/sets/ds", "--workers", "2",
+                                       "--partition-mb", "0.2", "--shard-tokens", "4096", "--no-progress"],
+                            env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        bucket = gcs_emulator.client().bucket(gcs_emulator.bucket)
+        deadline = time.monotonic() + 120
+        while not any(b.name.endswith(".npz") for b in bucket.list_blobs(prefix="sets/")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        workers = children_of(proc.pid)
+        gcs_emulator.stop()
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=300)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the error came within ~15 s; releasing the lock then waited on the client's own retries (90 s)
+    assert proc.returncode == 2 and took < 75, (proc.returncode, took, err[-2000:])
+    line = one_error(err)
+    assert f"gs://{gcs_emulator.bucket}/sets/.ds.staging/" in line and "failed after" in line, line
+    time.sleep(1)
+    assert not [p for p in workers if p.is_running() and p.status() != "zombie"], "a worker outlived prepare"
+
+    started = time.monotonic()  # the emulator down from the start: taking the lock is one line, bounded
+    proc = run(PREPARE + ["--input", str(corpus), "--tokenizer", str(tokenizer), "--output",
+                          f"gs://{gcs_emulator.bucket}/sets/other", "--no-progress"], env, check=False, timeout=300)
+    assert proc.returncode == 2 and time.monotonic() - started < 75, (proc.returncode, proc.stderr[-2000:])
+    assert f"cannot take its lock gs://{gcs_emulator.bucket}/sets/.other.lock" in one_error(proc.stderr)
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_prepare_to_a_bucket_ends_it_within_seconds(tokenizer, tmp_path, subprocess_env,
+                                                                      gcs_emulator):
+    """SIGTERM while the workers write partitions to the emulator (--output gs://): the interrupted line,
+    exit 130, within seconds, no worker left."""
+    corpus = many_partitions(tmp_path / "corpus", n=4)
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url, "NEOX_DEBUG_PARTITION_DELAY_S": "60"}
+    proc = subprocess.Popen(PREPARE + ["--input", str(corpus), "--tokenizer", str(tokenizer), "--output",
+                                       f"gs://{gcs_emulator.bucket}/sets/ds", "--workers", "2",
+                                       "--partition-mb", "0.2", "--shard-tokens", "4096", "--no-progress"],
+                            env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        bucket = gcs_emulator.client().bucket(gcs_emulator.bucket)
+        deadline = time.monotonic() + 120
+        while not any(b.name.endswith(".npz") for b in bucket.list_blobs(prefix="sets/")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        workers = children_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and took < 20, (proc.returncode, took, err[-2000:])
+    assert "Traceback" not in err and "interrupted: nothing was published" in err, err
+    time.sleep(1)
+    assert not [p for p in workers if p.is_running() and p.status() != "zombie"], "a worker outlived prepare"
+
+
+@pytest.mark.slow
+def test_upload_to_a_stopped_bucket_is_one_line_and_sigterm_during_it_ends_it_in_seconds(tokenizer, tmp_path,
+                                                                                         subprocess_env,
+                                                                                         gcs_emulator):
+    """--upload while the emulator does not answer: the upload's retries end in one line (exit 1, the local
+    dataset kept) in bounded time; SIGTERM during those retries ends it within seconds (exit 130)."""
+    corpus = many_partitions(tmp_path / "corpus", n=2)
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    gcs_emulator.stop()
+    args = PREPARE + ["--input", str(corpus), "--tokenizer", str(tokenizer), "--partition-mb", "0.2",
+                      "--upload", f"gs://{gcs_emulator.bucket}/sets/ds", "--no-progress"]
+    started = time.monotonic()
+    proc = run(args + ["--output", str(tmp_path / "a")], env, check=False, timeout=300)
+    assert proc.returncode == 1 and time.monotonic() - started < 240, (proc.returncode, proc.stderr[-2000:])
+    line = one_error(proc.stderr)
+    assert f"upload to gs://{gcs_emulator.bucket}/sets/ds failed" in line and "is complete" in line, line
+
+    proc = subprocess.Popen(args + ["--output", str(tmp_path / "b")], env=env, cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for out_line in proc.stdout:  # the report line: the upload (and its retries) comes next
+            if out_line.startswith("prepared "):
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and took < 20, (proc.returncode, took, err[-2000:])
+    assert "Traceback" not in err and "interrupted during the upload" in err, err
+
+
+def test_the_store_threads_raise_the_first_error_at_once_and_wait_on_no_stuck_call():
+    """prepare's bucket calls at once (record reads, the merge's moves): results in order; one call's error
+    is raised at once while others are stuck (a GCS call that never returns), none of which is waited on
+    (ThreadPoolExecutor's `with` waited for every one of them)."""
+    import threading
+
+    from utils.data.prepare import threaded_map
+
+    assert threaded_map(lambda x: x * x, range(50), 8, "t") == [x * x for x in range(50)]
+    assert threaded_map(lambda x: x, [], 8, "t") == []
+    stuck = threading.Event()
+
+    def call(i: int) -> int:
+        if i == 5:
+            time.sleep(0.2)
+            raise OSError("the bucket went away")
+        stuck.wait()  # never set: a call that hangs
+        return i
+
+    started = time.monotonic()
+    with pytest.raises(OSError, match="the bucket went away"):
+        threaded_map(call, range(40), 8, "t")
+    assert time.monotonic() - started < 10
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("t-")), "a stuck thread would hold exit"
+    stuck.set()

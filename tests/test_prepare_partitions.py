@@ -171,3 +171,61 @@ def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_kil
     assert proc.returncode == 0, stderr
     assert local.partitions == 5 and "; 0 of 5 partitions already done" in stdout and "5 partition(s):" in stdout
     assert tree(out) == tree(tmp_path / "local")  # every shard, dataset.json and plan.json, byte for byte
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_ray_driver_leaves_no_ray_process(tokenizer, tmp_path, subprocess_env, sig):
+    """prepare with a local Ray, SIGKILLed mid-partition (the OOM killer): within 30 s nothing of its Ray
+    session runs any more (GCS server, raylet, agents, log monitor, workers), and its temp dir is gone.
+    SIGTERM: the same, and prepare itself ends within seconds with its interrupted line (exit 130)."""
+    import psutil
+
+    big = tmp_path / "big"
+    big.mkdir()
+    rng = random.Random(6)
+    for i in range(3):
+        (big / f"d{i}.txt").write_text(text(rng, 30_000))
+    env = {**subprocess_env, "NEOX_DEBUG_PARTITION_DELAY_S": "120"}  # every partition stays in flight
+    proc = subprocess.Popen(PREPARE + ["--input", str(big), "--tokenizer", str(tokenizer), "--output",
+                                       str(tmp_path / "out"), "--partition-mb", "0.15", "--executor", "ray",
+                                       "--workers", "2", "--no-progress"],
+                            env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not ray_task_workers(proc.pid):
+            assert proc.poll() is None and time.time() < deadline, "no Ray task was seen running"
+            time.sleep(0.2)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        sessions = {arg.split("/session_")[0].split("=")[-1] for p in started for arg in p.cmdline()
+                    if "/session_" in arg}
+        assert len(sessions) == 1 and len(started) >= 4, (sessions, [p.cmdline()[:2] for p in started])
+        (session,) = sessions
+        proc.send_signal(sig)
+        signalled = time.time()
+        _, err = proc.communicate(timeout=60)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 130 and time.time() - signalled < 20, (proc.returncode, err[-2000:])
+            assert "Traceback" not in err and "interrupted: nothing was published" in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+    def left() -> list:
+        alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        named = [p for p in psutil.process_iter(["cmdline"]) if session in " ".join(p.info["cmdline"] or ())]
+        return alive + [p for p in named if p.status() != psutil.STATUS_ZOMBIE]
+
+    deadline = time.time() + 30
+    while left() and time.time() < deadline:
+        time.sleep(0.5)
+    still = left()
+    try:
+        assert not still, [(p.pid, " ".join(p.cmdline())[:120]) for p in still]
+        assert not Path(session).exists(), f"{session} was left"
+    finally:
+        for p in still:  # never leave a stray Ray for the tests after this one
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

@@ -14,6 +14,8 @@
                                     reach the model as their first token repeated: a loss spike on demand, for
                                     the spike guard's tests (position p is read by step p // G + 1 of a run
                                     that skips nothing, G = micro-batch x accumulation x processes)
+    NEOX_DEBUG_PARTITION_DELAY_S=S  each prepare partition sleeps S seconds before its completion record: a slow
+                                    worker, so that a test can kill one mid-partition
 
 Production modules ask these functions rather than reading the variables themselves, so every switch that
 changes behaviour for a test is listed here.
@@ -35,6 +37,10 @@ def fp8_emulated() -> bool:
 
 def checkpoint_write_delay_s() -> float:
     return float(os.environ.get("NEOX_DEBUG_CHECKPOINT_DELAY_S", "0") or 0)
+
+
+def partition_delay_s() -> float:
+    return float(os.environ.get("NEOX_DEBUG_PARTITION_DELAY_S", "0") or 0)
 
 
 def step_delay_s() -> float:

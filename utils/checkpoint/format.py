@@ -311,12 +311,13 @@ def _read_manifest(path: Path) -> dict:
             "resume from another checkpoint or delete it")
     try:
         manifest = json.loads(manifest_path.read_text())
-        listed = manifest["files"]
-        version = manifest["format_version"]
     except OSError as e:
         raise CheckpointError(f"checkpoint {path}: cannot read {MANIFEST} ({e}); check its permissions") from e
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e}); the checkpoint is corrupt") from e
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({str(e)[:200]}); the checkpoint is "
+                              f"corrupt") from None
+    check_manifest(path, manifest)
+    listed, version = manifest["files"], manifest["format_version"]
     if version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {version}; this code reads up to "
                               f"{FORMAT_VERSION}: update the code")
@@ -332,6 +333,45 @@ def _read_manifest(path: Path) -> dict:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} names object {key!r} in 'objects', which is not a "
                                   f"file it lists; refused: delete the checkpoint or resume from another")
     return manifest
+
+
+def check_manifest(path: Path, manifest) -> None:
+    """manifest.json's fields (a checkpoint may come from a bucket, or be crafted) before anything uses them:
+    an object; format_version a positive integer; files an object whose entries are {size: a non-negative
+    integer, crc32c: a string} (and `remote`: a boolean); objects a list; name and complete_at strings.
+    Containment of the paths it lists is _read_manifest's. CheckpointError naming the file and field."""
+    where = f"checkpoint {path}: {MANIFEST}"
+
+    def bad(field: str, value, want: str):
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise CheckpointError(f"{where}: {field} is {shown}, not {want}; the checkpoint is corrupt or crafted: "
+                              f"resume from another one")
+
+    if not isinstance(manifest, dict):
+        bad("the file", type(manifest).__name__, "an object")
+    version = manifest.get("format_version")
+    if type(version) is not int or version < 1:
+        bad("format_version", version, "a positive integer")
+    listed = manifest.get("files")
+    if not isinstance(listed, dict):
+        bad("files", listed if listed is None else type(listed).__name__, "an object of file entries")
+    for rel, entry in listed.items():
+        if not rel:
+            bad("files", rel, "a file name")
+        if not isinstance(entry, dict):
+            bad(f"files[{rel!r}]", entry, "an object {size, crc32c}")
+        size, crc = entry.get("size"), entry.get("crc32c")
+        if type(size) is not int or size < 0:
+            bad(f"files[{rel!r}].size", size, "a non-negative integer")
+        if not isinstance(crc, str):
+            bad(f"files[{rel!r}].crc32c", crc, "a string")
+        if "remote" in entry and not isinstance(entry["remote"], bool):
+            bad(f"files[{rel!r}].remote", entry["remote"], "true or false")
+    if "objects" in manifest and not isinstance(manifest["objects"], list):
+        bad("objects", manifest["objects"], "a list")
+    for field in ("name", "complete_at"):
+        if manifest.get(field) is not None and not isinstance(manifest[field], str):
+            bad(field, manifest[field], "a string")
 
 
 def verify_checkpoint(path) -> dict:

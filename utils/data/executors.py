@@ -51,17 +51,51 @@ class LocalExecutor:
                 yield tokenize_partition(job, tokenizer_json)
             return
         import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures.process import BrokenProcessPool
 
         started = time.perf_counter()
-        context = multiprocessing.get_context("spawn")
         processes = min(self.workers, len(jobs))
-        with context.Pool(processes, initializer=_init_pool_worker,
-                          initargs=(tokenizer_json, self.workers // processes)) as pool:
+        # concurrent.futures' pool, not multiprocessing.Pool: a worker that dies (the kernel's OOM killer, a
+        # signal) breaks it, and every wait on it ends, where multiprocessing.Pool waits forever for its task
+        pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_pool_worker, initargs=(tokenizer_json, self.workers // processes))
+        finished = False
+        try:
+            futures = [pool.submit(_pool_task, job) for job in jobs]
             self.startup_seconds = time.perf_counter() - started
-            yield from pool.imap_unordered(_pool_task, jobs, chunksize=1)
+            for future in as_completed(futures):
+                try:
+                    record = future.result()
+                except BrokenProcessPool:
+                    raise PrepareError("a worker process died while tokenizing (killed by the kernel for memory, "
+                                       "or by a signal); the partitions done are kept: run the same command again "
+                                       "(with fewer --workers if memory is short)") from None
+                yield record
+            finished = True
+        finally:
+            _stop_pool(pool, finished)
 
 
 _POOL_TOKENIZER: list[str] = []
+
+
+def _stop_pool(pool, finished: bool) -> None:
+    """Every job done: the pool's ordinary shutdown. Otherwise (an error in one worker, a dead worker, a stop
+    signal) nothing waits on the others' partitions: pending jobs are cancelled and the workers ended."""
+    if finished:
+        pool.shutdown(wait=True)
+        return
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in workers:
+        if process.is_alive():
+            process.terminate()
+    for process in workers:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
 
 
 def _init_pool_worker(tokenizer_json: str, threads: int) -> None:
@@ -101,9 +135,12 @@ class RayExecutor:
 
         started = time.perf_counter()
         env = {"py_modules": [str(UTILS_PACKAGE)], "env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-        options = {"address": self.address} if self.address else {"num_cpus": self.workers, "include_dashboard": False}
+        options = {"address": self.address} if self.address else {"num_cpus": self.workers, "include_dashboard": False,
+                                                                   "_temp_dir": self._start_reaper()}
+        handlers = _stop_handlers()
         try:
             ray.init(runtime_env=env, logging_level="ERROR", log_to_driver=False, **options)
+            _restore_handlers(handlers)  # Ray's own (a stack dump, exit 1) replaced prepare's SIGTERM handler
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise PrepareError(f"--ray-address {self.address}: cannot join the Ray cluster "
                                f"({str(exc).splitlines()[0][:200]}); check the address (ray://HOST:10001 or "
@@ -127,6 +164,49 @@ class RayExecutor:
                 yield outcome["record"]
         finally:
             ray.shutdown()
+            self._stop_reaper()
+
+    _reaper = None
+
+    def _start_reaper(self) -> str:
+        """A temp dir for a local Ray's session, and the process that ends that session's processes when
+        this one ends, however (utils/data/ray_reaper.py); Ray's socket paths must stay short: /tmp/ray-XXXX."""
+        import subprocess
+        import sys
+        import tempfile
+
+        directory = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        self._reaper = subprocess.Popen([sys.executable, "-m", "utils.data.ray_reaper", directory],
+                                        stdin=subprocess.PIPE, cwd=UTILS_PACKAGE.parent, start_new_session=True,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return directory
+
+    def _stop_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.stdin.close()  # it ends what ray.shutdown() left, removes the temp dir, and exits
+            try:
+                self._reaper.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - it finishes on its own
+                pass
+            self._reaper = None
+
+
+def _stop_handlers() -> dict:
+    """The Python handlers of the stop signals, where this is the main thread (signal handlers live there)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+            if signal.getsignal(sig) is not None}
+
+
+def _restore_handlers(handlers: dict) -> None:
+    import signal
+
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def _check_reachable(address: str, timeout: float = 10.0) -> None:

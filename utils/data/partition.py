@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -35,6 +36,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from utils.data.corpus import InputFile, PrepareError, read_documents
+from utils.debug import partition_delay_s
 
 PLAN_FORMAT = "gpt-neox-prepare-plan"
 PLAN_VERSION = 1
@@ -278,6 +280,9 @@ def tokenize_partition(job: PartitionJob, tokenizer_json: str) -> dict:
             piece = save_shard(work, VAL_PIECE, np.concatenate(held_out))
             store.publish(work / VAL_PIECE, f"{folder}/{VAL_PIECE}")
             record["validation"].update({k: piece[k] for k in ("path", "bytes", "crc32c")})
+    delay = partition_delay_s()  # fault injection: a slow worker, for the tests that kill one
+    if delay:
+        time.sleep(delay)
     store.write_bytes(f"{folder}/{RECORD_FILE}", (json.dumps(record, indent=1) + "\n").encode())
     return record
 
@@ -324,13 +329,32 @@ def split_document(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
     return pieces
 
 
+def json_object(raw: bytes | None) -> dict | None:
+    """A JSON object from a file prepare wrote (plan.json, done.json, dataset.json: maybe from a bucket, maybe
+    crafted), or None for anything else: no file, not JSON, too deeply nested to parse, not an object."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def staged_plan_digest(raw: bytes | None) -> str | None:
+    """The digest a staging area's plan.json names (None: no plan.json; "" one that names none). Only the
+    digest is read, and only a plan.json naming this run's own digest is taken for it: the partitions are
+    always this run's plan's, never the file's."""
+    if raw is None:
+        return None
+    plan = json_object(raw)
+    digest = plan.get("sha256") if plan is not None else None
+    return digest if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) else ""
+
+
 def read_record(store, plan: Plan, index: int) -> dict | None:
     """Partition `index`'s completion record when there is one made under this plan, else None."""
-    raw = store.read_bytes(f"{partition_folder(store, index)}/{RECORD_FILE}")
-    try:
-        record = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
+    record = json_object(store.read_bytes(f"{partition_folder(store, index)}/{RECORD_FILE}"))
     if not (isinstance(record, dict) and record.get("plan") == plan.digest and record.get("partition") == index):
         return None
     check_record(record, f"{store.url(partition_folder(store, index))}/{RECORD_FILE}", index)

@@ -29,7 +29,6 @@ import io
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -45,7 +44,8 @@ from utils.data.output_store import LocalOutput, output_store
 from utils.data.tokenizer import EOS_CANDIDATES, GPT2_FILES, read_tokenizer
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.data.partition import (DEFAULT_PARTITION_BYTES, PLAN_FILE, VAL_PIECE, DocumentSplit, Plan, ShardWriter,
-                                  make_plan, partition_folder, partition_jobs, read_record, validation_rate)
+                                  json_object, make_plan, partition_folder, partition_jobs, read_record,
+                                  staged_plan_digest, validation_rate)
 
 # 2^24 ids per shard: 32 MiB as uint16. Big enough that a bucket holds thousands, not millions, of objects
 # and each download is efficient; small enough that the last `val_files` shards held out for validation are
@@ -171,6 +171,49 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
     return result
 
 
+def threaded_map(fn: Callable, items, threads: int, name: str) -> list:
+    """[fn(item) for item in items] on up to `threads` daemon threads (a bucket's many small calls at once).
+    The first exception in any of them is raised here at once: the others take no new item, and nothing
+    waits for the calls still under way (daemon threads: not at exit either), so a dead or stuck thread never
+    holds prepare; a stop signal reaches this (main) thread within a fraction of a second."""
+    import threading
+
+    items = list(items)
+    results: list = [None] * len(items)
+    failed: list[BaseException] = []
+    lock, done = threading.Lock(), threading.Event()
+    state = {"next": 0, "left": len(items)}
+
+    def work() -> None:
+        while not failed:
+            with lock:
+                i = state["next"]
+                if i >= len(items):
+                    return
+                state["next"] += 1
+            try:
+                results[i] = fn(items[i])
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread, raised there
+                with lock:
+                    failed.append(exc)
+                done.set()
+                return
+            with lock:
+                state["left"] -= 1
+                if not state["left"]:
+                    done.set()
+
+    if not items:
+        return results
+    for k in range(min(threads, len(items))):
+        threading.Thread(target=work, name=f"{name}-{k}", daemon=True).start()
+    while not done.wait(0.2):
+        pass
+    if failed:
+        raise failed[0]
+    return results
+
+
 def _staging(store, plan: Plan, log: Callable[[str], None]) -> list[int]:
     """Readies the staging area for `plan` (an earlier run's under another plan is discarded); returns the
     partitions already done under this one."""
@@ -194,8 +237,7 @@ def _staging(store, plan: Plan, log: Callable[[str], None]) -> list[int]:
 def _records(store, plan: Plan) -> list[dict | None]:
     """Each partition's completion record made under `plan`, or None; read in parallel (a bucket's
     thousands of small reads)."""
-    with ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="prepare-records") as pool:
-        return list(pool.map(lambda p: read_record(store, plan, p), range(plan.count)))
+    return threaded_map(lambda p: read_record(store, plan, p), range(plan.count), STORE_THREADS, "prepare-records")
 
 
 def _warnings(description: dict) -> list[str]:
@@ -239,8 +281,7 @@ def _merge(store, plan: Plan, tok: TokenizerInfo, dtype: np.dtype, shard_tokens:
             final = shard_name("", len(shards))
             moves.append((p, f"{partition_folder(store, p)}/{shard['path']}", f"{store.assembly}/{final}", shard["bytes"]))
             shards.append({**shard, "path": final, "partition": p})
-    with ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="prepare-merge") as pool:
-        list(pool.map(lambda move: _move_shard(store, *move), moves))
+    threaded_map(lambda move: _move_shard(store, *move), moves, STORE_THREADS, "prepare-merge")
     with store.scratch(store.assembly) as work:
         held_out = ShardWriter(work, shard_tokens, dtype, name=lambda k: shard_name(f"{VAL_FOLDER}/", k),
                                publish=lambda path, name: store.publish(path, f"{store.assembly}/{name}"))
@@ -291,19 +332,21 @@ def _validation_piece(store, partition: int, record: dict) -> np.ndarray:
 
 def _staged_plan(store) -> str | None:
     """The digest of the plan in the staging area, if there is one."""
-    raw = store.read_bytes(f"{store.staging}/{PLAN_FILE}")
-    try:
-        return json.loads(raw).get("sha256") if raw is not None else None
-    except (ValueError, AttributeError):
-        return ""
+    return staged_plan_digest(store.read_bytes(f"{store.staging}/{PLAN_FILE}"))
 
 
 def _finished(store, plan: Plan) -> dict | None:
-    try:
-        description = json.loads(store.read_bytes(f"{store.name}/{DATASET_FILE}") or b"")
-    except ValueError:
+    from utils.data.dataset_info import _check_fields
+
+    description = json_object(store.read_bytes(f"{store.name}/{DATASET_FILE}"))
+    if description is None or description.get("fingerprint") != plan.digest:
         return None
-    return description if description.get("fingerprint") == plan.digest else None
+    _check_fields(store.url(f"{store.name}/{DATASET_FILE}"), description)  # read for the report: its counts
+    if type(description.get("documents_empty")) is not int or description["documents_empty"] < 0:
+        raise PrepareError(f"{store.url(f'{store.name}/{DATASET_FILE}')}: documents_empty is "
+                           f"{description.get('documents_empty')!r}, not a non-negative integer; remove the file and "
+                           f"run the same command again")
+    return description
 
 
 def upload(output: Path, url: str) -> int:
@@ -400,13 +443,14 @@ class BucketLock:
         import os
         import socket
 
-        from utils.storage import make_client, short_error
+        from utils.storage import make_client, retry_call, short_error
 
         record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started_unix": time.time()})
         try:
             blob = make_client().bucket(self.bucket).blob(self.name)
             for _ in range(2):
-                if blob.exists():
+                # bounded retries (the client's own go on for minutes while GCS does not answer)
+                if retry_call(lambda: blob.exists(retry=None, timeout=30), what=f"checking {self.url}"):
                     held = self._held(blob)
                     if held.get("host") == socket.gethostname() and not files.pid_alive(int(held.get("pid") or 0)):
                         blob.delete()  # its holder died: taken over
@@ -433,12 +477,14 @@ class BucketLock:
             return {}
 
     def release(self) -> None:
-        from utils.storage import make_client
+        from utils.storage import make_client, retry_call
 
         if self.generation is None:
             return
-        try:
-            make_client().bucket(self.bucket).blob(self.name).delete(if_generation_match=self.generation)
+        blob = make_client().bucket(self.bucket).blob(self.name)
+        try:  # bounded: a prepare that failed because GCS went away must not then wait minutes on its lock
+            retry_call(lambda: blob.delete(if_generation_match=self.generation, retry=None, timeout=30),
+                       what=f"removing {self.url}", retries=3)
         except Exception:  # noqa: BLE001 - gone already, or GCS away: a dead holder's lock is taken over
             pass
         self.generation = None

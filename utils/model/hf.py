@@ -48,7 +48,9 @@ def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec,
         raise HFLoadError(f"{where}{config_path}: cannot read it ({exc})") from None
     spec = spec_from_hf_config(config, name=directory.name, source=str(config_path))
     state = {}
-    for shard in _weight_files(directory, where):
+    shards = _weight_files(directory, where)
+    check_weights_hold(spec, shards, where, config_path)
+    for shard in shards:
         try:
             if shard.name.endswith(".safetensors"):
                 state |= load_file(str(shard))
@@ -68,11 +70,84 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
 
     if not isinstance(config, dict):
         raise ConfigError(f"{source}: not a JSON object")
+    check_hf_config(config, source)
     fam = family_for_hf_config(config, source)
     if config.get("auto_map"):
         raise ConfigError(f"{source}: names code of its own (auto_map); only transformers' own model classes are "
                           f"loaded, and no code from a model directory is run")
     return fam.spec_from_hf_config(config, name, source)
+
+
+_HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "max_position_embeddings")
+_HF_MAX_SIZE = 2**31  # beyond any model's vocabulary, width, depth or context
+_HF_POSITIVE_NUMBERS = ("layer_norm_eps", "rms_norm_eps", "rope_theta", "rotary_emb_base", "initializer_range")
+_HF_FLAGS = ("use_parallel_residual", "attention_bias", "tie_word_embeddings", "mlp_bias", "use_sliding_window")
+
+
+def check_hf_config(config: dict, source: str) -> None:
+    """An HF config.json's values (the directory may come from a bucket, or be crafted) before a family reads
+    them: the sizes positive integers (a JSON number, not a string or 1.5) below 2**31, hidden_size divisible
+    by num_attention_heads and that by num_key_value_heads, head_dim a positive integer, norms' eps, rotary
+    bases and initializer_range positive finite numbers, the rotary share in (0, 1], flags true/false, BOS and
+    EOS ids inside the vocabulary. ConfigError naming the file and field."""
+    import math
+
+    def bad(field: str, value, want: str):
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ConfigError(f"{source}: {field} is {shown}, not {want}; the model directory is corrupt or not an "
+                          f"HF model's: download it again")
+
+    def size(field: str, value) -> None:
+        if type(value) is not int or not 1 <= value < _HF_MAX_SIZE:
+            bad(field, value, f"a positive integer below {_HF_MAX_SIZE:,}")
+
+    for field in _HF_SIZES:
+        if field not in config:
+            raise ConfigError(f"{source}: {field} is missing; an HF model's config.json names it")
+        size(field, config[field])
+    for field in ("num_key_value_heads", "head_dim"):
+        if config.get(field) is not None:
+            size(field, config[field])
+    heads = config["num_attention_heads"]
+    if config["hidden_size"] % heads:
+        bad("hidden_size", config["hidden_size"], f"a multiple of num_attention_heads ({heads})")
+    if config.get("num_key_value_heads") and heads % config["num_key_value_heads"]:
+        bad("num_attention_heads", heads, f"a multiple of num_key_value_heads ({config['num_key_value_heads']})")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        bad("rope_parameters" if config.get("rope_parameters") else "rope_scaling", rope, "an object")
+    numbers = [(f, config[f]) for f in _HF_POSITIVE_NUMBERS if config.get(f) is not None]
+    numbers += [(f"rope_parameters.{f}", rope[f]) for f in ("rope_theta",) if rope.get(f) is not None]
+    for field, value in numbers:
+        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+            bad(field, value, "a positive finite number")
+    for field, value in (("rotary_pct", config.get("rotary_pct")),
+                         ("partial_rotary_factor", rope.get("partial_rotary_factor", config.get("partial_rotary_factor")))):
+        if value is not None and (type(value) not in (int, float) or not 0 < value <= 1):
+            bad(field, value, "a number in (0, 1]")
+    for field in _HF_FLAGS:
+        if config.get(field) is not None and not isinstance(config[field], bool):
+            bad(field, config[field], "true or false")
+    if config.get("hidden_act") is not None and not isinstance(config["hidden_act"], str):
+        bad("hidden_act", config["hidden_act"], "a string")
+    for field in ("bos_token_id", "eos_token_id"):  # (pad_token_id: some published configs say -1 or null)
+        value = config.get(field)
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and (type(token) is not int or not 0 <= token < config["vocab_size"]):
+                bad(field, value, f"a token id below vocab_size ({config['vocab_size']:,})")
+
+
+def check_weights_hold(spec: ModelSpec, shards: list[Path], where: str, config_path: Path) -> None:
+    """The config's shape has no more parameters than its weight files have bytes (a byte a parameter is
+    the least any saved precision takes): a crafted shape would have generate.py or the export allocate it."""
+    parameters = spec.vocab_size * spec.hidden_size + spec.num_hidden_layers * spec.block_parameters
+    held = sum(p.stat().st_size for p in shards)
+    if parameters > held + 2**20:
+        raise HFLoadError(f"{where}{config_path}: its shape (hidden_size {spec.hidden_size:,}, "
+                          f"{spec.num_hidden_layers:,} layers, vocab_size {spec.vocab_size:,}) has {parameters:,} "
+                          f"parameters, more than its weight files' {held:,} bytes hold; the model directory is "
+                          f"corrupt or crafted")
 
 
 def family_of(spec: ModelSpec):
