@@ -185,6 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--muon-lrs", type=float, nargs="+", metavar="LR",
                    help="instead of the contenders: a learning-rate sweep of Muon (with the preset's init), "
                         "each lr against Muon at the preset's learning_rate (run first, the reference)")
+    p.add_argument("--adamw-lrs", type=float, nargs="+", metavar="LR", help="the same sweep for AdamW")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     overrides = parse_overrides(args.set)
@@ -216,20 +217,21 @@ def main(argv=None) -> int:
             print(f"  {contender['name']:<28} seed {seed}: final val {r['final_val']:.4f}, "
                   f"step {1e3 * r['step_s_median']:.1f} ms", flush=True)
 
-    if args.muon_lrs:
-        lrs = [cfg.learning_rate] + [lr for lr in args.muon_lrs if lr != cfg.learning_rate]
-        contenders = [{"name": f"muon + {cfg.init} init, lr {lr:g}" + (" (preset)" if lr == cfg.learning_rate else ""),
-                       "optimizer": "muon", "init": cfg.init, "z_loss": 0.0, "lr": lr} for lr in lrs]
+    sweep = "muon" if args.muon_lrs else "adamw" if args.adamw_lrs else None
+    if sweep:
+        lrs = [cfg.learning_rate] + [lr for lr in (args.muon_lrs or args.adamw_lrs) if lr != cfg.learning_rate]
+        contenders = [{"name": f"{sweep} + {cfg.init} init, lr {lr:g}" + (" (preset)" if lr == cfg.learning_rate else ""),
+                       "optimizer": sweep, "init": cfg.init, "z_loss": 0.0, "lr": lr} for lr in lrs]
     else:
         contenders = CONTENDERS
     for contender in contenders:
         run(contender)
     best = min(contenders, key=lambda c: statistics.mean(r["final_val"] for r in results[c["name"]]))
-    if not args.no_z_loss and not args.muon_lrs:
+    if not args.no_z_loss and not sweep:
         run({**best, "name": f"{best['name']} + z-loss {Z_LOSS:g}", "z_loss": Z_LOSS})
     summary = summarise(results, budget)
     marks = [budget * k // 4 for k in (1, 2, 3)]
-    text = table(results, summary, marks, "the preset lr" if args.muon_lrs else "today")
+    text = table(results, summary, marks, "the preset lr" if sweep else "today")
     print()
     print(text)
     command = "python benchmarks/bench_convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
