@@ -3,13 +3,17 @@ on the best of those, each with several seeds, on the same model, data, batch, s
 
     python benchmarks/bench_convergence.py                       # CPU: the demo model on the demo corpus
     python benchmarks/bench_convergence.py --json out.json --seeds 0 1 2
+    python benchmarks/make_text_corpus.py SOURCES data/pydocs    # a real-text corpus (Python's docs)
+    python benchmarks/bench_convergence.py --config cpu --set data_dir=data/pydocs --set max_steps=250
+    python benchmarks/bench_convergence.py --muon-lrs 1e-3 2e-3 4e-3   # Muon's lr, against the preset's
 
 Every contender trains with the engine's own parts (utils.model.build_model with the `init` scheme,
 utils.optim.build_optimizer / build_scheduler, the model's chunked loss with `z_loss`), in this process,
 from the preset's settings (default `demo`: model demo, batch 16 x seq 128, lr 2e-3, warmup 30, cosine to
 0.1 at max_steps 400, weight decay 0.1, grad clip 1.0, fp32). The data is the preset's corpus (the demo
-builds its own: the standard library's source, BPE 2048) cut into rows of seq_len tokens: the last
-`val_files` shards are the validation set (a fixed `--val-batches` x batch rows), the others are drawn in
+builds its own: the standard library's source, BPE 2048; a prepared dataset's vocabulary sets the model's)
+cut into rows of seq_len tokens: a prepared dataset's val/ split or else the last `val_files` shards are
+the validation set (a fixed `--val-batches` x batch rows), the others are drawn in
 an order set by the seed. The seed also sets the initial weights; contender k and the baseline share
 each seed (paired).
 
@@ -52,9 +56,15 @@ Z_LOSS = 1e-4  # OLMo's coefficient, added to the best of the four above
 
 
 def load_rows(data_dir: Path, seq_len: int, val_files: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train rows, validation rows) of seq_len tokens: each shard's tokens cut into rows, the last
-    `val_files` shards (by path) held out, as the engine does."""
+    """(train rows, validation rows) of seq_len tokens: each shard's tokens cut into rows; a prepared
+    dataset's (prepare_data.py) validation split is its val/ folder, otherwise the last `val_files` shards
+    (by path) are held out, as the engine does."""
     paths = sorted(Path(data_dir).rglob("*.npz"))
+    val_dir = Path(data_dir) / "val"
+    if val_dir.is_dir():
+        held = [p for p in paths if val_dir in p.parents]
+        paths = [p for p in paths if val_dir not in p.parents] + held
+        val_files = len(held)
     def rows(ps):
         out = []
         for p in ps:
@@ -79,7 +89,8 @@ def train_one(contender: dict, seed: int, cfg, spec, train: torch.Tensor, val: t
     from utils.optim import build_optimizer, build_scheduler
 
     cfg = dataclasses.replace(cfg, optimizer=contender["optimizer"], init=contender["init"],
-                              z_loss=contender["z_loss"], seed=seed)
+                              z_loss=contender["z_loss"], seed=seed,
+                              learning_rate=contender.get("lr", cfg.learning_rate))
     model = build_model(spec, seed=seed, impl="native", init=contender["init"])
     set_z_loss(model, contender["z_loss"])
     optimizer = build_optimizer(model, cfg, fused=False)
@@ -118,7 +129,9 @@ def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | No
 
 
 def summarise(results: dict, budget: int) -> dict:
-    base = {r["seed"]: r for r in results[BASE["name"]]}
+    """Every contender against the first (the reference: today's engine, or the preset's lr in a sweep)."""
+    reference = next(iter(results))
+    base = {r["seed"]: r for r in results[reference]}
     out = {}
     for name, runs in results.items():
         ratios = []
@@ -133,15 +146,15 @@ def summarise(results: dict, budget: int) -> dict:
                      "ratio_min": min(got) if got else None, "ratio_max": max(got) if got else None,
                      "step_ms": 1e3 * statistics.mean(r["step_s_median"] for r in runs)}
     for name in out:
-        out[name]["step_time_ratio"] = out[name]["step_ms"] / out[BASE["name"]]["step_ms"]
+        out[name]["step_time_ratio"] = out[name]["step_ms"] / out[reference]["step_ms"]
     return out
 
 
-def table(results: dict, summary: dict, marks: list[int]) -> str:
+def table(results: dict, summary: dict, marks: list[int], ref_label: str = "today") -> str:
     def at(curve, tokens):
         return next(l for t, l in curve if t >= tokens)
     head = "| contender | " + " | ".join(f"val @ {m / 1e3:.0f}k tok" for m in marks) + \
-           " | final val (min-max) | tokens to today's final (ratio, min-max) | step ms (x today) |"
+           f" | final val (min-max) | tokens to {ref_label}'s final (ratio, min-max) | step ms (x {ref_label}) |"
     lines = [head, "|---|" + "---:|" * (len(marks) + 3)]
     for name, runs in results.items():
         s = summary[name]
@@ -169,11 +182,19 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, help="write every curve and the summary here")
     p.add_argument("--no-z-loss", action="store_true", help="skip the z-loss contender")
+    p.add_argument("--muon-lrs", type=float, nargs="+", metavar="LR",
+                   help="instead of the contenders: a learning-rate sweep of Muon (with the preset's init), "
+                        "each lr against Muon at the preset's learning_rate (run first, the reference)")
+    p.add_argument("--adamw-lrs", type=float, nargs="+", metavar="LR", help="the same sweep for AdamW")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     overrides = parse_overrides(args.set)
     cfg = get_training_config(args.config, overrides)
     spec = get_model_spec(cfg.model)
+    info = (Path(cfg.data_dir) if Path(cfg.data_dir).is_absolute() else REPO_ROOT / cfg.data_dir) / "dataset.json"
+    if info.is_file():  # a prepared dataset: the model's vocabulary follows its tokenizer, as train.py's
+        vocab = json.loads(info.read_text())["tokenizer"]["vocab_size"]
+        spec = dataclasses.replace(spec, vocab_size=vocab)
     seq_len = cfg.seq_len or spec.max_position_embeddings
     data_dir = Path(cfg.data_dir) if Path(cfg.data_dir).is_absolute() else REPO_ROOT / cfg.data_dir
     if cfg.demo_data:
@@ -196,14 +217,21 @@ def main(argv=None) -> int:
             print(f"  {contender['name']:<28} seed {seed}: final val {r['final_val']:.4f}, "
                   f"step {1e3 * r['step_s_median']:.1f} ms", flush=True)
 
-    for contender in CONTENDERS:
+    sweep = "muon" if args.muon_lrs else "adamw" if args.adamw_lrs else None
+    if sweep:
+        lrs = [cfg.learning_rate] + [lr for lr in (args.muon_lrs or args.adamw_lrs) if lr != cfg.learning_rate]
+        contenders = [{"name": f"{sweep} + {cfg.init} init, lr {lr:g}" + (" (preset)" if lr == cfg.learning_rate else ""),
+                       "optimizer": sweep, "init": cfg.init, "z_loss": 0.0, "lr": lr} for lr in lrs]
+    else:
+        contenders = CONTENDERS
+    for contender in contenders:
         run(contender)
-    best = min(CONTENDERS, key=lambda c: statistics.mean(r["final_val"] for r in results[c["name"]]))
-    if not args.no_z_loss:
+    best = min(contenders, key=lambda c: statistics.mean(r["final_val"] for r in results[c["name"]]))
+    if not args.no_z_loss and not sweep:
         run({**best, "name": f"{best['name']} + z-loss {Z_LOSS:g}", "z_loss": Z_LOSS})
     summary = summarise(results, budget)
     marks = [budget * k // 4 for k in (1, 2, 3)]
-    text = table(results, summary, marks)
+    text = table(results, summary, marks, "the preset lr" if sweep else "today")
     print()
     print(text)
     command = "python benchmarks/bench_convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)

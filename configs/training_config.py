@@ -25,6 +25,7 @@ REPORT_TO = (*TRACKERS, "none")  # utils/trackers.py: the registry
 MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "muon")  # utils/optim.py: build_optimizer
+MUON_NS_DTYPES = ("auto", "bf16", "fp32")  # utils/muon.py: ns_dtype_for
 INITS = ("hf", "neox")  # utils/model/init.py: init_weights
 STRATEGIES = ("ddp", "fsdp")  # utils/parallel.py: one class each
 # utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory
@@ -148,6 +149,8 @@ class TrainingConfig:
     optimizer: str = _field("adamw", "adamw | muon: torch's Muon for the blocks' 2-D weight matrices (AdamW for "
                                      "embeddings, head, norms, biases), LR matched to AdamW's update size")
     muon_momentum: float = _field(0.95, "optimizer=muon: Muon's (Nesterov) momentum", "[0, 1)")
+    muon_ns_dtype: str = _field("auto", "optimizer=muon: Newton-Schulz's precision, bf16 (torch's) | fp32 | auto "
+                                        "(fp32 when mixed_precision=no, else bf16)")
     init: str = _field("hf", "fresh weights: hf (normal, std initializer_range) | neox (GPT-NeoX small_init + "
                              "wang_init, as Pythia); init_from and resumes are unaffected")
     z_loss: float = _field(0.0, "auxiliary z-loss coefficient (z_loss * logsumexp^2, OLMo uses 1e-4); 0: off",
@@ -279,6 +282,9 @@ class TrainingConfig:
                               f"{', '.join(OPTIMIZER_STATE_DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer='{self.optimizer}' is not valid; use one of {', '.join(OPTIMIZERS)}")
+        if self.muon_ns_dtype not in MUON_NS_DTYPES:
+            raise ConfigError(f"muon_ns_dtype='{self.muon_ns_dtype}' is not valid; use one of "
+                              f"{', '.join(MUON_NS_DTYPES)}")
         if self.init not in INITS:
             raise ConfigError(f"init='{self.init}' is not valid; use one of {', '.join(INITS)}")
         if self.z_loss and self.model_impl == "hf":

@@ -11,7 +11,9 @@ from configs import get_model_spec, get_training_config
 from configs.profiles import memory_plan
 from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd, train_rows
 from utils.model import build_model
-from utils.muon import MuonWithAdamW, muon_parameters
+from configs.training_config import ConfigError
+from torch.optim._muon import _zeropower_via_newtonschulz
+from utils.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonWithAdamW, muon_parameters, newton_schulz
 from utils.optim import BF16MomentAdamW, build_optimizer
 
 SPEC = get_model_spec("tiny")
@@ -30,10 +32,10 @@ def _train(model, opt, batches):
 
 
 def test_muon_is_torchs_muon_for_block_matrices_and_adamw_for_the_rest():
-    cfg = get_training_config("demo", {"model": "tiny", "optimizer": "muon"})
+    cfg = get_training_config("demo", {"model": "tiny", "optimizer": "muon", "muon_ns_dtype": "bf16"})
     model = build_model(SPEC, seed=0)
     opt = build_optimizer(model, cfg, fused=False)
-    assert isinstance(opt, MuonWithAdamW)
+    assert isinstance(opt, MuonWithAdamW) and opt.ns_dtype == torch.bfloat16
     muon = {id(p) for g in opt.param_groups if g.get("muon") for p in g["params"]}
     names = {n for n, p in model.named_parameters() if id(p) in muon}
     assert names == {n for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2}
@@ -57,6 +59,33 @@ def test_muon_is_torchs_muon_for_block_matrices_and_adamw_for_the_rest():
         ref.zero_grad(set_to_none=True)
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_newton_schulz_precision_follows_the_run_and_fp32_does_not_amplify_last_bit_differences():
+    def ns_dtype(**sets):
+        return build_optimizer(build_model(SPEC, seed=0), get_training_config(
+            "demo", {"model": "tiny", "optimizer": "muon", **sets}), fused=False).ns_dtype
+    assert ns_dtype(mixed_precision="no") == torch.float32  # auto: fp32 runs
+    assert ns_dtype(mixed_precision="bf16") == torch.bfloat16  # auto: mixed precision, torch's bf16
+    assert ns_dtype(mixed_precision="bf16", muon_ns_dtype="fp32") == torch.float32
+    assert ns_dtype(mixed_precision="no", muon_ns_dtype="bf16") == torch.bfloat16
+    with pytest.raises(ConfigError, match="muon_ns_dtype='fp16'"):
+        get_training_config("demo", {"optimizer": "muon", "muon_ns_dtype": "fp16"})
+
+    g = torch.randn(256, 192, generator=torch.Generator().manual_seed(0))
+    nudged = g * (1 + 2 ** -23 * torch.randn(g.shape, generator=torch.Generator().manual_seed(1)))  # last bits
+    args = (NS_COEFFICIENTS, NS_STEPS, NS_EPS)
+    kept = g.clone()
+    fp32 = newton_schulz(g, *args, dtype=torch.float32)
+    assert fp32.dtype == torch.float32 and torch.equal(g, kept)  # on a copy: the momentum buffer is untouched
+    assert torch.equal(newton_schulz(g, *args, dtype=torch.bfloat16), _zeropower_via_newtonschulz(g, *args))
+    # the same iteration: fp32 and torch's bf16 results agree to bf16's precision
+    bf16 = _zeropower_via_newtonschulz(g, *args).float()
+    assert (fp32 - bf16).abs().max() < 0.05 * fp32.abs().max()
+    # fp32 keeps a last-bit difference in the input small; bf16 rounding flips elements
+    fp32_apart = (newton_schulz(nudged, *args, dtype=torch.float32) - fp32).abs().max().item()
+    bf16_apart = (_zeropower_via_newtonschulz(nudged, *args).float() - bf16).abs().max().item()
+    assert fp32_apart < 1e-5 and bf16_apart > 100 * fp32_apart, (fp32_apart, bf16_apart)
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
@@ -147,14 +176,12 @@ def _close(a: float, b: float, rel: float) -> bool:
 @pytest.mark.slow
 def test_muon_on_two_ddp_ranks_equals_one_process_and_two_fsdp_ranks_equal_ddp(tmp_path, subprocess_env):
     """fp32, 6 steps, global batch 4: 1 process, 2 DDP ranks and 2 FSDP ranks (each matrix gathered for
-    Newton-Schulz) train alike; the FSDP checkpoint resumes on one process.
+    Newton-Schulz) train alike, 1e-6 relative per step; the FSDP checkpoint resumes on one process.
 
-    Step 1 (the same weights) agrees within 1e-6. After it, the gradients of the three differ in their last
-    fp32 bits (sums in another order: one batch of 4, two of 2 all-reduced, reduce-scattered), and torch's
-    Newton-Schulz rounds its input to bfloat16, so such a difference can flip an element's bf16 rounding
-    (2^-8 relative): measured, the losses then differ by up to 5e-6 relative (AdamW's in tests/test_fsdp.py:
-    under 1e-5). The bound here is 2e-5 relative per step, and 2% of the distance training moved the weights
-    for the final weights."""
+    The gradients of the three differ in their last fp32 bits (sums in another order: one batch of 4, two of
+    2 all-reduced, reduce-scattered). fp32 runs do Newton-Schulz in fp32 (muon_ns_dtype=auto), which keeps
+    such differences at fp32's scale; torch's bf16 Newton-Schulz (muon_ns_dtype=bf16) flips elements'
+    bf16 rounding (2^-8 relative) and the losses then differ by up to 5e-6 relative."""
     data = make_shards(tmp_path / "data")
     sets = ("max_steps=6", "save_steps=3", "optimizer=muon", "z_loss=1e-4")
     one, ddp, fsdp = tmp_path / "one", tmp_path / "ddp", tmp_path / "fsdp"
@@ -165,9 +192,9 @@ def test_muon_on_two_ddp_ranks_equals_one_process_and_two_fsdp_ranks_equal_ddp(t
     assert sorted(r1) == sorted(r2) == sorted(r3) == list(range(1, 7))
     assert abs(r1[1]["loss"] - r2[1]["loss"]) <= 1e-6 and abs(r2[1]["loss"] - r3[1]["loss"]) <= 1e-6
     for step in range(1, 7):
-        assert _close(r1[step]["loss"], r2[step]["loss"], 2e-5), (step, r1[step]["loss"], r2[step]["loss"])
-        assert _close(r2[step]["loss"], r3[step]["loss"], 2e-5), (step, r2[step]["loss"], r3[step]["loss"])
-        assert r1[step]["z_loss"] > 0 and _close(r1[step]["z_loss"], r3[step]["z_loss"], 2e-5)
+        assert _close(r1[step]["loss"], r2[step]["loss"], 1e-6), (step, r1[step]["loss"], r2[step]["loss"])
+        assert _close(r2[step]["loss"], r3[step]["loss"], 1e-6), (step, r2[step]["loss"], r3[step]["loss"])
+        assert r1[step]["z_loss"] > 0 and _close(r1[step]["z_loss"], r3[step]["z_loss"], 1e-6)
     assert r1[6]["loss"] < r1[1]["loss"]
     w1, w2, w3 = (load_weights(out / "final_model" / "model.safetensors") for out in (one, ddp, fsdp))
     demo = get_training_config("demo", {})
@@ -178,7 +205,9 @@ def test_muon_on_two_ddp_ranks_equals_one_process_and_two_fsdp_ranks_equal_ddp(t
     # the runs' weights differ by a small fraction of how far training moved them (a matrix orthogonalised
     # by shards rather than whole would move it differently: another update altogether)
     apart = [((flat(a) - flat(b)).norm() / moved).item() for a, b in ((w1, w2), (w2, w3))]
-    assert moved > 0.1 and max(apart) < 0.02, (moved, apart)
+    # measured: 3e-4 of the distance moved (AdamW's normalised steps carry the last-bit differences into
+    # the embeddings and norms), 1e-3 the bound
+    assert moved > 0.1 and max(apart) < 1e-3, (moved, apart)
     # the FSDP run's sharded checkpoint at step 3 resumes on one process, and continues as the FSDP run did
     resumed = tmp_path / "resumed"
     ckpt = next((fsdp / "checkpoints").glob("checkpoint-*-step3-*"))
@@ -186,4 +215,4 @@ def test_muon_on_two_ddp_ranks_equals_one_process_and_two_fsdp_ranks_equal_ddp(t
         subprocess_env)
     r4 = train_rows(resumed)
     for step in range(4, 7):
-        assert _close(r4[step]["loss"], r3[step]["loss"], 2e-5), (step, r4[step]["loss"], r3[step]["loss"])
+        assert _close(r4[step]["loss"], r3[step]["loss"], 1e-6), (step, r4[step]["loss"], r3[step]["loss"])

@@ -1,6 +1,17 @@
-"""`optimizer=muon`: torch's Muon (torch.optim.Muon: Nesterov momentum, 5 Newton-Schulz steps in bfloat16,
-Keller Jordan's coefficients) for the 2-D weight matrices of the transformer blocks, and AdamW for the
-rest (embeddings, the LM head, norms and biases), in one optimizer object.
+"""`optimizer=muon`: torch's Muon (torch.optim.Muon: Nesterov momentum, 5 Newton-Schulz steps, Keller
+Jordan's coefficients) for the 2-D weight matrices of the transformer blocks, and AdamW for the rest
+(embeddings, the LM head, norms and biases), in one optimizer object.
+
+Newton-Schulz precision (`muon_ns_dtype`): torch runs the iteration in bfloat16, always. Here `bf16` is
+torch's own function (bitwise torch.optim.Muon) and the default of every mixed-precision run
+(`mixed_precision` bf16 / fp16 / fp8: the GPU runs, where bf16 matmuls are the fast ones); `fp32` runs the
+same iteration (same coefficients, same operations) in float32 and is the default of fp32 runs
+(`mixed_precision=no`: the CPU presets and the tests). Why: rounding the update to bf16 (2^-8 relative)
+turns a difference in the gradients' last fp32 bits (sums in another order: 1 process, DDP's all-reduce,
+FSDP's reduce-scatter) into a bf16 rounding flip of whole elements, so fp32 runs on 1 process, 2 DDP
+ranks and 2 FSDP ranks agreed only to ~1e-5; in fp32 they agree to 1e-6 (tests/test_muon.py). Cost: the
+fp32 iteration's matmuls, ~15 per matrix per step, at fp32 speed (on a GPU ~2x bf16's time for them; on
+the CPU, where bf16 matmuls are not faster, about the same).
 
 The learning rate is matched to AdamW's update size as torch offers (`adjust_lr_fn="match_rms_adamw"`,
 Moonlight: each matrix's update is scaled by 0.2 * sqrt(max(rows, cols)), so an orthogonalised update has
@@ -33,6 +44,34 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 ADJUST_LR_FN = "match_rms_adamw"
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults
 NS_STEPS, NS_EPS = 5, 1e-7
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def ns_dtype_for(muon_ns_dtype: str, mixed_precision: str) -> torch.dtype:
+    """`auto`: float32 for fp32 runs (mixed_precision=no), bfloat16 (torch's) otherwise."""
+    if muon_ns_dtype == "auto":
+        return torch.float32 if mixed_precision in ("no", False) else torch.bfloat16
+    return NS_DTYPES[muon_ns_dtype]
+
+
+def newton_schulz(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz orthogonalisation in `dtype`: bfloat16 is torch's own function;
+    another dtype runs the same operations in that dtype (on a copy: `grad` is left as it is)."""
+    if dtype == torch.bfloat16:
+        return _zeropower_via_newtonschulz(grad, ns_coefficients, ns_steps, eps)
+    a, b, c = ns_coefficients
+    x = grad.to(dtype, copy=True)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x
 
 
 def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
@@ -57,9 +96,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, muon_params: list[torch.Tensor], adamw: torch.optim.Optimizer, lr: float,
                  weight_decay: float, momentum: float = 0.95, nesterov: bool = True,
-                 state_dtype: torch.dtype = torch.float32):
+                 state_dtype: torch.dtype = torch.float32, ns_dtype: torch.dtype = torch.bfloat16):
         self.adamw = adamw
         self.state_dtype = state_dtype
+        self.ns_dtype = ns_dtype  # Newton-Schulz's (module docstring); not in the state dict: a run's setting
         muon_group = dict(params=list(muon_params), lr=lr, weight_decay=weight_decay, momentum=momentum,
                           nesterov=nesterov, ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=NS_STEPS,
                           adjust_lr_fn=ADJUST_LR_FN, muon=True)
@@ -129,18 +169,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 blended = buf.to(grad.dtype).lerp_(grad, 1 - momentum)
                 buf.copy_(blended)
             update = grad.lerp(blended, momentum) if group["nesterov"] else blended
-            update = _orthogonalise(update, group)
+            update = _orthogonalise(update, group, self.ns_dtype)
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
             p.mul_(1 - lr * wd)
             p.add_(update, alpha=-adjusted_lr)
 
 
-def _orthogonalise(update: torch.Tensor, group: dict) -> torch.Tensor:
-    """Newton-Schulz of the whole matrix; a DTensor shard is gathered and its own rows kept."""
+def _orthogonalise(update: torch.Tensor, group: dict, dtype: torch.dtype) -> torch.Tensor:
+    """Newton-Schulz of the whole matrix in `dtype`; a DTensor shard is gathered and its own rows kept."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+    args = (group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
     if not isinstance(update, DTensor):
-        return _zeropower_via_newtonschulz(update, *args)
-    full = _zeropower_via_newtonschulz(update.full_tensor(), *args).to(update.dtype)
+        return newton_schulz(update, *args)
+    full = newton_schulz(update.full_tensor(), *args).to(update.dtype)
     return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)

@@ -76,12 +76,14 @@ def build_optimizer(model: torch.nn.Module, cfg, fused: bool) -> torch.optim.Opt
     `optimizer=muon`: MuonWithAdamW (utils/muon.py), Muon for the blocks' weight matrices and this AdamW
     for the rest."""
     if getattr(cfg, "optimizer", "adamw") == "muon":
-        from utils.muon import MuonWithAdamW, muon_parameters
+        from utils.muon import MuonWithAdamW, muon_parameters, ns_dtype_for
 
         muon = muon_parameters(model)
         adamw = _adamw(model, cfg, fused, skip={id(p) for p in muon})
         return MuonWithAdamW(muon, adamw, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                             momentum=cfg.muon_momentum, state_dtype=_state_dtype(cfg))
+                             momentum=cfg.muon_momentum, state_dtype=_state_dtype(cfg),
+                             ns_dtype=ns_dtype_for(getattr(cfg, "muon_ns_dtype", "auto"),
+                                                   getattr(cfg, "mixed_precision", "bf16")))
     return _adamw(model, cfg, fused)
 
 
