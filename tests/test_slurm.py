@@ -119,6 +119,21 @@ def test_preemption_by_a_high_priority_job_checkpoints_requeues_and_finishes_as_
         assert torch.equal(expected[name], got[name]), name
 
 
+def test_two_tasks_stand_in_for_two_nodes_and_train_with_world_size_2(slurm, tmp_path, subprocess_env):
+    """`TASKS_AS_NODES=1` and `--ntasks-per-node=2`: the batch script's two tasks are node ranks 0 and 1 of a
+    2-node run over loopback (MAIN_ADDR=127.0.0.1), one process each: world size 2, trained to the end."""
+    data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "job.out"
+    job_id = submit(slurm, dict(subprocess_env, TASKS_AS_NODES="1", MAIN_ADDR="127.0.0.1"), out, data, log,
+                    "--time=10", "--ntasks-per-node=2", sets=["max_steps=6"], step_delay="0")
+    job = wait_for(slurm, job_id, ended, 300, log)
+    text = log.read_text()
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "0", (job, text[-3000:])
+    assert "job %s: 2 nodes, main 127.0.0.1:" % job_id in text, text[-3000:]
+    assert "--num_machines 2" in text and "--machine_rank 0" in text and "--machine_rank 1" in text, text[-3000:]
+    assert "world size 2" in text and "finished after step 6" in text, text[-3000:]  # rank 0's launcher says it
+    assert (out / "final_model" / "model.safetensors").exists()
+
+
 def test_scancel_checkpoints_and_does_not_requeue(slurm, tmp_path, subprocess_env):
     data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "job.out"
     job_id = submit(slurm, subprocess_env, out, data, log, "--time=10", sets=["max_steps=100000"])
