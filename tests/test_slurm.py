@@ -1,7 +1,13 @@
 """scripts/slurm_train.sbatch through a real one-node Slurm (tests/slurm_cluster.py) on the CPU: a time limit
 with --signal=B:TERM -> checkpoint -> requeue -> resume -> finished with the weights of an uninterrupted run;
+preemption by a `high` job -> the same; two tasks as two nodes -> world size 2;
 scancel -> checkpoint and no requeue; a run that fails on a setting -> failed, not requeued. Skipped with one
-line where Slurm cannot start (not root, not installed: apt-get install slurmctld slurmd slurm-client munge)."""
+line where Slurm cannot start (not root, not installed: apt-get install slurmctld slurmd slurm-client munge).
+
+Requeues are counted with `scontrol show job`'s Restarts, not `sacct`: this cluster has
+AccountingStorageType=accounting_storage/none, and there sacct only says "Slurm accounting storage is disabled".
+The one other storage plugin Debian ships, accounting_storage/slurmdbd, needs slurmdbd and a MySQL/MariaDB
+server, more than a test fixture should start. On a cluster with accounting, `sacct -j JOB -D` lists each run."""
 from __future__ import annotations
 
 import re
