@@ -2,7 +2,9 @@
 `slurmd`, `slurm-client` and `munge`: `apt-get install slurmctld slurmd slurm-client munge` as root), with a generated slurm.conf
 in a folder of its own (its own munge key and socket, its own ports: nothing of the machine's is touched):
 proctrack/linuxproc, task/none, select/cons_tres, a `low` (default) and a `high` partition with
-preempt/partition_prio and PreemptMode=REQUEUE, and count-only GPUs (gres) so that scripts asking for GPUs
+preempt/partition_prio and PreemptMode=REQUEUE (a preempted `low` job's tasks get SIGTERM at once and 60 s,
+its GraceTime, to checkpoint before SIGKILL), `cred_expire=10` (a requeued job waits that long before it
+starts again, not the default 120 s), and count-only GPUs (gres) so that scripts asking for GPUs
 are scheduled on a CPU machine. `SlurmCluster.start()` raises `SlurmUnavailable` with one line saying why
 where it cannot start (not root, not installed, a daemon that does not come up)."""
 from __future__ import annotations
@@ -76,7 +78,7 @@ class SlurmCluster:
         return "\n".join([
             "ClusterName=neoxtest", f"SlurmctldHost={socket.gethostname()}(127.0.0.1)", "SlurmUser=root",
             "SlurmdUser=root", f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.socket}",
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.socket},cred_expire=10",
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd.pid'}",
             f"SlurmctldLogFile={r / 'slurmctld.log'}", f"SlurmdLogFile={r / 'slurmd.log'}",
@@ -89,7 +91,7 @@ class SlurmCluster:
             "SchedulerParameters=sched_interval=2", "OverTimeLimit=0",
             f"NodeName={self.NODE} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={self.cpus} "
             f"RealMemory=4000 Gres=gpu:{self.gpus} State=UNKNOWN",
-            "PartitionName=low Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1",
+            "PartitionName=low Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60",
             "PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10", ""])
 
     def _daemon(self, cmd: list[str], name: str, env=None) -> None:
