@@ -156,15 +156,18 @@ def test_timeout_sends_sigterm(tmp_path, subprocess_env):
 
 
 def slurm_shims(bin_dir: Path, log: Path) -> None:
-    """`srun` runs its command in place (so a signal to srun reaches the task, as srun forwards it);
-    `scontrol` names this host and records requeues."""
+    """`srun` runs its command in place (the step's one task); `scancel --signal=SIG JOB` sends SIG to that task,
+    as Slurm signals the processes of a job's steps; `scontrol` names this host and records requeues."""
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+                                  f'echo $$ > {bin_dir / "step.pid"}\nexec "$@"\n')
+    (bin_dir / "scancel").write_text(f'#!/usr/bin/env bash\n[[ "$1" == --signal=* ]] || exit 1\n'
+                                     f'kill -"${{1#--signal=}}" "$(cat {bin_dir / "step.pid"})"\n')
     (bin_dir / "scontrol").write_text(
         f'#!/usr/bin/env bash\nif [[ "$1 $2" == "show hostnames" ]]; then echo 127.0.0.1; exit 0; fi\n'
         f'if [[ "$1 $2" == "show job" ]]; then echo "JobId=$3 JobState=RUNNING"; exit 0; fi\n'
         f'echo "$@" >> {log}\n')
-    for name in ("srun", "scontrol"):
+    for name in ("srun", "scancel", "scontrol"):
         (bin_dir / name).chmod(0o755)
 
 
