@@ -436,3 +436,27 @@ def test_the_supervisor_without_a_command_is_one_line_and_exit_2(subprocess_env)
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "utils" / "launch.py")], env=subprocess_env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "error: no command to run" in proc.stderr
+
+
+def test_a_stop_signal_that_ends_the_launcher_layer_after_the_run_finished_is_exit_0(tmp_path, subprocess_env):
+    """Slurm's scancel --signal=TERM reaches every process of the step: the ranks have just finished and
+    exported (their status record says so) when accelerate/torchrun dies of the SIGTERM. The run finished: exit
+    0 and the finished line, not "training was killed by SIGTERM" (143, which a batch script counts a failure)."""
+    ready = tmp_path / "ready"
+    finished_rank = ("import pathlib, sys, time\nsys.path.insert(0, sys.argv[1])\n"
+                     "from utils.run_status import RunStatus\n"
+                     "RunStatus(0, step=5, checkpoint='ckpt-5', final_model='out/final_model').write()\n"
+                     "import os\npathlib.Path(sys.argv[2]).write_text(str(os.getpid()))\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-S", str(REPO_ROOT / "utils" / "launch.py"), "--",
+                             sys.executable, "-c", finished_rank, str(REPO_ROOT), str(ready)],
+                            env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (ready.exists() and ready.read_text()):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # as scancel --signal=TERM: the supervisor, and the launcher layer under it,
+    time.sleep(0.5)
+    os.kill(int(ready.read_text()), signal.SIGTERM)  # which does not catch it here (it dies of it)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (out, err)
+    assert "finished after step 5" in out and "killed" not in err, (out, err)

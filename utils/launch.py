@@ -474,9 +474,11 @@ class Supervisor:
                 child_done_at = time.monotonic()
 
     def _report(self, code: int, status: RunStatus | None, output: StderrFilter, restarts: int = 0) -> int:
-        if code != 0 and self.received and status is not None and status.stopped_by and not status.exit_code:
+        if code != 0 and self.received and status is not None and not status.exit_code and \
+                (status.stopped_by or status.final_model):
             # the stop signal reached accelerate/torchrun too (Slurm's scancel and preemption signal every process
-            # of the step) and ended it, while the ranks stopped cleanly at a checkpoint: that is the run's end
+            # of the step) and ended it, while the ranks stopped cleanly at a checkpoint, or had just finished and
+            # exported the model: that is the run's end
             code = 0
         if code < 0:  # killed by a signal nobody caught
             print(f"{PROG}: training was killed by {_signal_name(-code)}", file=sys.stderr)
