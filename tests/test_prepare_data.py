@@ -555,6 +555,17 @@ def test_a_worker_killed_mid_partition_stops_prepare_with_one_line(tokenizer, tm
     assert not (tmp_path / "out").exists()
 
 
+def wait_for_a_written_partition(proc, gcs_emulator, timeout_s: float = 120):
+    """Waits until prepare (`proc`, --output gs://) has written a partition's shard to the emulator; returns
+    its worker processes then."""
+    bucket = gcs_emulator.client().bucket(gcs_emulator.bucket)
+    deadline = time.monotonic() + timeout_s
+    while not any(b.name.endswith(".npz") for b in bucket.list_blobs(prefix="sets/")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    return children_of(proc.pid)
+
+
 @pytest.mark.slow
 def test_the_bucket_stopping_mid_prepare_is_one_line_in_bounded_time(tokenizer, tmp_path, subprocess_env,
                                                                     gcs_emulator):
@@ -567,12 +578,7 @@ def test_the_bucket_stopping_mid_prepare_is_one_line_in_bounded_time(tokenizer, 
                                        "--partition-mb", "0.2", "--shard-tokens", "4096", "--no-progress"],
                             env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        bucket = gcs_emulator.client().bucket(gcs_emulator.bucket)
-        deadline = time.monotonic() + 120
-        while not any(b.name.endswith(".npz") for b in bucket.list_blobs(prefix="sets/")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
-        workers = children_of(proc.pid)
+        workers = wait_for_a_written_partition(proc, gcs_emulator)
         gcs_emulator.stop()
         stopped = time.monotonic()
         _, err = proc.communicate(timeout=300)
@@ -606,12 +612,7 @@ def test_sigterm_during_a_prepare_to_a_bucket_ends_it_within_seconds(tokenizer, 
                                        "--partition-mb", "0.2", "--shard-tokens", "4096", "--no-progress"],
                             env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        bucket = gcs_emulator.client().bucket(gcs_emulator.bucket)
-        deadline = time.monotonic() + 120
-        while not any(b.name.endswith(".npz") for b in bucket.list_blobs(prefix="sets/")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
-        workers = children_of(proc.pid)
+        workers = wait_for_a_written_partition(proc, gcs_emulator)
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         _, err = proc.communicate(timeout=60)
