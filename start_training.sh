@@ -290,6 +290,8 @@ catches_stops() {  # whether process $1 has its handlers for SIGTERM and SIGINT 
 }
 set +e
 export NEOX_LAUNCHER_PID=$$  # the ranks stop with a checkpoint if this script is SIGKILLed (utils/launch.py)
+# The supervisor runs with -S (no site hooks, so no installed project either): the repo's packages by path.
+export PYTHONPATH="$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH}"
 if command -v setsid >/dev/null 2>&1; then
     setsid "$python" -S "$SCRIPT_DIR/utils/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
         -- "${cmd[@]}" &  # -S: no site hooks, it catches sooner

@@ -23,16 +23,15 @@ from pathlib import Path
 
 PROCESS_STARTED = time.perf_counter()  # time to first step counts from here
 REPO_ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from configs.settle import settle_config  # noqa: E402
-from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields,  # noqa: E402
+from configs.settle import settle_config
+from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields,
                                      precision_name, to_yaml)
-from utils import layout  # noqa: E402
-from utils.console import progress_bar, survive_lost_console  # noqa: E402
-from utils.errors import BackgroundFailure, UserError  # noqa: E402
-from utils.run_status import RunStatus, rank_zero  # noqa: E402
-from utils.signals import StoppedInSetup, catch_early, watch_supervisor  # noqa: E402
+from utils import layout
+from utils.console import progress_bar, survive_lost_console
+from utils.errors import BackgroundFailure, UserError
+from utils.run_status import RunStatus, rank_zero
+from utils.signals import StoppedInSetup, catch_early, watch_supervisor
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -37,13 +37,12 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from configs import get_model_spec, get_training_config  # noqa: E402
-from configs.training_config import parse_overrides  # noqa: E402
+from configs import get_model_spec, get_training_config
+from configs.training_config import parse_overrides
 
 BASE = {"name": "adamw + hf init (today)", "optimizer": "adamw", "init": "hf", "z_loss": 0.0}
 CONTENDERS = [

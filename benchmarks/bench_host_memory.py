@@ -26,10 +26,9 @@ from datetime import date
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from tests.trainkit import gpt2_style_tokenizer  # noqa: E402
-from utils.data.prepare import prepare  # noqa: E402
+from tests.trainkit import gpt2_style_tokenizer
+from utils.data.prepare import prepare
 
 BIG = 10**9  # eval_interval / save_steps / sample_every that never fire inside the run
 

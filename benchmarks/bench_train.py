@@ -53,7 +53,6 @@ import numpy as np
 
 WORKER_STARTED = time.perf_counter()  # a worker's time to first step counts from its start
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
 CONTENDERS = ("engine", "trainer", "naive", "bare", "fsdp", "document")
 ENGINES = ("engine", "fsdp", "candidate", "document")  # train.py processes
@@ -65,7 +64,6 @@ ENGINE_SHIM = """
 import os, runpy, sys, time
 path = sys.argv[1]
 sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(path))
 import utils.metrics
 write_row = utils.metrics.RunLogger.write_row
 def write_row_with_cpu(self, row):

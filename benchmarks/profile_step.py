@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs import get_model_spec, get_training_config  # noqa: E402
-from utils.model import build_model  # noqa: E402
-from configs.training_config import ACTIVATION_CHECKPOINTING  # noqa: E402
-from utils.model.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
-from utils.optim import build_optimizer  # noqa: E402
+from configs import get_model_spec, get_training_config
+from utils.model import build_model
+from configs.training_config import ACTIVATION_CHECKPOINTING
+from utils.model.activation_checkpointing import apply_activation_checkpointing
+from utils.optim import build_optimizer
 
 
 def main(argv=None) -> int:

@@ -13,9 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils.errors import UserError  # noqa: E402
+from utils.errors import UserError
 
 
 def main(argv=None) -> int:

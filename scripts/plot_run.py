@@ -16,10 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils import layout  # noqa: E402
-from utils.errors import UserError  # noqa: E402
+from utils import layout
+from utils.errors import UserError
 
 DEFAULT_OUTPUT = "runs.png"
 PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),

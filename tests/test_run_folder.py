@@ -443,7 +443,7 @@ def test_a_stop_signal_that_ends_the_launcher_layer_after_the_run_finished_is_ex
     exported (their status record says so) when accelerate/torchrun dies of the SIGTERM. The run finished: exit
     0 and the finished line, not "training was killed by SIGTERM" (143, which a batch script counts a failure)."""
     ready = tmp_path / "ready"
-    finished_rank = ("import pathlib, sys, time\nsys.path.insert(0, sys.argv[1])\n"
+    finished_rank = ("import pathlib, sys, time\n"
                      "from utils.run_status import RunStatus\n"
                      "RunStatus(0, step=5, checkpoint='ckpt-5', final_model='out/final_model').write()\n"
                      "import os\npathlib.Path(sys.argv[2]).write_text(str(os.getpid()))\ntime.sleep(120)\n")

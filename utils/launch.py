@@ -55,21 +55,20 @@ if __name__ == "__main__":  # caught from the first line (start_training.sh hold
     for _signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):
         signal.signal(_signum, lambda signum, _frame: _EARLY_STOPS.append(signum))
 
-import ctypes  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's utils package
 
-from utils.console import survive_lost_console  # noqa: E402
-from utils.run_status import RESTARTS_ENV, STATUS_FILE_ENV, TRAINED_SUFFIX, RunStatus  # noqa: E402
-from utils.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid  # noqa: E402
+from utils.console import survive_lost_console
+from utils.run_status import RESTARTS_ENV, STATUS_FILE_ENV, TRAINED_SUFFIX, RunStatus
+from utils.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid
 
 PROG = "start_training.sh"
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM, signal.SIGUSR1: signal.SIGTERM,
