@@ -18,7 +18,7 @@ from pathlib import Path
 
 from utils.errors import DiskFullError
 from utils.data.download import sync_prefix
-from utils.storage import CredentialsError, StorageError, make_client, parse_gs_url
+from utils.io.storage import CredentialsError, StorageError, make_client, parse_gs_url
 
 
 def parse_args(argv=None) -> argparse.Namespace:

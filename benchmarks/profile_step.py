@@ -22,7 +22,7 @@ from configs import get_model_spec, get_training_config
 from utils.model import build_model
 from configs.training_config import ACTIVATION_CHECKPOINTING
 from utils.model.activation_checkpointing import apply_activation_checkpointing
-from utils.optim import build_optimizer
+from utils.training.optim import build_optimizer
 
 
 def main(argv=None) -> int:

@@ -70,7 +70,7 @@ def table(results: dict) -> str:
 
 
 def write_samples(path: Path, tasks, scored) -> None:
-    from utils import files
+    from utils.io import files
 
     lines = []
     for task in tasks:

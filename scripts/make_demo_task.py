@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     p.add_argument("--examples", type=int, default=500, help="how many examples (default 500)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from utils import files
+    from utils.io import files
     from utils.evals.demo_task import build_next_line_task
 
     out = Path(args.out)

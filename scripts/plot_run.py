@@ -57,7 +57,7 @@ def plot(runs: list[str], out: Path) -> int:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    from utils.metrics import read_metrics, rows_with
+    from utils.observe.metrics import read_metrics, rows_with
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
     drawn = 0

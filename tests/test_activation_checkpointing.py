@@ -90,8 +90,8 @@ WORKER = textwrap.dedent('''
     from configs.model_config import get_model_spec
     from dataclasses import replace
     from utils.model.activation_checkpointing import parameter_fqn
-    from utils.optim import build_optimizer
-    from utils.parallel import make_parallelism
+    from utils.training.optim import build_optimizer
+    from utils.parallel.strategies import make_parallelism
 
     class Log:
         def info(self, msg): pass

@@ -13,8 +13,8 @@ from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, trai
 from utils.model import build_model
 from configs.training_config import ConfigError
 from torch.optim._muon import _zeropower_via_newtonschulz
-from utils.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonWithAdamW, muon_parameters, newton_schulz
-from utils.optim import BF16MomentAdamW, build_optimizer
+from utils.training.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonWithAdamW, muon_parameters, newton_schulz
+from utils.training.optim import BF16MomentAdamW, build_optimizer
 
 SPEC = get_model_spec("tiny")
 
@@ -119,7 +119,7 @@ def test_memory_plan_and_describe_count_muon_state():
     adamw, muon = memory_plan(spec), memory_plan(spec, optimizer="muon")
     h, i, L = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers
     assert math.isclose(adamw.optimizer - muon.optimizer, 4 * L * (4 * h * h + 2 * h * i))  # one buffer, not two
-    from utils.run_report import optimizer_state_bytes
+    from utils.run.report import optimizer_state_bytes
 
     cfg = get_training_config("demo", {"model": "tiny", "optimizer": "muon"})
     model = build_model(SPEC, seed=0)

@@ -6,10 +6,10 @@ import torch
 
 from configs import get_training_config, training_config
 from configs.model_config import ConfigError
-from utils import schedules
+from utils.training import schedules
 from utils.model import build_model
 from configs import get_model_spec
-from utils.optim import build_optimizer, build_scheduler, lr_at, schedule_from_config
+from utils.training.optim import build_optimizer, build_scheduler, lr_at, schedule_from_config
 
 
 def test_lr_at_shape():

@@ -106,7 +106,7 @@ def test_a_non_finite_loss_in_fp32_says_fp32_and_does_not_advise_fp32(tmp_path, 
 def test_a_restored_scheduler_and_optimizer_follow_this_runs_config():
     """The schedule is rebuilt from the config at the restored step (not the checkpoint's base LR), AdamW's
     hyperparameters are the config's, and bf16 moments stay bf16 through a restore."""
-    from utils.optim import BF16MomentAdamW, build_optimizer, build_scheduler, schedule_from_config
+    from utils.training.optim import BF16MomentAdamW, build_optimizer, build_scheduler, schedule_from_config
 
     old = get_training_config("demo", {"model": "tiny", "warmup_steps": 2, "max_steps": 10})
     new = get_training_config("demo", {"model": "tiny", "warmup_steps": 2, "max_steps": 10, "learning_rate": 1e-9})
@@ -144,7 +144,7 @@ def test_a_resume_applies_a_changed_learning_rate_and_refuses_another_seed(tmp_p
     and nothing else changed. Another seed is refused in one line (13 s)."""
     from safetensors.torch import load_file
 
-    from utils.optim import schedule_from_config
+    from utils.training.optim import schedule_from_config
 
     out = tmp_path / "out"
     sets = ("max_steps=4", "save_steps=100")

@@ -9,9 +9,9 @@ import torch
 
 from configs import get_model_spec, get_training_config, parse_overrides
 from tests.trainkit import TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
-from utils.metrics import METRIC_KEYS
+from utils.observe.metrics import METRIC_KEYS
 from utils.model import build_model
-from utils.optim import schedule_from_config
+from utils.training.optim import schedule_from_config
 
 
 def _without_key_bias(name: str, tensor: torch.Tensor, heads: int) -> torch.Tensor:

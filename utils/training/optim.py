@@ -1,5 +1,5 @@
 """AdamW with decay on matrices only, and the scheduler that applies the learning-rate schedules
-(utils/schedules.py: warmup, then cosine, the default, warmup-stable-decay `wsd`, linear or constant).
+(utils/training/schedules.py: warmup, then cosine, the default, warmup-stable-decay `wsd`, linear or constant).
 
 The schedule is a plain function of the optimizer step (`lr_at`), and the scheduler is never passed to
 `accelerator.prepare`: a prepared scheduler steps once per process per call, which would make the LR at
@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from utils.schedules import lr_at
+from utils.training.schedules import lr_at
 
 def wsd_decay_steps(cfg) -> int:
     """The WSD decay's length: `decay_steps`, or `decay_fraction` of `max_steps` when that is 0."""
@@ -73,10 +73,10 @@ class BF16MomentAdamW(torch.optim.Optimizer):
 
 def build_optimizer(model: torch.nn.Module, cfg, fused: bool) -> torch.optim.Optimizer:
     """AdamW (`optimizer=adamw`); weight decay on matrices (dim >= 2) only, never on biases and norm gains.
-    `optimizer=muon`: MuonWithAdamW (utils/muon.py), Muon for the blocks' weight matrices and this AdamW
+    `optimizer=muon`: MuonWithAdamW (utils/training/muon.py), Muon for the blocks' weight matrices and this AdamW
     for the rest."""
     if getattr(cfg, "optimizer", "adamw") == "muon":
-        from utils.muon import MuonWithAdamW, muon_parameters, ns_dtype_for
+        from utils.training.muon import MuonWithAdamW, muon_parameters, ns_dtype_for
 
         muon = muon_parameters(model)
         adamw = _adamw(model, cfg, fused, skip={id(p) for p in muon})

@@ -116,7 +116,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # new group dicts and state table: linked again
         self._link()
-        from utils.optim import BF16MomentAdamW
+        from utils.training.optim import BF16MomentAdamW
 
         if isinstance(self.adamw, BF16MomentAdamW):
             for group in self.adamw.param_groups:  # its moments back to bfloat16, as its own load does
@@ -133,7 +133,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def muon_state_bytes(self) -> int:
         """Bytes of Muon's momentum buffers this rank holds (or will hold: one per matrix shard)."""
-        from utils.distributed import local_tensor
+        from utils.runtime.distributed import local_tensor
 
         size = torch.empty((), dtype=self.state_dtype).element_size()
         return sum(local_tensor(p).numel() * size for g in self.param_groups if g.get("muon") for p in g["params"])
