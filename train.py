@@ -106,7 +106,7 @@ def train(cfg, profile, args) -> int:
     from utils.model.fit import check_batch_fits
     from utils.model.lm_loss import set_z_loss
     from utils.model.spec import resolve_model_spec
-    from utils.training.optim import schedule_from_config
+    from utils.training.schedules import ScheduleSettings
     from utils.parallel.strategies import make_parallelism
     from utils.run.output_dir import default_output_dir, shared_output_dir
     from utils.run.report import StepReporter, describe_run
@@ -154,7 +154,7 @@ def train(cfg, profile, args) -> int:
     log.start_trackers(accelerator, cfg.effective_run_name, cfg.to_dict(), state.step if resume_path else None)
     describe_run(cfg, parallel, log, profile, spec, core, loader, len(val_batches), state, remote_root)
     bar = progress_bar(cfg.max_steps, state.step, accelerator.is_main_process)
-    reporter = StepReporter(cfg.logging_steps, log, window, schedule_from_config(cfg), loader, guard, bar)
+    reporter = StepReporter(cfg.logging_steps, log, window, ScheduleSettings.of(cfg).lr, loader, guard, bar)
     evaluator = make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len, described, log)
     grad_norm = torch.zeros((), device=device)
     trace = BatchTrace(output_dir, accelerator)  # NEOX_TRACE_BATCHES, NEOX_DEBUG_STEP_DELAY_S
@@ -305,14 +305,16 @@ def make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len: int,
 
 def build_training(parallel, cfg, spec, init_weights, log):
     """Model (from `init_weights` when given, built and wrapped by the parallelism seam), AdamW and the LR
-    schedule. The scheduler is deliberately never prepared (see utils/training/optim.py)."""
+    schedule. The scheduler is deliberately never prepared (see utils/training/lr_scheduler.py)."""
     from utils.data.build import end_of_document
-    from utils.training.optim import build_optimizer, build_scheduler
+    from utils.training.lr_scheduler import build_scheduler
+    from utils.training.optim import OptimizerSettings, build_optimizer
+    from utils.training.schedules import ScheduleSettings
 
     eos = end_of_document(cfg, spec.vocab_size) if cfg.attention == "document" else None
     model = parallel.build_model(spec, init_weights, log, eos)
-    optimizer = build_optimizer(model, cfg, fused=parallel.device.type == "cuda")
-    scheduler = build_scheduler(optimizer, cfg)
+    optimizer = build_optimizer(model, OptimizerSettings.of(cfg), fused=parallel.device.type == "cuda")
+    scheduler = build_scheduler(optimizer, ScheduleSettings.of(cfg))
     model, optimizer = parallel.prepare(model, optimizer)
     return model, optimizer, scheduler
 

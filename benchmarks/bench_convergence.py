@@ -8,7 +8,7 @@ on the best of those, each with several seeds, on the same model, data, batch, s
     python benchmarks/bench_convergence.py --muon-lrs 1e-3 2e-3 4e-3   # Muon's lr, against the preset's
 
 Every contender trains with the engine's own parts (utils.model.build_model with the `init` scheme,
-utils.training.optim.build_optimizer / build_scheduler, the model's chunked loss with `z_loss`), in this process,
+utils.training.optim.build_optimizer / lr_scheduler.build_scheduler, the model's chunked loss with `z_loss`), in this process,
 from the preset's settings (default `demo`: model demo, batch 16 x seq 128, lr 2e-3, warmup 30, cosine to
 0.1 at max_steps 400, weight decay 0.1, grad clip 1.0, fp32). The data is the preset's corpus (the demo
 builds its own: the standard library's source, BPE 2048; a prepared dataset's vocabulary sets the model's)
@@ -85,15 +85,17 @@ def val_loss(model, val: torch.Tensor, batch: int) -> float:
 def train_one(contender: dict, seed: int, cfg, spec, train: torch.Tensor, val: torch.Tensor, eval_every: int) -> dict:
     from utils.model import build_model
     from utils.model.lm_loss import set_z_loss
-    from utils.training.optim import build_optimizer, build_scheduler
+    from utils.training.lr_scheduler import build_scheduler
+    from utils.training.optim import OptimizerSettings, build_optimizer
+    from utils.training.schedules import ScheduleSettings
 
     cfg = dataclasses.replace(cfg, optimizer=contender["optimizer"], init=contender["init"],
                               z_loss=contender["z_loss"], seed=seed,
                               learning_rate=contender.get("lr", cfg.learning_rate))
     model = build_model(spec, seed=seed, impl="native", init=contender["init"])
     set_z_loss(model, contender["z_loss"])
-    optimizer = build_optimizer(model, cfg, fused=False)
-    scheduler = build_scheduler(optimizer, cfg)
+    optimizer = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
+    scheduler = build_scheduler(optimizer, ScheduleSettings.of(cfg))
     batch, steps = cfg.per_device_train_batch_size, cfg.max_steps
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(seed))
     tokens_per_step = batch * train.shape[1]

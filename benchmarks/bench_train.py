@@ -22,7 +22,7 @@ tokens/s and step time; per contender the median over `--repeats` rounds is prin
            documents end with id 0 after ~DOC_TOKENS tokens on average): what document masking costs,
            `document/engine` (FlexAttention's block mask on CUDA, SDPA with a dense mask on the CPU). Only
            with `--only`, e.g. `--only engine,document`.
-- bare:    utils.model.build_model + utils.training.optim.build_optimizer/build_scheduler, batches already in
+- bare:    utils.model.build_model + utils.training.optim.build_optimizer, lr_scheduler.build_scheduler, batches already in
            device memory, forward/backward/clip/step/zero_grad, one `.item()` at the end: the ceiling.
 
 Schedules. `rounds` (default on CUDA) runs the contenders one after another, order rotated each round.
@@ -397,7 +397,9 @@ def worker_bare(s: dict) -> dict:
     from configs import get_model_spec
     from utils.model import build_model
     from utils.model.activation_checkpointing import apply_activation_checkpointing
-    from utils.training.optim import build_optimizer, build_scheduler
+    from utils.training.lr_scheduler import build_scheduler
+    from utils.training.optim import OptimizerSettings, build_optimizer
+    from utils.training.schedules import ScheduleSettings
 
     cfg = training_config(s)
     device = torch.device(s["device"])
@@ -414,8 +416,8 @@ def worker_bare(s: dict) -> dict:
         from utils.model.fp8 import enable_fp8
 
         enable_fp8(model)
-    optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
-    scheduler = build_scheduler(optimizer, cfg)
+    optimizer = build_optimizer(model, OptimizerSettings.of(cfg), fused=device.type == "cuda")
+    scheduler = build_scheduler(optimizer, ScheduleSettings.of(cfg))
     if s["compile"]:
         model.compile_blocks()  # as the engine does: regional compile
     forward = model

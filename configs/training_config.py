@@ -16,6 +16,7 @@ import yaml
 
 from configs.model_config import ConfigError, get_model_spec
 from utils.training.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
+from utils.training.optim import OPTIMIZERS as OPTIMIZER_REGISTRY
 from utils.training.schedules import SCHEDULES
 from utils.observe.trackers import TRACKERS
 
@@ -24,8 +25,8 @@ MODEL_IMPLS = ("native", "hf")
 REPORT_TO = (*TRACKERS, "none")  # utils/observe/trackers.py: the registry
 MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
-OPTIMIZERS = ("adamw", "muon")  # utils/training/optim.py: build_optimizer
-MUON_NS_DTYPES = ("auto", "bf16", "fp32")  # utils/training/muon.py: ns_dtype_for
+OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # utils/training/optim/: the registry
+MUON_NS_DTYPES = ("auto", "bf16", "fp32")  # utils/training/optim/muon.py: ns_dtype_for
 INITS = ("hf", "neox")  # utils/model/init.py: init_weights
 STRATEGIES = ("ddp", "fsdp")  # utils/parallel/strategies.py: one class each
 # utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory

@@ -128,13 +128,15 @@ def test_stop_signal_stops_at_the_step_boundary():
 
 def _objects(seed: int):
     from utils.model import build_model
-    from utils.training.optim import build_optimizer, build_scheduler
+    from utils.training.lr_scheduler import build_scheduler
+    from utils.training.optim import OptimizerSettings, build_optimizer
+    from utils.training.schedules import ScheduleSettings
     from configs import get_training_config
 
     cfg = get_training_config("demo", {"model": "tiny", "warmup_steps": 2})
     model = build_model(get_model_spec("tiny"), seed=seed)
-    optimizer = build_optimizer(model, cfg, fused=False)
-    return cfg, model, optimizer, build_scheduler(optimizer, cfg)
+    optimizer = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
+    return cfg, model, optimizer, build_scheduler(optimizer, ScheduleSettings.of(cfg))
 
 
 def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
