@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from utils.errors import UserError
+from utils.settings import Settings
 from utils.evals.scoring import RequestEncoder, loglikelihoods, task_metrics
 from utils.evals.tasks import Task, load_task
 
@@ -61,6 +62,23 @@ def describe_metrics(metrics: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
 
 
+@dataclass(frozen=True)
+class EvalSettings(Settings):
+    """When the run evaluates, and what: validation, the downstream tasks and the samples."""
+
+    eval_interval: int = 500
+    eval_batches: int = 20
+    eval_tasks: dict = field(default_factory=dict)
+    eval_tasks_every: int = 0
+    eval_tasks_limit: int = 0
+    sample_every: int = 0
+    sample_prompts: list[str] = field(default_factory=list)
+    sample_max_new_tokens: int = 32
+    max_steps: int = 10000
+    per_device_train_batch_size: int = 4
+    seed: int = 42
+
+
 class DownstreamEvals:
     """`eval_tasks` during training: every `eval_tasks_every` optimizer steps (0: with validation, every
     `eval_interval`), at step 0 and at the last step, each task's metrics go to metrics.jsonl and the
@@ -68,15 +86,15 @@ class DownstreamEvals:
     Every rank scores a share of the requests; the model is the unwrapped one (DDP) or the sharded one
     (FSDP: every rank runs each forward), in the run's autocast. Micro-batch: the training one."""
 
-    def __init__(self, cfg, spec, described: Path, accelerator, log, sharded: bool = False):
-        self.every = cfg.eval_tasks_every or cfg.eval_interval
-        self.max_steps, self.batch_size = cfg.max_steps, cfg.per_device_train_batch_size
+    def __init__(self, settings: EvalSettings, spec, described: Path, accelerator, log, sharded: bool = False):
+        self.every = settings.eval_tasks_every or settings.eval_interval
+        self.max_steps, self.batch_size = settings.max_steps, settings.per_device_train_batch_size
         self.max_length = spec.max_position_embeddings
         self.sharded = sharded  # the parallelism seam's: every rank runs each forward of a sharded model
         self.accelerator, self.log = accelerator, log
         self.tasks: list[PreparedTask] = []
-        if cfg.eval_tasks:
-            tasks = load_tasks(cfg.eval_tasks, cfg.eval_tasks_limit)
+        if settings.eval_tasks:
+            tasks = load_tasks(settings.eval_tasks, settings.eval_tasks_limit)
             encoder = load_encoder(described, self.max_length, advice="eval_tasks needs the data's tokenizer "
                                    "there (prepare_data.py writes it), or leave eval_tasks empty")
             self.tasks = prepare_tasks(tasks, encoder)
