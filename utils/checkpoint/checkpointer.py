@@ -125,13 +125,13 @@ MODEL, OPTIMIZER, TRAIN = "model", "optimizer", "train"  # the states the format
 
 @dataclass(frozen=True)
 class CheckpointSettings(Settings):
-    save_steps: int = 500
-    save_total_limit: int = 3
-    gcs_bucket: str = ""
-    gcs_prefix: str = ""
-    effective_run_name: str = "run"  # names the run's folder in the bucket
-    background_upload: bool = True
-    upload_timeout_s: int = 600
+    save_steps: int
+    save_total_limit: int
+    gcs_bucket: str
+    gcs_prefix: str
+    effective_run_name: str  # names the run's folder in the bucket
+    background_upload: bool
+    upload_timeout_s: int
 
     @property
     def remote_root(self) -> str | None:

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from utils.data.dataset_info import DatasetInfo, end_of_document_id
-from utils.data.loader import EvalBatches, ResumableLoader, build_eval_batches
+from utils.data.loader import EvalBatches, Readers, ResumableLoader, build_eval_batches
 from utils.data.mixture import Shuffle, check_sources
 from utils.data.shard_source import SHARDS
 from utils.data.source import (DEFAULT_SOURCE, CacheBudget, DataSettings, OpenRequest, SequenceSource, Source,
@@ -67,8 +67,9 @@ def build_data(settings: DataSettings, seq_len: int, vocab_size: int, accelerato
                    for s, (_, val) in zip(sources, opened)}
     loader = ResumableLoader([replace(s, data=train) for s, (train, _) in zip(sources, opened)],
                              batch, rank=rank, world_size=world, seed=settings.seed,
-                             num_workers=settings.dataloader_num_workers, prefetch_factor=settings.prefetch_factor,
-                             pin_memory=accelerator.device.type == "cuda", log=log.info, shuffle=shuffle)
+                             readers=Readers(settings.dataloader_num_workers, settings.prefetch_factor,
+                                             pin_memory=accelerator.device.type == "cuda"),
+                             log=log.info, shuffle=shuffle)
     return loader, EvalBatches(val_batches, {s.name: s.weight for s in sources})
 
 

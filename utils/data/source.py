@@ -188,22 +188,22 @@ class DataSettings(Settings):
     """What a run's data reads (utils/data/build.py builds it): the sources, how they are cut into batches and
     in what order, the cache of streamed data."""
 
-    data_dir: str = "data/training"
-    data_mix: dict = field(default_factory=dict)
-    max_files: int = -1
-    val_files: int = 1
-    demo_data: bool = False
-    dataloader_num_workers: int = 4
-    prefetch_factor: int = 4
-    shuffle: str = "global"
-    shuffle_block_shards: int = 16
-    data_cache_gb: float = 0.0
-    data_cache_dir: str = ""
-    per_device_train_batch_size: int = 4
-    gradient_accumulation_steps: int = 4
-    eval_batches: int = 20
-    seed: int = 42
-    eos_id: int = -1
+    data_dir: str
+    data_mix: dict
+    max_files: int
+    val_files: int
+    demo_data: bool
+    dataloader_num_workers: int
+    prefetch_factor: int
+    shuffle: str
+    shuffle_block_shards: int
+    data_cache_gb: float
+    data_cache_dir: str
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    eval_batches: int
+    seed: int
+    eos_id: int
 
 
 def configured_sources(settings: DataSettings) -> list[Source]:

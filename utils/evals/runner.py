@@ -2,14 +2,13 @@
 (`score_tasks`): the same requests, the same scorer, the same metrics."""
 from __future__ import annotations
 
-import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from utils.errors import UserError
 from utils.settings import Settings
-from utils.evals.scoring import RequestEncoder, loglikelihoods, task_metrics
+from utils.evals.scoring import Placement, RequestEncoder, loglikelihoods, task_metrics
 from utils.evals.tasks import Task, load_task
 
 
@@ -43,13 +42,12 @@ def prepare_tasks(tasks: list[Task], encoder: RequestEncoder) -> list[PreparedTa
     return [PreparedTask(task, encoder.task_requests(task)) for task in tasks]
 
 
-def score_tasks(model, tasks: list[PreparedTask], batch_size: int, max_length: int, device,
-                autocast=contextlib.nullcontext, rank: int = 0, world: int = 1,
-                sharded: bool = False) -> dict[str, tuple[dict[str, float], list[tuple[float, bool]]]]:
+def score_tasks(model, tasks: list[PreparedTask], batch_size: int, max_length: int,
+                placement: Placement = Placement()) -> dict[str, tuple[dict[str, float], list[tuple[float, bool]]]]:
     """{task name: (metrics, each request's (log-likelihood, greedy))}: every task's requests scored in one
     pass over the ranks (see scoring.loglikelihoods; call on every rank)."""
     everything = [r for t in tasks for r in t.requests]
-    results = loglikelihoods(model, everything, batch_size, max_length, device, autocast, rank, world, sharded)
+    results = loglikelihoods(model, everything, batch_size, max_length, placement)
     out, start = {}, 0
     for t in tasks:
         mine = results[start:start + len(t.requests)]
@@ -64,19 +62,15 @@ def describe_metrics(metrics: dict[str, float]) -> str:
 
 @dataclass(frozen=True)
 class EvalSettings(Settings):
-    """When the run evaluates, and what: validation, the downstream tasks and the samples."""
+    """When the run evaluates, and what: validation and the downstream tasks."""
 
-    eval_interval: int = 500
-    eval_batches: int = 20
-    eval_tasks: dict = field(default_factory=dict)
-    eval_tasks_every: int = 0
-    eval_tasks_limit: int = 0
-    sample_every: int = 0
-    sample_prompts: list[str] = field(default_factory=list)
-    sample_max_new_tokens: int = 32
-    max_steps: int = 10000
-    per_device_train_batch_size: int = 4
-    seed: int = 42
+    eval_interval: int
+    eval_batches: int
+    eval_tasks: dict
+    eval_tasks_every: int
+    eval_tasks_limit: int
+    max_steps: int
+    per_device_train_batch_size: int
 
 
 class DownstreamEvals:
@@ -110,8 +104,8 @@ class DownstreamEvals:
         keeps out of tokens/s."""
         started = time.perf_counter()
         acc = self.accelerator
-        scored = score_tasks(model, self.tasks, self.batch_size, self.max_length, acc.device, acc.autocast,
-                             acc.process_index, acc.num_processes, self.sharded)
+        placement = Placement(acc.device, acc.autocast, acc.process_index, acc.num_processes, self.sharded)
+        scored = score_tasks(model, self.tasks, self.batch_size, self.max_length, placement)
         seconds = time.perf_counter() - started
         row = {"step": step, "tokens": tokens}
         for name, (metrics, _) in scored.items():

@@ -33,9 +33,9 @@ WRAPPED_PREFIX = "_checkpoint_wrapped_module."
 
 @dataclass(frozen=True)
 class CheckpointingSettings(Settings):
-    activation_checkpointing: str = "none"
-    activation_checkpointing_every: int = 2
-    gradient_checkpointing: bool = False  # the older switch: true means full
+    activation_checkpointing: str
+    activation_checkpointing_every: int
+    gradient_checkpointing: bool  # the older switch: true means full
 
     @property
     def policy(self) -> tuple[str, int]:

@@ -39,9 +39,9 @@ def machine_bytes() -> int | None:
 class FitSettings(CheckpointingSettings):
     """What decides a process's memory besides the model: the strategy, the micro-batch, the policy, the moments."""
 
-    strategy: str = "ddp"
-    per_device_train_batch_size: int = 4
-    optimizer_state_dtype: str = "fp32"
+    strategy: str
+    per_device_train_batch_size: int
+    optimizer_state_dtype: str
 
 
 def check_batch_fits(settings: FitSettings, spec, seq_len: int, device, world_size: int) -> None:

@@ -16,9 +16,9 @@ from utils.settings import Settings
 
 @dataclass(frozen=True)
 class PreflightSettings(Settings):
-    preflight_steps: int = 2
-    mixed_precision: str = "bf16"
-    init_from: str = ""
+    preflight_steps: int
+    mixed_precision: str
+    init_from: str
 
 
 def preflight(model, batches, settings: PreflightSettings, accelerator, log, stop) -> None:

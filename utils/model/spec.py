@@ -17,9 +17,9 @@ from utils.settings import Settings
 class ModelSettings(Settings):
     """Which architecture a run builds: a preset by name, or init_from's; and the sequence length."""
 
-    model: str = "gpt-neox-1.2b"
-    init_from: str = ""
-    seq_len: int = 0
+    model: str
+    init_from: str
+    seq_len: int
 
 
 def resolve_model_spec(settings: ModelSettings, described: Path, log):

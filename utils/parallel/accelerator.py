@@ -12,11 +12,11 @@ from utils.settings import Settings
 
 @dataclass(frozen=True)
 class AcceleratorSettings(Settings):
-    mixed_precision: str = "bf16"
-    gradient_accumulation_steps: int = 4
-    report_to: str = "tensorboard"
-    effective_run_name: str = "run"  # the trackers' run name
-    process_group_timeout_s: int = 3600
+    mixed_precision: str
+    gradient_accumulation_steps: int
+    report_to: str
+    effective_run_name: str  # the trackers' run name
+    process_group_timeout_s: int
 
 
 def make_accelerator(settings: AcceleratorSettings, log_dir: Path):

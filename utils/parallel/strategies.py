@@ -52,14 +52,14 @@ class ParallelDims:
 class ParallelSettings(CheckpointingSettings):
     """What the parallelism seam reads: the strategy, and how it builds, wraps and compiles the model."""
 
-    strategy: str = "ddp"
-    mixed_precision: str = "bf16"
-    compile_model: bool = True
-    attention: str = "causal"
-    position_reset: bool = False
-    seed: int = 42
-    model_impl: str = "native"
-    init: str = "hf"
+    strategy: str
+    mixed_precision: str
+    compile_model: bool
+    attention: str
+    position_reset: bool
+    seed: int
+    model_impl: str
+    init: str
 
 
 class DataParallel:

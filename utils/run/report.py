@@ -14,16 +14,16 @@ from utils.settings import Settings
 class ReportSettings(Settings):
     """What the lines describing a run before its first step say of its config."""
 
-    preset: str = "custom"
-    effective_run_name: str = "run"
-    mixed_precision: str = "bf16"
-    compile_model: bool = True
-    per_device_train_batch_size: int = 4
-    gradient_accumulation_steps: int = 4
-    max_steps: int = 10000
-    optimizer: str = "adamw"
-    optimizer_state_dtype: str = "fp32"
-    background_upload: bool = True
+    preset: str
+    effective_run_name: str
+    mixed_precision: str
+    compile_model: bool
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    max_steps: int
+    optimizer: str
+    optimizer_state_dtype: str
+    background_upload: bool
 
 
 def describe_run(settings: ReportSettings, run) -> None:

@@ -202,13 +202,12 @@ class Trainer:
     def _make_evaluator(self):
         """Validation, the downstream evals and the samples, each on its own schedule."""
         from utils.evals.evaluator import Evaluator
-        from utils.evals.sampling import Sampler
+        from utils.evals.sampling import Sampler, SampleSettings
 
-        s = self.eval_settings
-        sampler = Sampler(s.sample_every, s.sample_prompts, s.sample_max_new_tokens, self.described, self.seq_len,
-                          s.seed, self.accelerator, self.log, sharded=self.parallel.sharded)
-        return Evaluator(s.eval_interval, self.model, self.core, self.val_batches, self.evals, sampler,
-                         self.accelerator, self.log)
+        sampler = Sampler(SampleSettings.of(self.config), self.described, self.seq_len, self.accelerator, self.log,
+                          sharded=self.parallel.sharded)
+        return Evaluator(self.eval_settings.eval_interval, self.model, self.core, self.val_batches, self.evals,
+                         sampler, self.accelerator, self.log)
 
     # ------------------------------------------------------------------------------------------ the run
     def _fit(self) -> int:

@@ -82,11 +82,11 @@ class SpikesPersist(UserError):
 
 @dataclass(frozen=True)
 class SpikeGuardSettings(Settings):
-    spike_guard: str = "warn"
-    spike_window: int = 128
-    spike_threshold: float = 6.0
-    spike_patience: int = 3
-    spike_max_rollbacks: int = 3
+    spike_guard: str
+    spike_window: int
+    spike_threshold: float
+    spike_patience: int
+    spike_max_rollbacks: int
 
 
 class SpikeGuard:
