@@ -194,6 +194,46 @@ class Evaluation(Callback):
         self.evaluator.run_if_due(run.state, run.last)
 
 
+class StepProfiler(Callback):
+    """NEOX_PROFILE_STEPS=A-B (utils/debug.py): torch.profiler from the start of optimizer step A to the end of
+    step B on every rank; then a Chrome trace per rank (logs/profile-rank{R}.json, chrome://tracing or
+    Perfetto) and, in the log, the operators that took the most time over those steps."""
+
+    def __init__(self, steps: tuple[int, int] | None, logs_dir, rank: int, log):
+        self.steps, self.logs_dir, self.rank, self.log = steps, logs_dir, rank, log
+        self.profiler = None
+
+    def pre_step(self, run) -> None:
+        if self.steps and self.profiler is None and run.state.step + 1 == self.steps[0]:
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            self.profiler = profile(activities=[ProfilerActivity.CPU, *cuda])
+            self.profiler.__enter__()
+
+    def post_step(self, run) -> None:
+        if self.profiler is not None and run.state.step >= self.steps[1]:
+            self._finish(run.state.step)
+
+    def on_close(self, run) -> None:
+        if self.profiler is not None:  # the run ended within the span: what was profiled is still written
+            self._finish(run.state.step)
+
+    def _finish(self, step: int) -> None:
+        import torch
+
+        profiler, self.profiler = self.profiler, None
+        profiler.__exit__(None, None, None)
+        path = self.logs_dir / f"profile-rank{self.rank}.json"
+        profiler.export_chrome_trace(str(path))
+        if self.rank == 0:
+            key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            table = profiler.key_averages().table(sort_by=key, row_limit=12)
+            self.log.info(f"profile of steps {self.steps[0]}-{step}: {path} (every rank: profile-rank*.json); the "
+                          f"operators by {key}:\n{table}")
+
+
 class CheckpointPolicy(Callback):
     """The checkpoint policy (utils/checkpoint/checkpointer.py `Checkpointer.due`): a save every `save_steps`,
     at the last step, at `stop_at_step` and whenever the run stops."""

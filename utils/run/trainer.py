@@ -22,7 +22,7 @@ from pathlib import Path
 from configs.training_config import precision_name
 from utils import layout
 from utils.run.callbacks import (BatchTracing, Callbacks, CheckpointPolicy, Evaluation, ProgressBar, SpikeGuarding,
-                                 StepReport, StepTiming, WatchdogBeat)
+                                 StepProfiler, StepReport, StepTiming, WatchdogBeat)
 from utils.runtime.run_status import RunStatus
 
 
@@ -186,7 +186,7 @@ class Trainer:
 
     def observers(self) -> list:
         """The callbacks on the loop's seam, in the order each hook calls them (utils/run/callbacks.py)."""
-        from utils.debug import BatchTrace
+        from utils.debug import BatchTrace, profiled_steps
         from utils.observe.watchdog import HangWatchdog
         from utils.run.report import StepReporter
 
@@ -195,9 +195,11 @@ class Trainer:
                                 self.bar)
         watchdog = HangWatchdog(cfg.hang_timeout_s, self.output_dir / layout.LOGS, self.accelerator.process_index,
                                 self.world)
+        logs, rank = self.output_dir / layout.LOGS, self.accelerator.process_index
         return [BatchTracing(BatchTrace(self.output_dir, self.accelerator)), StepTiming(self.window),
                 ProgressBar(self.bar), SpikeGuarding(self.guard), StepReport(reporter),
-                Evaluation(self._make_evaluator(), self.bar), WatchdogBeat(watchdog), CheckpointPolicy()]
+                Evaluation(self._make_evaluator(), self.bar), WatchdogBeat(watchdog), CheckpointPolicy(),
+                StepProfiler(profiled_steps(), logs, rank, self.log)]
 
     def _make_evaluator(self):
         """Validation, the downstream evals and the samples, each on its own schedule."""
