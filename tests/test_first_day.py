@@ -205,6 +205,24 @@ def test_plot_run_draws_every_run_s_curves_against_tokens(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: ") and not (tmp_path / "x.png").exists()
 
 
+def test_plot_run_writes_into_the_run_s_folder_and_nothing_where_it_is_run(tmp_path):
+    """Without -o the figure goes into the first run's folder (curves.png; curves-vs-NAME.png with others),
+    never into the folder it is run from (the repository, for the docs' commands)."""
+    for name in ("demo", "cpu"):
+        (tmp_path / "runs" / name / "logs").mkdir(parents=True)
+        rows = [{"step": s, "tokens": 100 * s, "loss": 8 / s, "lr": 1e-3, "tokens_per_sec": 50.0} for s in (1, 2)]
+        (tmp_path / "runs" / name / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    here = tmp_path / "repository"
+    here.mkdir()
+    script = str(REPO_ROOT / "scripts" / "plot_run.py")
+    for runs, written in (([tmp_path / "runs" / "demo"], tmp_path / "runs" / "demo" / "curves.png"),
+                          ([tmp_path / "runs" / "demo", tmp_path / "runs" / "cpu" / "logs" / "metrics.jsonl"],
+                           tmp_path / "runs" / "demo" / "curves-vs-cpu.png")):
+        proc = run([sys.executable, script, *map(str, runs)], make_subprocess_env(), cwd=here, timeout=120)
+        assert proc.stdout.startswith(f"wrote {written} (") and written.read_bytes()[:4] == b"\x89PNG"
+        assert list(here.iterdir()) == []
+
+
 def test_export_of_a_tokenizer_without_an_end_of_document_token(tmp_path):
     """A tokenizer nobody named an EOS for still goes out whole (no ids invented); a GPT-2-shaped one gets
     its <|endoftext|> as BOS, EOS and padding."""
