@@ -5,14 +5,16 @@ Llama-family model: `reader_files`).
 
 A command runs as the page shows it; a training command also gets `--set` overrides appended by this harness
 that keep it toy-sized (`toy_overrides`; the page is unchanged; DOCS_WALK_MAX_STEPS=0 runs each at its full
-size). The reader's bucket (gs://my-bucket) is a GCS emulator's. A command that needs what a CPU test machine has
-not (GPUs, another bucket, a cluster, a network install), a file the reader writes from the page's own YAML,
-or the output of a skipped command, is skipped with its reason. A command that fails (a path that does not exist, a run refused over another run's folder) fails the
-walk, and so does a file left in the repository outside the folders git ignores."""
+size). The reader's bucket (gs://my-bucket) is a GCS emulator's. A command that needs what a CPU test machine
+has not (GPUs, another bucket, a cluster, a network install), a file the reader writes from the page's own
+YAML, or the output of a skipped command, is skipped with its reason. A command that fails (a path that does
+not exist, a run refused over another run's folder) fails the walk, and so does a file left in the repository
+outside the folders git ignores."""
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -42,6 +44,11 @@ class Command:
     env: dict[str, str] = field(default_factory=dict)
     skipped: str | None = None
     seconds: float = 0.0
+
+    @property
+    def shown(self) -> str:
+        """The command as the page shows it, alone (a line may hold several)."""
+        return " ".join(shlex.quote(word) for word in [*(f"{k}={v}" for k, v in self.env.items()), *self.words])
 
     @property
     def program(self) -> str:
@@ -127,8 +134,10 @@ def why_not_run(command: Command, skipped_outputs: list[str], clone: Path, bucke
     for applies, reason in reasons:
         if applies:
             return reason
+    own = written_by(command)
+    read = [part for word in words if word != own for part in re.split("[=,]", word)]
     for output in skipped_outputs:
-        if any(part == output or part.startswith(output + "/") for word in words for part in re.split("[=,]", word)):
+        if any(part == output or part.startswith(output + "/") for part in read):
             return f"reads {output}, which a skipped command writes"
     return None
 
@@ -156,7 +165,8 @@ def walk(clone: Path, max_steps: int, bucket: str | None = None, emulator_url: s
             if command.skipped:
                 skipped.append(command)
                 output = written_by(command)
-                if output and not (clone / output).exists():  # a folder an earlier command made stays readable
+                # a folder an earlier command made stays readable; a bucket's is not known here
+                if output and "://" not in output and not (clone / output).exists():
                     skipped_outputs.append(output)
                 continue
             argv = command.words + toy_overrides(command, max_steps)
@@ -166,7 +176,8 @@ def walk(clone: Path, max_steps: int, bucket: str | None = None, emulator_url: s
             command.seconds = time.monotonic() - started
             if proc.returncode != 0:
                 raise AssertionError(f"{command.page}: `{command.line}` exited {proc.returncode} (run as "
-                                     f"{' '.join(argv)})\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+                                     f"{' '.join(argv)})\nstdout:\n{proc.stdout[-3000:]}\n"
+                                     f"stderr:\n{proc.stderr[-3000:]}")
             ran.append(command)
     return ran, skipped
 

@@ -220,15 +220,16 @@ def test_every_page_s_commands_run_as_written_after_the_quick_start(tmp_path):
     finally:
         bucket.stop()
     for command in ran:
-        print(f"ran     {command.seconds:6.1f} s  {command.page}: {command.line}")
+        print(f"ran     {command.seconds:6.1f} s  {command.page}: {command.shown}")
     for command in skipped:
-        print(f"skipped ({command.skipped})  {command.page}: {command.line}")
-    shown = [command.line for command in ran]
+        print(f"skipped ({command.skipped})  {command.page}: {command.shown}")
+    shown = [command.shown for command in ran]
     for expected in ("./start_training.sh --config demo", "prepare_data.py --input corpus/ --tokenizer my-tokenizer/",
                      "generate.py runs/cpu/final_model", "--set model=llama-demo", "--tokenizer models/llama-3.2-1b",
                      "--config demo --cpu --gpus 2", "scripts/evaluate.py", "spike_guard=rollback",
                      "scripts/plot_run.py", "--upload gs://my-bucket/datasets/mine",
-                     "download_training_data.py --source gs://my-bucket/datasets/mine"):
+                     "download_training_data.py --source gs://my-bucket/datasets/mine",
+                     "--tokenizer my-tokenizer/ --output gs://my-bucket/datasets/mine"):
         assert any(expected in line for line in shown), f"no command with {expected!r} ran: {shown}"
     assert left_in_the_repository(clone) == []
 

@@ -382,21 +382,29 @@ def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenize
     with quiet_progress():
         model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=EXPORT_SHARD_SIZE)
     if found is not None:
-        found.save(hf_tokenizer, out_dir)
-        other = found.auto_tokenizer_class_if_other(out_dir)
-        if other is not None:
-            found.save(hf_tokenizer, out_dir / TOKENIZER_ALONE)
-            (warn or _warn_on_stderr)(
-                f"warning: transformers' AutoTokenizer loads {out_dir} as its {other} (chosen by config.json's model_type "
-                f"'{model.config.model_type}', whatever tokenizer_config.json names), which does not encode text as "
-                f"the tokenizer this model was trained with; {out_dir / TOKENIZER_ALONE} holds that tokenizer alone: "
-                f"AutoTokenizer.from_pretrained there, or lm-evaluation-harness --model_args "
-                f"pretrained={out_dir},tokenizer={out_dir / TOKENIZER_ALONE} (generate.py and scripts/evaluate.py "
-                f"read it themselves)")
+        write_tokenizer(found, hf_tokenizer, out_dir, model.config.model_type, warn or _warn_on_stderr)
     for path in [*out_dir.iterdir(), *(out_dir / TOKENIZER_ALONE).glob("*")]:
         if path.is_file():
             files.set_default_mode(path)
     return out_dir
+
+
+def write_tokenizer(found: ExportTokenizer, hf_tokenizer, out_dir: Path, model_type: str, warn) -> None:
+    """The tokenizer's files into the model directory; where AutoTokenizer would load them there with a class
+    of transformers' own that encodes otherwise, also into DIR/tokenizer/ alone, said in one `warn` line."""
+    found.save(hf_tokenizer, out_dir)
+    other = found.auto_tokenizer_class_if_other(out_dir)
+    alone = out_dir / TOKENIZER_ALONE
+    if other is None:
+        if alone.is_dir():
+            files.remove_tree(alone)  # an earlier export's, needed no longer
+        return
+    found.save(hf_tokenizer, alone)
+    warn(f"warning: transformers' AutoTokenizer loads {out_dir} as its {other} (chosen by config.json's model_type "
+         f"'{model_type}', whatever tokenizer_config.json names), which does not encode text as the tokenizer this "
+         f"model was trained with; {alone} holds that tokenizer alone: AutoTokenizer.from_pretrained there, or "
+         f"lm-evaluation-harness --model_args pretrained={out_dir},tokenizer={alone} (generate.py and "
+         f"scripts/evaluate.py read it themselves)")
 
 
 def _warn_on_stderr(line: str) -> None:

@@ -45,7 +45,7 @@ def resolve_model_spec(cfg, described: Path, log):
     if not cfg.seq_len:
         length, why = default_seq_len(spec)
         if length < spec.max_position_embeddings:
+            scaling = " and the rope scaling" if spec.rope_scaling else ""
             log.info(f"seq_len not set: training at {length:,} tokens a sequence ({why}); final_model/ keeps all "
-                     f"{spec.max_position_embeddings:,} positions{' and the rope scaling' if spec.rope_scaling else ''}; "
-                     f"--set seq_len=N trains at another length")
+                     f"{spec.max_position_embeddings:,} positions{scaling}; --set seq_len=N trains at another length")
     return spec, cfg.seq_len_for(spec), weights
