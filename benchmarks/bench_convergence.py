@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     if info.is_file():  # a prepared dataset: the model's vocabulary follows its tokenizer, as train.py's
         vocab = json.loads(info.read_text())["tokenizer"]["vocab_size"]
         spec = dataclasses.replace(spec, vocab_size=vocab)
-    seq_len = cfg.seq_len or spec.max_position_embeddings
+    seq_len = cfg.seq_len_for(spec)
     data_dir = Path(cfg.data_dir) if Path(cfg.data_dir).is_absolute() else REPO_ROOT / cfg.data_dir
     if cfg.demo_data:
         from utils.data.demo import build_demo_data

@@ -54,6 +54,26 @@ def precision_name(mode: str) -> str:
     return "fp32" if mode == "no" else mode
 
 
+# seq_len's default caps a model's positions at 8,192 tokens: Llama 3's pretraining context (its rope scaling's
+# original_max_position_embeddings) and SmolLM2's whole one; longer is a long-context stage you choose. At micro-batch
+# 1, a 1-1.5B model's plan at this length fits an 80 GiB GPU without activation checkpointing.
+DEFAULT_SEQ_LEN_CAP = 8192
+
+
+def default_seq_len(spec) -> tuple[int, str]:
+    """(tokens a sequence, why) when `seq_len` is not set: the model's max_position_embeddings, at most its
+    pretraining context before rope scaling (original_max_position_embeddings) and DEFAULT_SEQ_LEN_CAP.
+    Training and scripts/memory_plan.py both take their default from here."""
+    positions = spec.max_position_embeddings
+    original = int(spec.rope_scaling[3]) if spec.rope_scaling else positions
+    if min(original, DEFAULT_SEQ_LEN_CAP) >= positions:
+        return positions, "the model's max_position_embeddings"
+    if original <= DEFAULT_SEQ_LEN_CAP:
+        return original, (f"the model's context before rope scaling (original_max_position_embeddings) of its "
+                          f"{positions:,} positions")
+    return DEFAULT_SEQ_LEN_CAP, f"the default cap for models of more positions ({positions:,} here)"
+
+
 def check_seq_len(seq_len: int, spec) -> None:
     if seq_len > spec.max_position_embeddings:
         raise ConfigError(f"seq_len={seq_len} exceeds model '{spec.name}' max_position_embeddings="
@@ -111,8 +131,10 @@ class TrainingConfig:
                                        "(GPTNeoXForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM)")
     init_from: str = _field("", "an HF directory of a known family (GPT-NeoX, Llama, Qwen2: config.json + "
                                 "safetensors): start from its weights")
-    seq_len: int = _field(0, "tokens per training sequence; 0: the model's max_position_embeddings (1 has no next "
-                             "token to learn)", "[2, inf)", {0: "the model's max_position_embeddings"})
+    seq_len: int = _field(0, "tokens per training sequence (1 has no next token to learn); 0: the model's "
+                             "max_position_embeddings, at most its context before rope scaling and 8192 (the "
+                             "export keeps every position)", "[2, inf)",
+                          {0: "the model's positions, at most its context before rope scaling and 8192"})
     # data
     data_dir: str = _field("data/training", "local shard directory, or gs://BUCKET/PREFIX of a prepared dataset to "
                                             "stream from (a dataset.json there sets the vocabulary)")
@@ -234,7 +256,7 @@ class TrainingConfig:
         return self.run_name or (Path(self.preset).stem if is_config_file(self.preset) else self.preset)
 
     def seq_len_for(self, spec) -> int:
-        return self.seq_len or spec.max_position_embeddings
+        return self.seq_len or default_seq_len(spec)[0]
 
     def validate(self) -> "TrainingConfig":
         """Checks each field on its own. What depends on the model actually built (seq_len against its

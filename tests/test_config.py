@@ -74,7 +74,8 @@ def test_bad_overrides(pairs, fragment):
     ({"gcs_bucket": "gs://b/x"}, "bare bucket name"),
     ({"learning_rate": 1e30}, r"learning_rate=1e\+30 must be a finite number within \(0, 1e12\]"),
     ({"weight_decay": 1e30}, r"weight_decay=1e\+30 must be a finite number within \[0, 100\]"),
-    ({"seq_len": 1}, r"seq_len=1 must be at least 2, or 0 \(the model's max_position_embeddings\)"),
+    ({"seq_len": 1}, r"seq_len=1 must be at least 2, or 0 \(the model's positions, at most its context before "
+                     r"rope scaling and 8192\)"),
     ({"spike_guard": "rollback", "spike_patience": 9, "spike_window": 8},
      "spike_patience=9 exceeds spike_window=8: that many spikes never fall within the window"),
 ])

@@ -22,6 +22,20 @@ from utils.io import files
 from utils.data.tokenizer import TokenizerError
 
 EXPORT_SHARD_SIZE = "5GB"  # larger exports are sharded safetensors with an index json, as transformers writes them
+# What an export's tokenizer_config.json names: the tokenizer that reads tokenizer.json as it is, in transformers 4
+# and 5 (transformers 5 writes its own "TokenizersBackend", which transformers 4 cannot load).
+EXPORT_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+# Other tokenizers' files, which transformers would read beside tokenizer.json: an export that writes a tokenizer
+# removes them, so none of another tokenizer's (an earlier export's, an init_from model's) stays beside it.
+FOREIGN_TOKENIZER_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "added_tokens.json",
+                           "special_tokens_map.json")
+# Where an export also puts the tokenizer alone when transformers' AutoTokenizer would load the model directory
+# with a class of its own (it picks one by config.json's model_type: Qwen2Tokenizer for qwen2, whatever
+# tokenizer_config.json names), which encodes differently from the tokenizer the model was trained with.
+TOKENIZER_ALONE = "tokenizer"
+# Text that tells tokenizers apart: digits (Qwen2's splits numbers digit by digit), spaces, newlines, accents, CJK.
+PROBE_TEXT = ("In 2024, 12,345.67 units cost $1,999 (x=1e-5; don't)\n\tcafé naïve 東京 -- done!  ok\n"
+              "def f(a, b):\n    return a**2 + b//3  # 100%")
 
 
 class HFLoadError(ConfigError):
@@ -315,14 +329,44 @@ class ExportTokenizer:
         return {"bos_token_id": hf_tokenizer.bos_token_id, "eos_token_id": hf_tokenizer.eos_token_id,
                 "pad_token_id": hf_tokenizer.pad_token_id}
 
+    def save(self, hf_tokenizer, out_dir: Path) -> None:
+        """tokenizer.json and tokenizer_config.json (naming EXPORT_TOKENIZER_CLASS) into `out_dir`, and no
+        other tokenizer's files there."""
+        for name in FOREIGN_TOKENIZER_FILES:
+            (out_dir / name).unlink(missing_ok=True)
+        hf_tokenizer.save_pretrained(out_dir)
+        config_file = out_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        config["tokenizer_class"] = EXPORT_TOKENIZER_CLASS
+        config.pop("backend", None)  # transformers 5's marker for its own class name
+        files.write_text(config_file, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
-def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenizer=None) -> Path:
+    def auto_tokenizer_class_if_other(self, directory: Path) -> str | None:
+        """The class transformers' AutoTokenizer loads `directory` with when it does not encode PROBE_TEXT as
+        this tokenizer does (the ids a model trained on this tokenizer's data expects); None when it does."""
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # no advice about the class it picked, nor about the probe's length
+        try:
+            loaded = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            theirs = loaded(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        ours = self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False).ids
+        return None if theirs == ours else type(loaded).__name__
+
+
+def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenizer=None, warn=None) -> Path:
     """Writes `state` as an HF model directory (through transformers' class), files readable by others.
 
-    With a tokenizer (`tokenizer`: an ExportTokenizer, or where `ExportTokenizer.find` looks), its full files are written through
-    transformers' PreTrainedTokenizerFast (tokenizer.json, tokenizer_config.json with the special tokens),
-    so `AutoTokenizer.from_pretrained(DIR)` needs no guessing, and config.json / generation_config.json carry
-    its BOS, EOS and padding ids."""
+    With a tokenizer (`tokenizer`: an ExportTokenizer, or where `ExportTokenizer.find` looks), its files are
+    written through transformers' PreTrainedTokenizerFast (tokenizer.json, tokenizer_config.json naming that class
+    and the special tokens), so `AutoTokenizer.from_pretrained(DIR)` loads that tokenizer, and config.json /
+    generation_config.json carry its BOS, EOS and padding ids. Where the installed transformers' AutoTokenizer
+    would still load DIR with a class of its own that encodes otherwise (a qwen2 model_type: Qwen2Tokenizer),
+    DIR/tokenizer/ holds the tokenizer alone and `warn` (default: stderr) gets one line saying so."""
     out_dir = Path(out_dir)
     found = (tokenizer if isinstance(tokenizer, ExportTokenizer) or tokenizer is None
              else ExportTokenizer.find(tokenizer))
@@ -337,12 +381,36 @@ def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenize
     model.generation_config = GenerationConfig.from_model_config(model.config)
     with quiet_progress():
         model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=EXPORT_SHARD_SIZE)
-    if hf_tokenizer is not None:
-        hf_tokenizer.save_pretrained(out_dir)
-    for path in out_dir.iterdir():
+    if found is not None:
+        write_tokenizer(found, hf_tokenizer, out_dir, model.config.model_type, warn or _warn_on_stderr)
+    for path in [*out_dir.iterdir(), *(out_dir / TOKENIZER_ALONE).glob("*")]:
         if path.is_file():
             files.set_default_mode(path)
     return out_dir
+
+
+def write_tokenizer(found: ExportTokenizer, hf_tokenizer, out_dir: Path, model_type: str, warn) -> None:
+    """The tokenizer's files into the model directory; where AutoTokenizer would load them there with a class
+    of transformers' own that encodes otherwise, also into DIR/tokenizer/ alone, said in one `warn` line."""
+    found.save(hf_tokenizer, out_dir)
+    other = found.auto_tokenizer_class_if_other(out_dir)
+    alone = out_dir / TOKENIZER_ALONE
+    if other is None:
+        if alone.is_dir():
+            files.remove_tree(alone)  # an earlier export's, needed no longer
+        return
+    found.save(hf_tokenizer, alone)
+    warn(f"warning: transformers' AutoTokenizer loads {out_dir} as its {other} (chosen by config.json's model_type "
+         f"'{model_type}', whatever tokenizer_config.json names), which does not encode text as the tokenizer this "
+         f"model was trained with; {alone} holds that tokenizer alone: AutoTokenizer.from_pretrained there, or "
+         f"lm-evaluation-harness --model_args pretrained={out_dir},tokenizer={alone} (generate.py and "
+         f"scripts/evaluate.py read it themselves)")
+
+
+def _warn_on_stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr)
 
 
 @contextmanager
