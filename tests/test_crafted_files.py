@@ -517,3 +517,117 @@ def test_a_crafted_plan_or_dataset_json_in_prepares_output_is_never_trusted(tmp_
     (out / "dataset.json").write_text(json.dumps(description))
     line = one_error_line(run(prepare, env_for_runs(), check=False))
     assert f"{out / 'dataset.json'}: documents is '60', not a non-negative integer" in line, line
+
+
+# ------------------------------------------- 7: issue 41: a completion record or a reused output's dataset.json
+
+def small_prepare(tmp_path: Path, out: Path, *extra: str) -> list[str]:
+    """prepare_data.py's command for a small corpus (one partition, no validation split unless `extra` asks)."""
+    from tests.test_prepare_data import bpe_tokenizer
+
+    corpus = tmp_path / "corpus.jsonl"
+    if not corpus.exists():
+        corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(40)))
+        bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)
+    return [sys.executable, str(REPO_ROOT / "prepare_data.py"), "--no-progress", "--input", str(corpus), "--tokenizer",
+            str(tmp_path / "tokenizer.json"), "--output", str(out), "--executor", "local", "--workers", "1",
+            "--shard-tokens", "1024", *extra]
+
+
+def staged_partition(out: Path, plan_json: bytes, record: dict, files_there: dict[str, Path]) -> Path:
+    """A staging area as a killed prepare leaves it (plan.json, partition 0 done), whose completion record is
+    `record` and whose partition folder holds `files_there` (name -> what it links to)."""
+    staging = out.parent / f".{out.name}.staging"
+    (staging / "p00000").mkdir(parents=True)
+    (staging / "plan.json").write_bytes(plan_json)
+    for name, target in files_there.items():
+        (staging / "p00000" / name).symlink_to(target)
+    (staging / "p00000" / "done.json").write_text(json.dumps(record))
+    return staging
+
+
+def test_a_completion_record_naming_a_symlink_publishes_and_uploads_nothing(tmp_path, gcs_emulator):
+    """A completion record (under the run's own plan digest) whose shard, or validation piece, is a symlink to
+    a file the preparing user can read: the merge refuses it in one line naming the file and the record to
+    remove; nothing is published, and `--upload` sends nothing (real prepare_data.py processes, the GCS
+    emulator). A partition folder that is itself a symlink out of the staging area holds no record of prepare's:
+    the partition is made again, in a folder of its own, and the files the link led to stay where they are.
+    Each published (and uploaded) the file the link named."""
+    first = tmp_path / "first"
+    run(small_prepare(tmp_path, first, "--val-fraction", "0"), env_for_runs())
+    plan_json, done = (first / "plan.json").read_bytes(), json.loads((first / "dataset.json").read_text())
+    assert done["partitions"] == 1
+    secret = tmp_path / "secret.npz"  # any file the user can read, as a valid shard of the claimed size
+    np.savez(secret, input_ids=np.arange(done["tokens"], dtype=np.uint16) % 300)
+    entry = {"path": "shard-00000.npz", "tokens": done["tokens"], "bytes": secret.stat().st_size,
+             "crc32c": file_crc32c(secret)}
+    record = {"partition": 0, "plan": done["fingerprint"], "documents": done["documents"], "documents_empty": 0,
+              "tokens": done["tokens"], "validation": {"documents": 0, "tokens": 0}, "shards": [entry]}
+    val_record = {**record, "shards": [], "validation": {"documents": 1, "tokens": done["tokens"], "path": "val.npz",
+                                                         "bytes": entry["bytes"], "crc32c": entry["crc32c"]}}
+    for case, links, crafted in (("shard", {"shard-00000.npz": secret}, record),
+                                 ("val", {"val.npz": secret}, val_record)):
+        out = tmp_path / case / "data"
+        staging = staged_partition(out, plan_json, crafted, links)
+        upload = ["--upload", f"gs://{gcs_emulator.bucket}/{case}"]
+        line = one_error_line(run(small_prepare(tmp_path, out, "--val-fraction", "0", *upload), env_for_runs(),
+                                  check=False))
+        named = staging / "p00000" / next(iter(links))
+        assert f"{named}: missing, not a regular file" in line and f"{staging}/p00000/done.json" in line, line
+        assert not out.exists(), f"{case}: published"
+        assert not list(gcs_emulator.client().list_blobs(gcs_emulator.bucket)), f"{case}: uploaded"
+
+    elsewhere = tmp_path / "elsewhere"  # a folder of the user's, holding a record and a shard file
+    elsewhere.mkdir()
+    shutil.copy(secret, elsewhere / "shard-00000.npz")
+    (elsewhere / "done.json").write_text(json.dumps(record))
+    out = tmp_path / "folder" / "data"
+    staging = staged_partition(out, plan_json, record, {})
+    shutil.rmtree(staging / "p00000")
+    (staging / "p00000").symlink_to(elsewhere)
+    run(small_prepare(tmp_path, out, "--val-fraction", "0"), env_for_runs())
+    assert shard_bytes(out) == shard_bytes(first) and secret.read_bytes() not in shard_bytes(out)
+    assert (elsewhere / "shard-00000.npz").read_bytes() == secret.read_bytes()
+    assert json.loads((elsewhere / "done.json").read_text()) == record
+
+
+def shard_bytes(out: Path) -> list[bytes]:
+    """The training shards a prepared output lists, in order."""
+    return [(out / entry["path"]).read_bytes() for entry in json.loads((out / "dataset.json").read_text())["shards"]]
+
+
+def test_a_reused_prepare_output_is_checked_against_its_shard_list_and_counts(tmp_path):
+    """A finished output whose dataset.json names this run's plan is reported done only when it is whole: its
+    counts add up, its shards are the merge's names, each there, a regular file of its size. A crafted or
+    damaged one is one line naming the problem (real processes); it was reported done, with its numbers."""
+    out = tmp_path / "data"
+    prepare = small_prepare(tmp_path, out)
+    run(prepare, env_for_runs())
+    assert "already holds this dataset" in run(prepare, env_for_runs()).stdout
+    good = (out / "dataset.json").read_text()
+    description = json.loads(good)
+    first = out / description["shards"][0]["path"]
+    kept = tmp_path / "kept.npz"
+    shutil.copy(first, kept)
+    said = {}
+    for case in ("tokens", "renamed", "missing", "symlink"):
+        crafted = json.loads(good)
+        if case == "tokens":
+            crafted["tokens"] += 1000
+        elif case == "renamed":
+            crafted["shards"][0]["path"] = "part-00000/shard-00009.npz"
+        elif case == "missing":
+            first.unlink()
+        else:
+            first.unlink()
+            first.symlink_to(kept)
+        (out / "dataset.json").write_text(json.dumps(crafted))
+        said[case] = one_error_line(run(prepare, env_for_runs(), check=False))
+        assert f"{out / 'dataset.json'}: " in said[case] and f"remove {out}" in said[case], said[case]
+        if first.is_symlink() or not first.exists():
+            first.unlink(missing_ok=True)
+            shutil.copy(kept, first)
+    assert "token counts do not add up" in said["tokens"]
+    assert "shards[0].path is 'part-00000/shard-00009.npz', not 'part-00000/shard-00000.npz'" in said["renamed"]
+    for case in ("missing", "symlink"):
+        assert f"it lists {description['shards'][0]['path']}, which is missing, not a regular file" in said[case]
