@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from tests.trainkit import REPO_ROOT, TINY, make_shards, run, train_cmd
+from utils.errors import UserError
 from utils.storage import file_crc32c
 
 
@@ -631,3 +633,152 @@ def test_a_reused_prepare_output_is_checked_against_its_shard_list_and_counts(tm
     assert "shards[0].path is 'part-00000/shard-00009.npz', not 'part-00000/shard-00000.npz'" in said["renamed"]
     for case in ("missing", "symlink"):
         assert f"it lists {description['shards'][0]['path']}, which is missing, not a regular file" in said[case]
+
+
+# ------------------------------------------------------ 8: issue 41: model files past their checks, in a real run
+
+def one_line_of(argv: list, what: str) -> str:
+    """The one error line of a real process (exit 2, no traceback) that must say `what`."""
+    line = one_error_line(run([sys.executable, *map(str, argv)], env_for_runs(), check=False))
+    assert what in line, line
+    return line
+
+
+@pytest.mark.slow
+def test_an_hf_directory_crafted_past_its_config_check_is_one_line(hf_model, tmp_path):
+    """config.json nested past the parser's depth, one position, a rope factor of "nan" or 0; weights of dtype
+    int32 or holding NaN; a model.safetensors that is a symlink out of its directory: each one line naming the
+    file (in-process, and through generate.py and init_from: real processes). Each was a traceback, a silent
+    load, or init_from blaming the weights for the one position; the hub cache's links into blobs/ still load."""
+    from safetensors.torch import load_file, save_file
+
+    from utils.model.hf import check_weights, load_hf_pretrained
+
+    good = json.loads((hf_model / "config.json").read_text())
+    assert good["rope_parameters"]["rope_type"] == "default"
+
+    def crafted(name: str, config=None, weights=None) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(hf_model, folder)
+        if config is not None:
+            (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps({**good, **config}))
+        if weights is not None:
+            save_file(weights(load_file(str(folder / "model.safetensors"))), str(folder / "model.safetensors"))
+        return folder
+
+    for name, config, said in (
+            ("nested", "[" * 100_000 + "]" * 100_000, "config.json: cannot read it (nested too deeply to parse)"),
+            ("one-position", {"max_position_embeddings": 1}, "config.json: max_position_embeddings is 1, not at least 2"),
+            ("factor-nan", {"rope_parameters": {**good["rope_parameters"], "factor": "nan"}},
+             "config.json: rope_parameters.factor is 'nan', not a positive finite number"),
+            ("factor-0", {"rope_parameters": {**good["rope_parameters"], "factor": 0}},
+             "config.json: rope_parameters.factor is 0, not a positive finite number")):
+        with pytest.raises(UserError, match=re.escape(f"{tmp_path / name}/{said}")):
+            load_hf_pretrained(crafted(name, config))
+    for name, weights, said in (
+            ("int32", lambda w: {k: v.to(torch.int32) for k, v in w.items()}, "is torch.int32, not floating point"),
+            ("nan", lambda w: {k: v.fill_(float("nan")) if "embed_in" in k else v for k, v in w.items()},
+             "holds NaN or infinite values")):
+        folder = crafted(name, weights=weights)
+        spec, state = load_hf_pretrained(folder)
+        with pytest.raises(UserError, match=rf"init_from {folder}: its weight gpt_neox.embed_in.weight {said}"):
+            check_weights(spec, state, folder)
+        one_line_of(["generate.py", folder, "--prompt", "x"], f"{folder}: its weight gpt_neox.embed_in.weight {said}")
+
+    linked = crafted("linked")
+    (tmp_path / "outside.safetensors").write_bytes((linked / "model.safetensors").read_bytes())
+    (linked / "model.safetensors").unlink()
+    (linked / "model.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    one_line_of(["generate.py", linked, "--prompt", "x"],
+                f"{linked}: its weight file is 'model.safetensors', a symlink out of {linked}")
+    repo = tmp_path / "hub" / "models--x--tiny"  # the hub cache: each file a link into blobs/
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    for path in hf_model.iterdir():
+        shutil.copy(path, repo / "blobs" / path.name)
+        (repo / "snapshots" / "abc" / path.name).symlink_to(f"../../blobs/{path.name}")
+    assert load_hf_pretrained(repo / "snapshots" / "abc")[1].keys() == load_hf_pretrained(hf_model)[1].keys()
+
+    data = make_shards(tmp_path / "data", n_files=3, rows=16)
+    one_line_of(["train.py", "--config", "demo", "--output-dir", tmp_path / "out", "--data-dir", data, "--set",
+                 f"init_from={tmp_path / 'one-position'}", *[a for s in TINY for a in ("--set", s)]],
+                f"{tmp_path / 'one-position'}/config.json: max_position_embeddings is 1, not at least 2")
+
+
+def tiny_checkpoint(root: Path, model: dict | None = None, config: dict | None = None) -> Path:
+    """A checkpoint of the tiny model (its weights as built, by the real writer) whose trainer_state.json holds
+    `model` as the model record (default: the tiny model's) and `config` as the run's config."""
+    from configs.model_config import get_model_spec
+    from utils.checkpoint.format import CheckpointPayload, checkpoint_name, write_checkpoint
+    from utils.model import build_model
+
+    spec = get_model_spec("tiny")
+    state = {"step": 1, "epoch": 0, "tokens": 8, "world_size": 1, "model": spec.to_dict() if model is None else model,
+             **({} if config is None else {"config": config})}
+    payload = CheckpointPayload(build_model(spec, seed=0).state_dict(), {"rng": [{}]}, state)
+    return write_checkpoint(root, checkpoint_name(0, 1, 1), payload)
+
+
+@pytest.mark.slow
+def test_a_crafted_model_record_in_trainer_state_json_is_one_line(tmp_path, hf_model):
+    """trainer_state.json's model record: heads not dividing the width, a NaN rotary share, a negative eps, an
+    unknown activation, a string where a flag goes, one position, a vocabulary larger than the weights: one line
+    naming the file and field, in-process and through generate.py (each was a traceback)."""
+    from configs.model_config import get_model_spec
+    from utils.model.hf import load_checkpoint_model
+
+    tiny = get_model_spec("tiny").to_dict()
+    tokenizer = hf_model.parent / "tokenizer.json"
+    if not tokenizer.exists():
+        from tests.test_prepare_data import bpe_tokenizer
+
+        bpe_tokenizer(tokenizer, vocab=300)
+    load_checkpoint_model(tiny_checkpoint(tmp_path / "good"))  # as the engine writes it: fine
+    cases = [
+        ({"num_attention_heads": 5}, "model.hidden_size is 64, not a multiple of num_attention_heads (5)"),
+        ({"rotary_pct": float("nan")}, "model.rotary_pct is nan, not a number in (0, 1]"),
+        ({"layer_norm_eps": -1e-5}, "model.layer_norm_eps is -1e-05, not a positive finite number"),
+        ({"hidden_act": "bogus"}, "model.hidden_act is 'bogus', not an activation transformers knows"),
+        ({"use_parallel_residual": "false"}, "model.use_parallel_residual is 'false', not true or false"),
+        ({"max_position_embeddings": 1}, "model.max_position_embeddings is 1, not an integer of at least 2"),
+        ({"vocab_size": 1000}, "its weights do not match its trainer_state.json's model record (wrong shape"),
+    ]
+    for i, (change, said) in enumerate(cases):
+        checkpoint = tiny_checkpoint(tmp_path / str(i), tiny | change)
+        with pytest.raises(UserError) as e:
+            load_checkpoint_model(checkpoint)
+        assert str(checkpoint) in str(e.value) and said in str(e.value), str(e.value)
+        if i in (3, 6):
+            one_line_of(["generate.py", checkpoint, "--prompt", "x", "--tokenizer", tokenizer], said)
+
+
+@pytest.mark.slow
+def test_a_crafted_config_or_optimizer_state_is_one_line_when_resuming(tmp_path):
+    """trainer_state.json's "config": "x", and an optimizer.pt whose moments have another shape than their
+    parameters (its manifest rewritten to match): a resume stops before step 3 in one line naming the file
+    (real train.py runs). The first was a traceback; the second loaded, and failed at the first step."""
+    data = make_shards(tmp_path / "data", n_files=3, rows=16)
+    out = tmp_path / "out"
+    run(train_cmd(out, data, "max_steps=2", "save_steps=2"), env_for_runs())
+    (checkpoint,) = (out / "checkpoints").iterdir()
+    resume = train_cmd(out, data, "max_steps=4", "save_steps=2", extra=("--resume", "latest"))
+    saved = {name: (checkpoint / name).read_bytes() for name in ("trainer_state.json", "optimizer.pt", "manifest.json")}
+
+    state = json.loads(saved["trainer_state.json"])
+    (checkpoint / "trainer_state.json").write_text(json.dumps({**state, "config": "x"}))
+    refresh_manifest(checkpoint, "trainer_state.json")
+    line = one_error_line(run(resume, env_for_runs(), check=False))
+    assert f"checkpoint {checkpoint}: trainer_state.json: config is 'x', not an object" in line, line
+
+    for name, raw in saved.items():
+        (checkpoint / name).write_bytes(raw)
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    first = optimizer["state"][0]
+    first["exp_avg"] = torch.zeros(3, 3)
+    torch.save(optimizer, checkpoint / "optimizer.pt")
+    refresh_manifest(checkpoint, "optimizer.pt")
+    proc = run(resume, env_for_runs(), check=False)
+    line = one_error_line(proc)
+    assert f"checkpoint {checkpoint}: its weights or optimizer state do not fit this model (the saved optimizer's " \
+           f"exp_avg of gpt_neox.embed_in.weight has shape (3, 3), the parameter (512, 64))" in line, line
+    assert "Step 3" not in proc.stdout
