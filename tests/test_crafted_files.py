@@ -782,3 +782,50 @@ def test_a_crafted_config_or_optimizer_state_is_one_line_when_resuming(tmp_path)
     assert f"checkpoint {checkpoint}: its weights or optimizer state do not fit this model (the saved optimizer's " \
            f"exp_avg of gpt_neox.embed_in.weight has shape (3, 3), the parameter (512, 64))" in line, line
     assert "Step 3" not in proc.stdout
+
+
+# -------------------------------------------------------------- 9: issue 41: a dataset's files past their checks
+
+@pytest.mark.slow
+def test_a_crafted_dataset_json_or_a_changed_tokenizer_is_one_line_before_step_1(tmp_path, gcs_emulator):
+    """dataset.json nested past the parser's depth (in a folder, and streamed from gs://), a shard path holding
+    a NUL, a tokenizer.json that is not the one its dataset.json records (sha256): one line naming the file,
+    before step 1 (in-process, and real train.py runs against the GCS emulator). The first two were tracebacks;
+    the third trained to the end with ids that meant other text."""
+    from tests.test_prepare_data import bpe_tokenizer
+    from tests.test_streaming import upload
+    from utils.data.dataset_info import DatasetInfo, DatasetInfoError
+    from utils.data.prepare import prepare
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(60)))
+    data = tmp_path / "data"
+    prepare([str(corpus)], str(bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)), data, shard_tokens=1024)
+    good = (data / "dataset.json").read_text()
+    nested = tmp_path / "nested"
+    shutil.copytree(data, nested)
+    (nested / "dataset.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DatasetInfoError, match=re.escape(f"{nested / 'dataset.json'} is not a readable dataset "
+                                                         f"description (ValueError: nested too deeply to parse)")):
+        DatasetInfo.load(nested)
+    url = upload(nested, f"gs://{gcs_emulator.bucket}/nested")
+
+    def train(data_dir) -> list[str]:
+        return train_cmd(tmp_path / "out", data_dir, "max_steps=2", "seq_len=32", f"data_cache_dir={tmp_path / 'c'}")
+
+    line = one_error_line(run(train(url), env_for_runs(), check=False))
+    assert f"{url}/dataset.json is not a readable dataset description (ValueError: nested too deeply" in line, line
+
+    crafted = json.loads(good)
+    crafted["shards"][0]["path"] = "part-00000/a\0b.npz"
+    (nested / "dataset.json").write_text(json.dumps(crafted))
+    with pytest.raises(DatasetInfoError, match=r"shards\[0\].path is 'part-00000/a\\x00b.npz', not the relative path"):
+        DatasetInfo.load(nested)
+
+    bpe_tokenizer(data / "tokenizer.json", vocab=320)  # another tokenizer, in place of the one the shards were made with
+    proc = run(train(data), env_for_runs(), check=False)
+    line = one_error_line(proc)
+    recorded = json.loads(good)["tokenizer"]["sha256"]
+    assert f"{data / 'tokenizer.json'} has sha256 " in line and f"not the {recorded[:16]}... that " \
+           f"{data / 'dataset.json'} records: the shards were made with another tokenizer" in line, line
+    assert "Step 1" not in proc.stdout and not (tmp_path / "out" / "checkpoints").exists()
