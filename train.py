@@ -187,7 +187,7 @@ def train(cfg, profile, args) -> int:
             state.advance(tokens_per_step)
             watchdog.beat(state.step)  # progress: for the hang watchdog and the launcher's restarts
             trace.after_step()
-            window.add(step_loss, skipped=not applied)
+            window.add(step_loss, grad_norm, skipped=not applied)
             bar.update(1)
             if guard.rollback_due and guard.roll_back(ckpt, loader, state):  # the newest checkpoint, data since skipped
                 window.restart(state.step + 1)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainkit import REPO_ROOT, TINY, make_shards, run, train_cmd
+from tests.trainkit import REPO_ROOT, TINY, make_shards, run, tiny_hf_model, train_cmd
 from utils.errors import UserError
 from utils.storage import file_crc32c
 
@@ -443,12 +443,7 @@ def test_a_crafted_manifest_json_is_refused_naming_the_field(tmp_path):
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     """A tiny GPT-NeoX as transformers saves it (config.json + model.safetensors)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    path = tmp_path_factory.mktemp("hf") / "tiny-neox"
-    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=256, max_position_embeddings=64)).save_pretrained(path)
-    return path
+    return tiny_hf_model(tmp_path_factory.mktemp("hf") / "tiny-neox")
 
 
 def test_a_crafted_hf_config_json_is_refused_naming_the_field(hf_model, tmp_path):
