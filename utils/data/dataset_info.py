@@ -17,7 +17,8 @@ with the partition that made it) and `validation` (absent in datasets prepared b
 held-out documents', with the rate applied (`fraction`, raised for a small corpus). Datasets prepared
 before partitions have `"stride"` there instead and no `partitions`. It carries no timestamp, so the same
 corpus prepared twice gives the same bytes. Every path it names (shards, the
-tokenizer) is relative and stays inside its folder, symlinks followed; `load` refuses one that leaves it.
+tokenizer) is relative and stays inside its folder, symlinks followed; `load` refuses one that leaves it,
+and a tokenizer file there other than the one it records (sha256: the shards' ids would mean other text).
 """
 from __future__ import annotations
 
