@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_one_line_errors import open_tmp  # noqa: F401 (a fixture)
 from tests.test_prepare_data import bpe_tokenizer, text
 from tests.trainkit import REPO_ROOT, TINY, metrics, run, train_rows
 from utils.data import build
@@ -29,7 +28,7 @@ from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.loader import MixtureBatchSampler, ResumableLoader, source_schedule
 from utils.data.mixture import MixtureError, Shuffle, block_permutation
 from utils.data.source import CacheBudget, CacheTooSmall, OpenRequest, Source
-from utils.data.stream_source import StreamError
+from utils.data.stream_source import StreamError, bytes_under
 from utils.errors import UserError
 
 SEQ, VOCAB = 32, 364  # the tokenizer's ids (prepare_data.py's dataset.json says so)
@@ -73,18 +72,6 @@ def bucket(gcs_emulator, prepared) -> str:
 def request(cache_dir: Path, shuffle: Shuffle, cache_gb: float = 0.0, rank: int = 0) -> OpenRequest:
     return OpenRequest(SEQ, VOCAB, log=lambda _line: None, rank=rank, shuffle=shuffle, step_sequences=8,
                        cache_dir=str(cache_dir), cache=CacheBudget(cache_gb))
-
-
-def cache_bytes(folder: Path) -> int:
-    """Bytes of the files under `folder` now (one renamed or removed while it looks is skipped)."""
-    total = 0
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            try:
-                total += os.stat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                pass
-    return total
 
 
 class MediaLog:
@@ -504,7 +491,7 @@ def test_blocks_within_a_small_cache_an_outage_stops_with_a_checkpoint_and_a_res
 
     def watch():  # the cache's bytes, every 2 ms; GCS goes away once the streamed run has trained a step
         while not done.is_set():
-            peak[0] = max(peak[0], cache_bytes(cache) if cache.exists() else 0)
+            peak[0] = max(peak[0], bytes_under(cache) if cache.exists() else 0)
             rows = tmp_path / "gs" / "logs" / "metrics.jsonl"
             if not outage.is_set() and rows.exists() and '"loss"' in rows.read_text():
                 gcs_emulator.stop()

@@ -369,10 +369,10 @@ def _check_reused(store, description: dict) -> None:
         if type(value) is not int or value < 0:
             bad(f"{key} is {value!r}, not a non-negative integer")
     splits = (("shards", "", description["shards"]), ("validation.shards", f"{VAL_FOLDER}/", validation["shards"]))
-    for field, folder, shards in splits:
+    for listing, folder, shards in splits:
         for k, shard in enumerate(shards):
             if shard["path"] != shard_name(folder, k):
-                bad(f"{field}[{k}].path is {shard['path']!r}, not {shard_name(folder, k)!r} (the merge's name)")
+                bad(f"{listing}[{k}].path is {shard['path']!r}, not {shard_name(folder, k)!r} (the merge's name)")
     val_tokens = sum(s["tokens"] for s in validation["shards"])
     if validation["tokens"] != val_tokens or description["tokens"] != val_tokens + sum(
             s["tokens"] for s in description["shards"]):
