@@ -115,6 +115,10 @@ def check_model_record(record) -> None:
     def number(value) -> bool:
         return type(value) in (int, float) and math.isfinite(value)
 
+    def rope_scaling(value) -> bool:  # none, or Llama 3's four: three factors and the original positions
+        return isinstance(value, (list, tuple)) and (not value or len(value) == 4 and type(value[3]) is int
+                                                     and all(number(v) and v > 0 for v in value))
+
     if not isinstance(record, dict):
         bad("", type(record).__name__, "an object")
     fields = ModelSpec.__dataclass_fields__
@@ -135,8 +139,7 @@ def check_model_record(record) -> None:
             bad(field, value, "a non-empty string")
         elif field == "family" and value not in FAMILY_NAMES:
             bad(field, value, f"one of {', '.join(FAMILY_NAMES)}")
-        elif field == "rope_scaling" and not (isinstance(value, (list, tuple)) and (not value or len(value) == 4 and all(
-                number(v) and v > 0 for v in value) and type(value[3]) is int)):
+        elif field == "rope_scaling" and not rope_scaling(value):
             bad(field, value, "[] or [factor, low_freq_factor, high_freq_factor, original positions], each above 0")
     heads, kv_heads = record.get("num_attention_heads"), record.get("num_key_value_heads") or None
     if heads and record.get("hidden_size", 0) % heads:

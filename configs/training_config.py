@@ -503,8 +503,9 @@ def parse_eval_tasks(raw, where: str) -> dict:
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 
-class DuplicateKey(ValueError):
-    """A settings file's key given twice in one mapping, or a value of a YAML type a setting never takes."""
+class RefusedSetting(ValueError):
+    """What a settings file's parser refuses: a key given twice in one mapping, a value of a YAML type a setting
+    never takes."""
 
 
 # YAML types the safe loader builds besides plain ones (strings, numbers, booleans, null, lists, mappings): a
@@ -519,7 +520,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_non_plain(self, node):
         what = _NON_PLAIN_YAML[node.tag.rpartition(":")[2]]
-        raise DuplicateKey(f"line {node.start_mark.line + 1}: {node.tag.replace('tag:yaml.org,2002:', '!!')} "
+        raise RefusedSetting(f"line {node.start_mark.line + 1}: {node.tag.replace('tag:yaml.org,2002:', '!!')} "
                            f"({what}) is not a plain value; write a string, number, true/false, list or mapping "
                            f"(quote a date or any text to keep it text)")
 
@@ -528,7 +529,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise DuplicateKey(f"line {key_node.start_mark.line + 1}: key '{key}' appears twice in one mapping; "
+                raise RefusedSetting(f"line {key_node.start_mark.line + 1}: key '{key}' appears twice in one mapping; "
                                    f"give each key once")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
@@ -542,7 +543,7 @@ def _unique_json_object(pairs: list) -> dict:
     keys = [key for key, _ in pairs]
     twice = next((key for key in keys if keys.count(key) > 1), None)
     if twice is not None:
-        raise DuplicateKey(f"key '{twice}' appears twice in one object; give each key once")
+        raise RefusedSetting(f"key '{twice}' appears twice in one object; give each key once")
     return dict(pairs)
 
 
@@ -600,7 +601,7 @@ def read_config_file(path) -> tuple[str | None, dict]:
         raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
     try:
         raw = load_settings_text(text, json_format=path.suffix.lower() == ".json")
-    except DuplicateKey as exc:
+    except RefusedSetting as exc:
         raise ConfigError(f"--config {path}: {exc}") from None
     except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError: both say where
         first = str(exc).replace("\n", " ")

@@ -4,9 +4,10 @@ of the dataset), behind one small interface so that partitions and the merge are
 Names are relative to the output's parent: `NAME/...` is the dataset, `.NAME.staging/...` the staging
 area beside it (the plan, each partition's shards and completion record). Hidden, so neither a training
 run nor `download_training_data.py` of the dataset's prefix ever reads it. On disk, a name read, sized or
-moved is a regular file of its folder, never a symlink (a bucket's objects are nothing else). The merge assembles the dataset
-under `assembly`: on disk inside the staging folder, renamed into place whole by `finish()`; in a bucket,
-where nothing renames a folder, straight under `NAME/`, where `dataset.json`, written last, says it is done.
+moved is a regular file of its folder, never a symlink (a bucket's objects are nothing else). The merge
+assembles the dataset under `assembly`: on disk inside the staging folder, renamed into place whole by
+`finish()`; in a bucket, where nothing renames a folder, straight under `NAME/`, where `dataset.json`,
+written last, says it is done.
 """
 from __future__ import annotations
 
