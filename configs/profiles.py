@@ -92,13 +92,17 @@ def activation_bytes(policy: str, layers: int, tokens: int, hidden: int, every: 
 def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
                 seq_len: int | None = None, checkpointing: str = "none", checkpointing_every: int = 2,
                 moments: str = "fp32", optimizer: str = "adamw") -> MemoryPlan:
+    from utils.model.families import family_of
+
     s, h, layers = seq_len or spec.max_position_embeddings, spec.hidden_size, spec.num_hidden_layers
+    family = family_of(spec)  # its counts: utils/model/<family>/__init__.py
     embed = spec.padded_vocab_size * h
-    block = spec.block_parameters  # the family's formula (configs/model_config.py)
-    params = layers * block + 2 * h + embed * (1 if spec.tie_word_embeddings else 2)
+    block = family.block_parameters(spec)
+    params = family.parameters(spec)
     shards = world_size if strategy == "fsdp" else 1
-    # optimizer state: AdamW two moments per parameter; Muon (utils/muon.py) one momentum buffer per block matrix
-    matrices = layers * (4 * h * h + 2 * h * spec.intermediate_size) if optimizer == "muon" else 0
+    # optimizer state: AdamW two moments per parameter; Muon (utils/muon.py) one momentum buffer per matrix the
+    # family gives it, AdamW's two for the rest
+    matrices = family.muon_values(spec) if optimizer == "muon" else 0
     state_values = 2 * params - matrices
     activations = activation_bytes(checkpointing, layers, s * micro_batch, h, checkpointing_every)
     rows = min(LOSS_CHUNK_ROWS, micro_batch * (s - 1))

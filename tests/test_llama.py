@@ -35,7 +35,7 @@ def reference_model(spec: ModelSpec, seed: int):
     """transformers' own class for `spec` with random weights, norms and biases included (not 1 and 0)."""
     torch.manual_seed(seed)
     fam = family("llama")
-    model = fam.causal_lm_class(spec)(fam.hf_config(spec, attn_implementation="eager")).float()
+    model = fam.hf().causal_lm_class(spec)(fam.hf().hf_config(spec, attn_implementation="eager")).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
@@ -52,7 +52,7 @@ def test_native_equals_transformers_logits_loss_and_gradients(variant):
     native = build_model(spec, seed=2)
     hf_names = [n for n, _ in reference.named_parameters()]
     assert [n for n, _ in native.named_parameters()] == hf_names  # names and order (a tied head is one parameter)
-    native.load_state_dict(family("llama").from_hf_state(reference.state_dict()))
+    native.load_state_dict(family("llama").hf().from_hf_state(reference.state_dict()))
     if spec.tie_word_embeddings:
         assert native.lm_head.weight is native.model.embed_tokens.weight
     x = ids()
@@ -78,10 +78,10 @@ def test_native_equals_transformers_logits_loss_and_gradients(variant):
 def test_llama3_rope_scaling_equals_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from utils.model.llama import llama_inv_freq
+    from utils.model.common.rotary import spec_inv_freq as llama_inv_freq
 
     spec = get_model_spec("llama-3.2-1b")
-    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](family("llama").hf_config(spec))
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](family("llama").hf().hf_config(spec))
     assert torch.allclose(llama_inv_freq(spec), theirs, rtol=1e-6, atol=0)
     assert not torch.allclose(llama_inv_freq(replace(spec, rope_scaling=())), theirs)  # the scaling does something
 
@@ -117,7 +117,7 @@ def test_hf_weights_in_and_out_are_the_same_tensors(tmp_path, variant):
 def test_unsupported_llama_configs_are_one_line(tmp_path):
     from utils.model.hf import spec_from_hf_config
 
-    config = family("llama").hf_config(BASE).to_dict()
+    config = family("llama").hf().hf_config(BASE).to_dict()
     for change, says in (({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
                          ({"mlp_bias": True}, "mlp_bias"), ({"hidden_act": "gelu"}, "hidden_act"),
                          ({"head_dim": 32}, "head_dim")):
@@ -145,4 +145,4 @@ def test_presets_have_the_published_shapes(name):
     assert total == PUBLISHED[name]
     # the memory plan's formula counts the same blocks
     embed = spec.padded_vocab_size * spec.hidden_size
-    assert spec.num_hidden_layers * spec.block_parameters + spec.hidden_size + embed == total
+    assert family("llama").parameters(spec) == total

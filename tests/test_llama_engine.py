@@ -164,7 +164,7 @@ def test_init_from_an_hf_llama_directory(runs, tmp_path):
     from utils.model.families import family
 
     fam = family("llama")
-    hf = fam.causal_lm_class(spec)(fam.hf_config(spec))
+    hf = fam.hf().causal_lm_class(spec)(fam.hf().hf_config(spec))
     with torch.no_grad():
         hf.model.norm.weight.fill_(30.0)  # confident, wrong predictions: a loss far above log(512)
     hf.save_pretrained(tmp_path / "hf-llama")

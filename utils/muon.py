@@ -75,18 +75,19 @@ def newton_schulz(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float
 
 
 def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
-    """The 2-D weights of the Linear layers inside the blocks (the model's `blocks()`, its interface);
-    embeddings, the LM head, norms and biases are outside them or not Linear weights."""
+    """The weight matrices of every block that the model's family names for Muon (`Family.muon_matrices`:
+    its blocks' projection and MLP matrices), in module order; embeddings, the LM head, norms and biases
+    stay with AdamW."""
+    from utils.model.activation_checkpointing import parameter_fqn
+    from utils.model.families import family_of
+
     core = getattr(model, "module", model)  # a DDP wrapper's model
-    out, seen = [], set()
-    embeddings = {id(m.weight) for m in core.modules() if isinstance(m, nn.Embedding)}
-    for module in core.blocks().modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        w = module.weight
-        if w.requires_grad and w.dim() == 2 and id(w) not in embeddings and id(w) not in seen:
-            seen.add(id(w))
-            out.append(w)
+    names = set(family_of(core.spec).muon_matrices(core.spec))
+    out = []
+    for block in core.blocks():
+        for name, module in block.named_modules():
+            if parameter_fqn(name) in names and module.weight.requires_grad:
+                out.append(module.weight)
     return out
 
 

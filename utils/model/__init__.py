@@ -1,27 +1,27 @@
 """The model the loop trains: `build_model(spec, seed, impl)` -> a module whose forward(input_ids) is the loss.
 
 A model comes from its family (`spec.family`; utils/model/families.py: one folder per family under
-utils/model/). Each family has two implementations of the same model: `native` (its model.py, the
-default: faster) and `hf` (transformers' class, the reference). Both have HF's parameter names (no wrapper
-prefix) in HF's order, so their state dicts and optimizer states are interchangeable, and both offer the
-engine's interface (utils/model/layers.py CausalLM: `blocks()`, `input_embedding()`, `output_units()`,
-`flops_per_token(seq_len)`, `parameter_counts()`, `compile_blocks()`).
+utils/model/, each exporting a Family bundle). Each family has two implementations of the same model: `native`
+(its CausalLM over the shared blocks of utils/model/common/, the default: faster) and `hf` (transformers'
+class, the reference). Both have HF's parameter names (no wrapper prefix) in HF's order, so their state dicts
+and optimizer states are interchangeable, and both offer the engine's interface (utils/model/layers.py
+CausalLM: `blocks()`, `input_embedding()`, `output_units()`, `flops_per_token(seq_len)`, `parameter_counts()`,
+`compile_blocks()`).
 
 The loss is computed inside the module, not by the loop: under DDP, gradient-sync hooks fire only for the
-wrapped module's own forward.
+wrapped module's own forward. This package's import loads nothing (the config layer reads the family
+registry through it); torch loads with `build_model`.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
 
-from configs.model_config import ConfigError, ModelSpec
-from configs.training_config import MODEL_IMPLS
-
-
-def build_model(spec: ModelSpec, seed: int, impl: str = "native", init: str = "hf") -> nn.Module:
+def build_model(spec, seed: int, impl: str = "native", init: str = "hf"):
     """A freshly initialised model; the same seed gives the same weights on every rank. `init`: the scheme
     of its fresh weights (utils/model/init.py: hf as built, or neox)."""
+    import torch
+
+    from configs.model_config import ConfigError
+    from configs.training_config import MODEL_IMPLS
     from utils.model.families import family_of
     from utils.model.init import init_weights
 
@@ -33,13 +33,9 @@ def build_model(spec: ModelSpec, seed: int, impl: str = "native", init: str = "h
         if impl == "native":
             model = fam.native_model(spec)
         else:
-            model = fam.hf_model_class()(fam.hf_config(spec, attn_implementation="sdpa"))
+            fam.validate(spec)
+            adapter = fam.hf()
+            model = adapter.engine_class(spec)(adapter.hf_config(spec, attn_implementation="sdpa"))
             model.spec = spec
         return init_weights(model, init, spec.hidden_size, spec.num_hidden_layers)
 
-
-def hf_model_class(spec: ModelSpec | None = None):
-    """transformers' class of `spec`'s family (default GPT-NeoX) with the engine's interface."""
-    from utils.model.families import family, family_of
-
-    return (family_of(spec) if spec is not None else family("gpt_neox")).hf_model_class()

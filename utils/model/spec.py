@@ -9,6 +9,7 @@ from configs import get_model_spec
 from configs.training_config import check_seq_len
 from utils.data.dataset_info import DatasetInfo
 from utils.errors import UserError
+from utils.model.families import family_of
 from utils.model.hf import check_weights, load_hf_pretrained
 
 
@@ -41,4 +42,8 @@ def resolve_model_spec(cfg, described: Path, log):
                  f"embedding rows")
         spec = replace(spec, vocab_size=info.vocab_size)
     check_seq_len(cfg.seq_len, spec)
+    family_of(spec).validate(spec)
+    refusal = family_of(spec).hf().export_refusal(spec)
+    if refusal:
+        raise UserError(refusal)
     return spec, cfg.seq_len_for(spec), weights
