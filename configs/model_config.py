@@ -54,7 +54,7 @@ class ModelSpec:
     sliding_window: int = 0  # keys a query of a sliding layer sees, itself included (0: no sliding layers)
     layer_types: tuple = ()  # per layer, "full" or "sliding" (empty: every layer full)
     rope_local_base: float = 0.0  # the rotary base of sliding layers (0: rotary_emb_base)
-    query_pre_attn_scalar: float = 0.0  # attention scores scaled by 1/sqrt(this) (0: 1/sqrt(head_dim))
+    query_pre_attn_scalar: int = 0  # attention scores scaled by 1/sqrt(this) (0: 1/sqrt(head_dim))
     final_logit_softcapping: float = 0.0  # logits = c * tanh(logits / c) (0: none)
 
     def __post_init__(self):

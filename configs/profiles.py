@@ -48,7 +48,7 @@ class MemoryPlan:
     gradients: float  # fp32
     optimizer: float  # AdamW's two moments, fp32 or bf16
     gathered: float  # FSDP: the bf16 units gathered at once (two blocks, the embedding, the head)
-    activations: float  # saved for backward, by the activation checkpointing policy (ACTIVATION_BYTES)
+    activations: float  # saved for backward, by the activation checkpointing policy (the family's counts)
     loss: float  # the chunked LM-head loss: two fp32 [chunk rows, vocab] buffers
     overhead: float = 2 * GB  # CUDA context, cuBLAS workspaces, allocator slack
 
@@ -71,22 +71,15 @@ class MemoryPlan:
         return [f"  {label:<22}{value / GB:8.2f} GB" for label, value in rows]
 
 
-# Bytes one block keeps for its backward pass, per token and hidden unit, in bf16 with fused attention:
-# everything (34: Korthikanti et al. 2022, without the attention matrix), with `selective` the outputs of the
-# matmuls and of attention (22), with a checkpointed block only its input (2). The ratios are what
-# `saved_activation_bytes` measures on the native model (CPU, fp32: 36, 22 and 2 per layer).
-ACTIVATION_BYTES = {"none": 34, "selective": 22, "full": 2}
-
-
-def activation_bytes(policy: str, layers: int, tokens: int, hidden: int, every: int = 2) -> float:
-    """What the blocks keep for backward under `policy`, plus the one block recomputed at a time."""
-    kept = {"none": [ACTIVATION_BYTES["none"]] * layers,
-            "selective": [ACTIVATION_BYTES["selective"]] * layers,
-            "full": [ACTIVATION_BYTES["full"]] * layers,
-            "every_k": [ACTIVATION_BYTES["full"] if i % every == 0 else ACTIVATION_BYTES["none"]
-                        for i in range(layers)]}[policy]
-    recomputed = ACTIVATION_BYTES["none"] if policy != "none" else 0
-    return (sum(kept) + recomputed) * tokens * hidden
+def activation_bytes(policy: str, layers: int, tokens: int, kept: dict[str, float], every: int = 2) -> float:
+    """What the blocks keep for backward under `policy`, plus the one block recomputed at a time; `kept`: the
+    bytes per token one block keeps under none, selective and full (its family's counts in bf16: for GPT-NeoX
+    34, 22 and 2 per hidden unit, Korthikanti et al. 2022 without the attention matrix)."""
+    per_layer = {"none": [kept["none"]] * layers, "selective": [kept["selective"]] * layers,
+                 "full": [kept["full"]] * layers,
+                 "every_k": [kept["full"] if i % every == 0 else kept["none"] for i in range(layers)]}[policy]
+    recomputed = kept["none"] if policy != "none" else 0
+    return (sum(per_layer) + recomputed) * tokens
 
 
 def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
@@ -104,7 +97,8 @@ def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, 
     # family gives it, AdamW's two for the rest
     matrices = family.muon_values(spec) if optimizer == "muon" else 0
     state_values = 2 * params - matrices
-    activations = activation_bytes(checkpointing, layers, s * micro_batch, h, checkpointing_every)
+    kept = {p: 2 * family.activations(spec, p) for p in ("none", "selective", "full")}  # bf16
+    activations = activation_bytes(checkpointing, layers, s * micro_batch, kept, checkpointing_every)
     rows = min(LOSS_CHUNK_ROWS, micro_batch * (s - 1))
     return MemoryPlan(weights=4 * params / shards, gradients=4 * params / shards,
                       optimizer=(2 if moments == "bf16" else 4) * state_values / shards,

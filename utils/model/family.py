@@ -9,7 +9,10 @@ in utils/model/<family>/__init__.py, registered in utils/model/families.py), aft
                         it reads
     block_parameters    one block's parameters; `parameters(spec)` the whole model's, `flops_per_token` PaLM's
                         count with each layer's context (a sliding layer's window)
-    muon_matrices       per block, the weight matrices Muon orthogonalises (name in the block -> shape)
+    muon_matrices       per block, the weight matrices Muon orthogonalises (name in the block -> shape): its
+                        projection and MLP matrices
+    block_activations   per token, the values one block keeps for its backward pass without checkpointing
+                        (`activations(spec, policy)` adds the policies: the memory plan's input)
     residual_outputs    per block, the Linears that write into the residual stream (init=neox's wang_init)
     check               what else the family refuses in a spec (one ConfigError line)
 
@@ -40,6 +43,7 @@ class Family:
     hf_model_types: tuple[str, ...]
     block_parameters: Callable[[ModelSpec], int]
     muon_matrices: Callable[[ModelSpec], dict[str, tuple[int, int]]]
+    block_activations: Callable[[ModelSpec], float]
     residual_outputs: tuple[str, ...]
     final_norm_parameters: Callable[[ModelSpec], int] = lambda spec: spec.hidden_size
     check: Callable[[ModelSpec], None] = field(default=_accept)
@@ -72,6 +76,17 @@ class Family:
     def muon_values(self, spec: ModelSpec) -> int:
         """Values of the matrices Muon keeps one momentum buffer for, over every block."""
         return spec.num_hidden_layers * sum(r * c for r, c in self.muon_matrices(spec).values())
+
+    def activations(self, spec: ModelSpec, policy: str) -> float:
+        """Values per token one block keeps for backward under `policy` ("none" | "selective" | "full"):
+        everything (`block_activations`), the outputs of its matmuls and of attention and its input
+        (selective: torch's policy in utils/model/activation_checkpointing.py), or its input alone (full)."""
+        if policy == "none":
+            return self.block_activations(spec)
+        if policy == "selective":
+            outputs = sum(rows for rows, _ in self.muon_matrices(spec).values())
+            return spec.hidden_size + outputs + spec.num_attention_heads * spec.head_dim
+        return spec.hidden_size
 
     def flops_per_token(self, spec: ModelSpec, seq_len: int) -> float:
         """PaLM's training FLOPs per token: 6N + 12·H·Q·ΣT (N the matmul parameters: all but an untied input
@@ -121,6 +136,17 @@ def decoder_muon_matrices(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     q, kv = spec.num_attention_heads * spec.head_dim, spec.kv_heads * spec.head_dim
     return {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
             "self_attn.o_proj": (h, q), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+
+
+def decoder_activations(spec: ModelSpec, sandwich: bool = False) -> float:
+    """What a decoder block of the shared blocks keeps per token (counted from autograd's saved tensors, as
+    `saved_activation_bytes` measures them within 10%): the residual stream and its norms (4 hidden-wide
+    tensors; 8 with a norm after attention and after the MLP too), q through its projection, QK-norm, rotary
+    (two) and attention's output, k through projection, QK-norm and rotary, v, and the gated MLP's four
+    intermediate-wide tensors."""
+    h, f = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    return (8 if sandwich else 4) * h + q * (4 + spec.qk_norm) + kv * (4 + spec.qk_norm) + 4 * f
 
 
 DECODER_RESIDUAL_OUTPUTS = ("self_attn.o_proj", "mlp.down_proj")

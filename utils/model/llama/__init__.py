@@ -4,7 +4,8 @@ tied or untied head, biases on q/k/v/o or on q/k/v only for Qwen2). Its native m
 utils/model/common/decoder.py's; its transformers side (LlamaForCausalLM / Qwen2ForCausalLM) hf.py. With
 `qk_norm` it is Qwen3's architecture and exports as Qwen3ForCausalLM."""
 from configs.model_config import ConfigError, ModelSpec
-from utils.model.family import DECODER_RESIDUAL_OUTPUTS, Family, decoder_block_parameters, decoder_muon_matrices
+from utils.model.family import (DECODER_RESIDUAL_OUTPUTS, Family, decoder_activations, decoder_block_parameters,
+                                decoder_muon_matrices)
 
 
 def check(spec: ModelSpec) -> None:
@@ -56,5 +57,5 @@ FAMILY = Family(
     name="llama", presets=PRESETS, fields=("num_key_value_heads", "rope_scaling", "qkv_bias", "qk_norm"),
     model="utils.model.common.decoder:Decoder", adapter="utils.model.llama.hf:ADAPTER",
     hf_model_types=("llama", "qwen2"), block_parameters=decoder_block_parameters,
-    muon_matrices=decoder_muon_matrices, residual_outputs=DECODER_RESIDUAL_OUTPUTS, check=check,
+    muon_matrices=decoder_muon_matrices, block_activations=decoder_activations, residual_outputs=DECODER_RESIDUAL_OUTPUTS, check=check,
 )
