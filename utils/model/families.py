@@ -9,10 +9,12 @@ from configs.model_config import ConfigError, ModelSpec
 from utils.model.family import Family
 from utils.model.gpt_neox import FAMILY as GPT_NEOX
 from utils.model.llama import FAMILY as LLAMA
+from utils.model.qwen3 import FAMILY as QWEN3
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     GPT_NEOX,
     LLAMA,
+    QWEN3,
 )}
 
 
