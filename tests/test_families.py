@@ -43,6 +43,7 @@ class FamilyCase:
     published: dict[str, int]  # preset -> its published parameter count (a tied head counted once)
     fits_80gib: str  # a published preset whose memory plan at a 4096-token training length fits an 80 GiB GPU
     refused: list[tuple[dict, str]] = field(default_factory=list)  # config.json changes -> what the line says
+    accepted: list[tuple[dict, dict]] = field(default_factory=list)  # config.json changes -> the spec's fields
 
 
 CASES = {
@@ -55,7 +56,9 @@ CASES = {
          "tied-unpadded": {"tie_word_embeddings": True, "pad_vocab_multiple": 1, "vocab_size": 300}},
         {"pythia-160m": 162_322_944, "pythia-410m": 405_334_016, "pythia-1b": 1_011_781_632,
          "pythia-1.4b": 1_414_647_808, "pythia-2.8b": 2_775_208_960, "pythia-6.9b": 6_857_302_016}, "gpt-neox-1.2b",
-        [({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "linear")]),
+        [({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "linear")],
+        [({"rope_parameters": None, "rotary_pct": 0.5, "rotary_emb_base": 500.0},  # transformers 4's keys
+          {"rotary_pct": 0.5, "rotary_emb_base": 500.0})]),
     "llama": FamilyCase(
         "llama-tiny",
         {"gqa-tied": {},
@@ -68,7 +71,12 @@ CASES = {
         {"llama-3.2-1b": 1_235_814_400, "smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120,
          "smollm2-1.7b": 1_711_376_384, "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}, "smollm2-360m",
         [({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
-         ({"mlp_bias": True}, "mlp_bias"), ({"hidden_act": "gelu"}, "hidden_act"), ({"head_dim": 32}, "head_dim")]),
+         ({"mlp_bias": True}, "mlp_bias"), ({"hidden_act": "gelu"}, "hidden_act"), ({"head_dim": 32}, "head_dim")],
+        [({"rope_parameters": None, "rope_theta": 5e5,  # transformers 4's keys
+           "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}},
+          {"rotary_emb_base": 5e5, "rope_scaling": (32.0, 1.0, 4.0, 8192)}),
+         ({"model_type": "qwen2", "use_sliding_window": False}, {"qkv_bias": True})]),
     "qwen3": FamilyCase(
         "qwen3-tiny",
         {"head-dim-32-sliding": {},
@@ -78,7 +86,10 @@ CASES = {
                              "rotary_emb_base": 500000.0}},
         {"qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976}, "qwen3-0.6b",
         [({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
-         ({"hidden_act": "swish2"}, "hidden_act")]),
+         ({"hidden_act": "swish2"}, "hidden_act")],
+        [({"use_sliding_window": False}, {"sliding_window": 0, "layer_types": ()}),
+         ({"layer_types": None, "max_window_layers": 1}, {"layer_types": ("full", "sliding")}),
+         ({"hidden_size": 70, "head_dim": 32}, {"hidden_size": 70, "attention_head_dim": 32})]),
 }
 
 
@@ -180,7 +191,7 @@ def test_an_hf_directory_comes_in_and_goes_out_as_the_same_tensors_and_class(tmp
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_unsupported_configs_are_one_line_naming_the_file(name):
+def test_config_json_is_read_and_what_the_family_cannot_build_is_one_line(name):
     from utils.model.hf import spec_from_hf_config
 
     spec = get_model_spec(CASES[name].preset)
@@ -190,6 +201,9 @@ def test_unsupported_configs_are_one_line_naming_the_file(name):
         with pytest.raises(ConfigError, match=f"x/config.json: .*{says}") as refused:
             spec_from_hf_config(config | change, name="x", source="x/config.json")
         assert "\n" not in str(refused.value)
+    for change, fields in CASES[name].accepted:  # other spellings of the same architecture
+        read = spec_from_hf_config(config | change, name="x", source="x/config.json")
+        assert {k: getattr(read, k) for k in fields} == fields, change
 
 
 @pytest.mark.parametrize("name", CASES)
