@@ -101,7 +101,8 @@ def test_every_registered_family_has_a_case():
 
 
 def variant_params():
-    return [pytest.param(name, variant, id=f"{name}-{variant}") for name, case in CASES.items() for variant in case.variants]
+    return [pytest.param(name, variant, id=f"{name}-{variant}")
+            for name, case in CASES.items() for variant in case.variants]
 
 
 def spec_of(name: str, variant: str) -> ModelSpec:
@@ -176,7 +177,8 @@ def test_an_hf_directory_comes_in_and_goes_out_as_the_same_tensors_and_class(tmp
     after = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     config_in, config_out = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("in", "out"))
-    assert config_out["model_type"] == config_in["model_type"] and config_out["architectures"] == config_in["architectures"]
+    for key in ("model_type", "architectures"):
+        assert config_out[key] == config_in[key], key
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
     assert type(reloaded) is type(reference)
     x = ids(spec)
@@ -228,7 +230,8 @@ def test_the_memory_plan_counts_what_the_built_model_holds(name):
             model = build_model(spec, seed=0)
         total = sum(p.numel() for p in model.parameters())
         muon = sum(p.numel() for p in muon_parameters(model))
-        assert muon > 0 and len(muon_parameters(model)) == len(family(name).muon_matrices(spec)) * spec.num_hidden_layers
+        matrices = len(family(name).muon_matrices(spec)) * spec.num_hidden_layers
+        assert muon > 0 and len(muon_parameters(model)) == matrices, spec.name
         plan = memory_plan(spec, micro_batch=1, seq_len=64, optimizer="muon")
         assert plan.weights == 4 * total, spec.name
         assert plan.optimizer == 4 * (2 * total - muon), spec.name
@@ -390,32 +393,34 @@ def test_one_process_learns_and_ranks_and_strategies_agree(runs):
             assert close(other[step]["grad_norm"], one[step]["grad_norm"]), step
 
 
+def resumed_at_step_3(runs, source: str, out: Path) -> tuple[str, dict, dict]:
+    """The 1-process run's settings resumed from `source`'s step-3 checkpoint into `out`: (its stdout, its rows
+    of steps 4-6, the uninterrupted 1-process run's rows)."""
+    proc = run(train_cmd(out, runs["data"], runs["model"], *STEPS, "per_device_train_batch_size=2",
+                         "gradient_accumulation_steps=2", extra=("--resume", str(checkpoint(runs[source], 3)))), ENV)
+    rows = train_rows(out)
+    assert sorted(rows) == [4, 5, 6]
+    return proc.stdout, rows, train_rows(runs["one"])
+
+
 @pytest.mark.slow
 def test_a_resume_is_bitwise_the_uninterrupted_run(runs, tmp_path):
     """From the 1-process run's step-3 checkpoint: steps 4-6 and the exported weights are bit for bit."""
     from safetensors.torch import load_file
 
-    out = tmp_path / "resumed"
-    proc = run(train_cmd(out, runs["data"], runs["model"], *STEPS, "per_device_train_batch_size=2",
-                         "gradient_accumulation_steps=2", extra=("--resume", str(checkpoint(runs["one"], 3)))), ENV)
-    assert "Resumed from" in proc.stdout
-    rows, expected = train_rows(out), train_rows(runs["one"])
-    assert sorted(rows) == [4, 5, 6]
+    stdout, rows, expected = resumed_at_step_3(runs, "one", tmp_path / "resumed")
+    assert "Resumed from" in stdout
     for step in rows:
         assert rows[step]["loss"] == expected[step]["loss"] and rows[step]["grad_norm"] == expected[step]["grad_norm"]
-    a = load_file(str(out / "final_model" / "model.safetensors"))
+    a = load_file(str(tmp_path / "resumed" / "final_model" / "model.safetensors"))
     b = load_file(str(runs["one"] / "final_model" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
 def test_an_fsdp_checkpoint_resumes_on_one_process(runs, tmp_path):
-    out = tmp_path / "resumed"
-    proc = run(train_cmd(out, runs["data"], runs["model"], *STEPS, "per_device_train_batch_size=2",
-                         "gradient_accumulation_steps=2", extra=("--resume", str(checkpoint(runs["fsdp2"], 3)))), ENV)
-    assert "checkpoint written by 2 processes (fsdp), now 1 (ddp)" in proc.stdout
-    rows, expected = train_rows(out), train_rows(runs["one"])
-    assert sorted(rows) == [4, 5, 6]
+    stdout, rows, expected = resumed_at_step_3(runs, "fsdp2", tmp_path / "resumed")
+    assert "checkpoint written by 2 processes (fsdp), now 1 (ddp)" in stdout
     for step in rows:
         assert close(rows[step]["loss"], expected[step]["loss"]), (step, rows[step], expected[step])
 
@@ -436,7 +441,8 @@ def test_the_export_loads_as_its_class_and_tied_embeddings_stay_tied_through_fsd
     if spec.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     native = build_model(spec, seed=0)
-    native.load_state_dict(family(spec.family).hf().from_hf_state(weights["fsdp2"]), strict=not spec.tie_word_embeddings)
+    native.load_state_dict(family(spec.family).hf().from_hf_state(weights["fsdp2"]),
+                           strict=not spec.tie_word_embeddings)
     native.tie_weights()
     x = ids(spec, batch=2, length=48)
     with torch.no_grad():
@@ -556,6 +562,7 @@ def test_a_spec_setting_a_field_its_family_does_not_read_is_refused():
         build_model(replace(get_model_spec("qwen3-tiny"), qk_norm=False), seed=0)
     # GPT-NeoX's native block takes QK-norm, but transformers' GPTNeoXForCausalLM cannot hold it: no export
     spec = replace(get_model_spec("tiny"), qk_norm=True)
-    assert len(build_model(spec, seed=0).state_dict()) == len(build_model(get_model_spec("tiny"), seed=0).state_dict()) + 8
+    plain = build_model(get_model_spec("tiny"), seed=0)
+    assert len(build_model(spec, seed=0).state_dict()) == len(plain.state_dict()) + 8  # 2 layers x q, k x w, b
     with pytest.raises(ConfigError, match="qk_norm has no place in transformers' GPTNeoXForCausalLM"):
         to_transformers(build_model(spec, seed=0).state_dict(), spec)

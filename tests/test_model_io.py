@@ -224,23 +224,21 @@ def test_an_hf_weight_index_naming_a_file_out_of_its_directory_is_refused(tmp_pa
 
 
 
-@pytest.mark.slow
-def test_a_checkpoint_of_the_engine_before_the_seam_resumes_bitwise(tmp_path, subprocess_env):
-    """A GPT-NeoX run of the engine before the model seam (5d01e6f), stopped at step 2 and resumed by
-    today's: steps 3-4 and the exported weights are bit for bit those of the old engine's uninterrupted run."""
-    import sys
-
+def resumed_from_an_older_engine(commit: str, tmp_path, env: dict, sets: list[str], before_resume=None):
+    """`commit`'s engine trains 2 steps (a checkpoint at step 2), `before_resume(checkpoint, out)` looks at them,
+    today's engine resumes that checkpoint to step 4, and the old engine runs the 4 steps without the
+    interruption: then steps 3-4 and the exported weights are bit for bit the same (asserted here)."""
     from safetensors.torch import load_file
 
-    from tests.trainkit import engine_at
-
-    old = engine_at("5d01e6f", tmp_path / "old-engine")
+    old = engine_at(commit, tmp_path / "old-engine")
     data = make_shards(tmp_path / "data")
-    sets = ["per_device_train_batch_size=4", "save_steps=2"]
-    old_env = dict(subprocess_env, PYTHONPATH=str(old))
+    old_env = dict(env, PYTHONPATH=str(old))
     out, straight = tmp_path / "out", tmp_path / "straight"
     run([sys.executable, str(old / "train.py")] + train_cmd(out, data, *sets, "max_steps=2")[2:], old_env)
-    proc = run(train_cmd(out, data, *sets, "max_steps=4", extra=("--resume", "latest")), subprocess_env)
+    saved = list_checkpoints(out / "checkpoints")[-1]
+    if before_resume is not None:
+        before_resume(saved, out)
+    proc = run(train_cmd(out, data, *sets, "max_steps=4", extra=("--resume", "latest")), env)
     assert "Resumed from" in proc.stdout and "at step 2" in proc.stdout
     run([sys.executable, str(old / "train.py")] + train_cmd(straight, data, *sets, "max_steps=4")[2:], old_env)
     resumed, reference = train_rows(out), train_rows(straight)
@@ -249,36 +247,32 @@ def test_a_checkpoint_of_the_engine_before_the_seam_resumes_bitwise(tmp_path, su
     a = load_file(str(out / "final_model" / "model.safetensors"))
     b = load_file(str(straight / "final_model" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return saved, list_checkpoints(out / "checkpoints")[-1]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_engine_before_the_seam_resumes_bitwise(tmp_path, subprocess_env):
+    """A GPT-NeoX run of the engine before the model seam (5d01e6f), stopped at step 2 and resumed by
+    today's: steps 3-4 and the exported weights are bit for bit those of the old engine's uninterrupted run."""
+    resumed_from_an_older_engine("5d01e6f", tmp_path, subprocess_env, ["per_device_train_batch_size=4", "save_steps=2"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
 def test_a_checkpoint_of_a3d8304_resumes_bitwise_and_exports_byte_for_byte(model, tmp_path, subprocess_env):
-    """The engine before the family bundles and shared blocks (a3d8304) trains 2 steps; today's resumes its
-    checkpoint (model.safetensors' keys as they were) and continues the old engine's uninterrupted run bit
-    for bit; today's scripts/export_hf.py writes, from the old checkpoint, the very files the old engine
-    exported for those weights (model.safetensors, config.json, generation_config.json: byte for byte)."""
+    """The engine before the family bundles and shared blocks (a3d8304) trains 2 steps; today's
+    scripts/export_hf.py writes, from its checkpoint, the very files the old engine exported for those weights
+    (model.safetensors, config.json, generation_config.json: byte for byte); today's engine resumes the
+    checkpoint, continues the old engine's uninterrupted run bit for bit, and writes model.safetensors with
+    the keys the old one wrote."""
     from safetensors.torch import load_file
 
-    old = engine_at("a3d8304", tmp_path / "old-engine")
-    data = make_shards(tmp_path / "data")
+    def export_again(saved, out):
+        run([sys.executable, str(REPO_ROOT / "scripts" / "export_hf.py"), str(saved), str(tmp_path / "new-export")],
+            subprocess_env)
+        for name in ("model.safetensors", "config.json", "generation_config.json"):
+            assert (tmp_path / "new-export" / name).read_bytes() == (out / "final_model" / name).read_bytes(), name
+
     sets = [f"model={model}", "per_device_train_batch_size=4", "save_steps=2"]
-    old_env = dict(subprocess_env, PYTHONPATH=str(old))
-    out, straight = tmp_path / "out", tmp_path / "straight"
-    run([sys.executable, str(old / "train.py")] + train_cmd(out, data, *sets, "max_steps=2")[2:], old_env)
-    saved = list_checkpoints(out / "checkpoints")[-1]
-    run([sys.executable, str(REPO_ROOT / "scripts" / "export_hf.py"), str(saved), str(tmp_path / "new-export")],
-        subprocess_env)
-    for name in ("model.safetensors", "config.json", "generation_config.json"):
-        assert (tmp_path / "new-export" / name).read_bytes() == (out / "final_model" / name).read_bytes(), name
-    proc = run(train_cmd(out, data, *sets, "max_steps=4", extra=("--resume", "latest")), subprocess_env)
-    assert "Resumed from" in proc.stdout and "at step 2" in proc.stdout
-    run([sys.executable, str(old / "train.py")] + train_cmd(straight, data, *sets, "max_steps=4")[2:], old_env)
-    resumed, reference = train_rows(out), train_rows(straight)
-    for step in (3, 4):
-        assert resumed[step]["loss"] == reference[step]["loss"], (step, resumed[step], reference[step])
-    newest = list_checkpoints(out / "checkpoints")[-1]
-    assert load_file(str(newest / "model.safetensors")).keys() == load_file(str(saved / "model.safetensors")).keys()
-    a = load_file(str(out / "final_model" / "model.safetensors"))
-    b = load_file(str(straight / "final_model" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    old, newest = resumed_from_an_older_engine("a3d8304", tmp_path, subprocess_env, sets, before_resume=export_again)
+    assert load_file(str(newest / "model.safetensors")).keys() == load_file(str(old / "model.safetensors")).keys()

@@ -63,6 +63,17 @@ class HFAdapter(ABC):
         return _ENGINE_CLASSES[key]
 
 
+def config_sizes(config: dict, name: str) -> dict:
+    """The ModelSpec fields every family reads alike from a config.json: its sizes (the embedding rows as the
+    file has them, no padding) and initializer_range; the caller catches KeyError, TypeError and ValueError."""
+    return dict(name=name, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+                num_hidden_layers=int(config["num_hidden_layers"]),
+                num_attention_heads=int(config["num_attention_heads"]),
+                intermediate_size=int(config["intermediate_size"]),
+                max_position_embeddings=int(config["max_position_embeddings"]),
+                initializer_range=float(config.get("initializer_range", 0.02)), pad_vocab_multiple=1)
+
+
 def no_special_ids() -> dict:
     return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 

@@ -54,5 +54,6 @@ FAMILY = Family(
     name="gpt_neox", presets=PRESETS, fields=("qk_norm",),
     model="utils.model.gpt_neox.model:GPTNeoX", adapter="utils.model.gpt_neox.hf:ADAPTER", hf_model_types=("gpt_neox",),
     block_parameters=block_parameters, final_norm_parameters=lambda spec: 2 * spec.hidden_size,
-    muon_matrices=muon_matrices, block_activations=block_activations, residual_outputs=("attention.dense", "mlp.dense_4h_to_h"),
+    muon_matrices=muon_matrices, block_activations=block_activations,
+    residual_outputs=("attention.dense", "mlp.dense_4h_to_h"),
 )

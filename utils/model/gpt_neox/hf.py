@@ -12,7 +12,7 @@ import re
 import torch
 
 from configs.model_config import ConfigError, ModelSpec
-from utils.model.adapter import HFAdapter, no_special_ids, rope_type
+from utils.model.adapter import HFAdapter, config_sizes, no_special_ids, rope_type
 
 _NOT_WEIGHTS = re.compile(r"(attention\.(bias|masked_bias)|rotary_emb\.inv_freq)$")
 
@@ -58,20 +58,14 @@ class GPTNeoXAdapter(HFAdapter):
                               f"embeddings")
         try:
             return ModelSpec(
-                name=name, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=int(config["num_attention_heads"]),
-                intermediate_size=int(config["intermediate_size"]),
-                max_position_embeddings=int(config["max_position_embeddings"]),
+                **config_sizes(config, name),
                 rotary_pct=float(rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25))),
                 rotary_emb_base=float(rope.get("rope_theta", config.get("rotary_emb_base", 10000.0))),
                 use_parallel_residual=bool(config.get("use_parallel_residual", True)),
                 layer_norm_eps=float(config.get("layer_norm_eps", 1e-5)),
                 attention_bias=bool(config.get("attention_bias", True)),
                 hidden_act=str(config.get("hidden_act", "gelu")),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                initializer_range=float(config.get("initializer_range", 0.02)),
-                pad_vocab_multiple=1)
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: not a usable GPT-NeoX config ({type(exc).__name__}: {exc})") from None
 

@@ -57,5 +57,6 @@ FAMILY = Family(
     name="llama", presets=PRESETS, fields=("num_key_value_heads", "rope_scaling", "qkv_bias", "qk_norm"),
     model="utils.model.common.decoder:Decoder", adapter="utils.model.llama.hf:ADAPTER",
     hf_model_types=("llama", "qwen2"), block_parameters=decoder_block_parameters,
-    muon_matrices=decoder_muon_matrices, block_activations=decoder_activations, residual_outputs=DECODER_RESIDUAL_OUTPUTS, check=check,
+    muon_matrices=decoder_muon_matrices, block_activations=decoder_activations,
+    residual_outputs=DECODER_RESIDUAL_OUTPUTS, check=check,
 )

@@ -9,7 +9,8 @@ model (biases on q/k/v, none on o), any other a Llama one.
 from __future__ import annotations
 
 from configs.model_config import ConfigError, ModelSpec
-from utils.model.adapter import HFAdapter, llama3_scaling, no_special_ids, rope_parameters, rope_type
+from utils.model.adapter import (HFAdapter, config_sizes, llama3_scaling, no_special_ids, rope_parameters,
+                                 rope_type)
 
 
 class LlamaAdapter(HFAdapter):
@@ -62,17 +63,13 @@ class LlamaAdapter(HFAdapter):
             raise ConfigError(f"{source}: {refuse}")
         try:
             return ModelSpec(
-                name=name, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=int(config["num_attention_heads"]),
-                intermediate_size=int(config["intermediate_size"]),
-                max_position_embeddings=int(config["max_position_embeddings"]),
+                **config_sizes(config, name),
                 rotary_pct=1.0, rotary_emb_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
                 use_parallel_residual=False, layer_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 attention_bias=bool(config.get("attention_bias", False)) and not qwen, hidden_act="silu",
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                initializer_range=float(config.get("initializer_range", 0.02)), pad_vocab_multiple=1,
-                family="llama", num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+                family="llama",
+                num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
                 rope_scaling=llama3_scaling(rope) if rope_type(rope) == "llama3" else (), qkv_bias=qwen)
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: not a usable {config.get('model_type')} config "

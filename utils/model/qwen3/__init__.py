@@ -39,6 +39,7 @@ FAMILY = Family(
     name="qwen3", presets=PRESETS,
     fields=("num_key_value_heads", "attention_head_dim", "qk_norm", "rope_scaling", "sliding_window", "layer_types"),
     model="utils.model.common.decoder:Decoder", adapter="utils.model.qwen3.hf:ADAPTER", hf_model_types=("qwen3",),
-    block_parameters=decoder_block_parameters, muon_matrices=decoder_muon_matrices, block_activations=decoder_activations,
+    block_parameters=decoder_block_parameters, muon_matrices=decoder_muon_matrices,
+    block_activations=decoder_activations,
     residual_outputs=DECODER_RESIDUAL_OUTPUTS, check=check,
 )

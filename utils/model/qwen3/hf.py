@@ -3,7 +3,8 @@ are transformers' own (`model.layers.N.self_attn.q_norm.weight`, ...), so the ke
 from __future__ import annotations
 
 from configs.model_config import ConfigError, ModelSpec
-from utils.model.adapter import HFAdapter, llama3_scaling, no_special_ids, rope_parameters, rope_type
+from utils.model.adapter import (HFAdapter, config_sizes, llama3_scaling, no_special_ids, rope_parameters,
+                                 rope_type)
 from utils.model.common.mlp import ACTIVATIONS
 
 _KINDS = {"full": "full_attention", "sliding": "sliding_attention"}
@@ -44,15 +45,12 @@ class Qwen3Adapter(HFAdapter):
             layers = int(config["num_hidden_layers"])
             window, kinds = _sliding(config, layers)
             return ModelSpec(
-                name=name, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-                num_hidden_layers=layers, num_attention_heads=int(config["num_attention_heads"]),
-                intermediate_size=int(config["intermediate_size"]),
-                max_position_embeddings=int(config["max_position_embeddings"]), rotary_pct=1.0,
+                **config_sizes(config, name), rotary_pct=1.0,
                 rotary_emb_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
                 use_parallel_residual=False, layer_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 attention_bias=bool(config.get("attention_bias", False)), hidden_act=act,
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                initializer_range=float(config.get("initializer_range", 0.02)), pad_vocab_multiple=1, family="qwen3",
+                family="qwen3",
                 num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
                 attention_head_dim=int(config.get("head_dim") or 0), qk_norm=True,
                 rope_scaling=llama3_scaling(rope) if rope_type(rope) == "llama3" else (),
