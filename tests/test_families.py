@@ -90,6 +90,23 @@ CASES = {
         [({"use_sliding_window": False}, {"sliding_window": 0, "layer_types": ()}),
          ({"layer_types": None, "max_window_layers": 1}, {"layer_types": ("full", "sliding")}),
          ({"hidden_size": 70, "head_dim": 32}, {"hidden_size": 70, "attention_head_dim": 32})]),
+    "gemma3": FamilyCase(
+        "gemma3-tiny",
+        {"sliding-then-global": {},
+         "softcapped-untied-mha": {"final_logit_softcapping": 5.0, "tie_word_embeddings": False,
+                                   "num_key_value_heads": 4},
+         "global-only-scalar-head-dim": {"layer_types": (), "sliding_window": 0, "query_pre_attn_scalar": 32,
+                                         "layer_norm_eps": 1e-5}},
+        {"gemma-3-270m": 268_098_176, "gemma-3-1b": 999_885_952}, "gemma-3-1b",
+        [({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+         ({"use_bidirectional_attention": True}, "bidirectional"),
+         ({"rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "linear")],
+        [({"rope_parameters": None, "rope_theta": 1e6, "rope_local_base_freq": 1e4,  # the published files' keys
+           "layer_types": None, "sliding_window_pattern": 2, "hidden_activation": None,
+           "hidden_act": "gelu_pytorch_tanh"},
+          {"rotary_emb_base": 1e6, "rope_local_base": 1e4, "layer_types": ("sliding", "full"),
+           "hidden_act": "gelu_pytorch_tanh"})]),
 }
 
 

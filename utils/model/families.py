@@ -10,11 +10,13 @@ from utils.model.family import Family
 from utils.model.gpt_neox import FAMILY as GPT_NEOX
 from utils.model.llama import FAMILY as LLAMA
 from utils.model.qwen3 import FAMILY as QWEN3
+from utils.model.gemma3 import FAMILY as GEMMA3
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     GPT_NEOX,
     LLAMA,
     QWEN3,
+    GEMMA3,
 )}
 
 
