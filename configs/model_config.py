@@ -107,8 +107,8 @@ class ModelSpec:
         return record | {"padded_vocab_size": self.padded_vocab_size}
 
 
-# Every family's fields (those before `family`): always in a record.
-ALWAYS_RECORDED = tuple(f.name for f in fields(ModelSpec))[: [f.name for f in fields(ModelSpec)].index("family")]
+_NAMES = [f.name for f in fields(ModelSpec)]
+ALWAYS_RECORDED = tuple(_NAMES[:_NAMES.index("family")])  # every family's fields: always in a record
 
 
 def __getattr__(name: str):

@@ -202,8 +202,10 @@ def test_an_hf_directory_comes_in_and_goes_out_as_the_same_tensors_and_class(tmp
     x = ids(spec)
     with torch.no_grad():
         assert (reloaded(input_ids=x).logits - native.logits(x)).abs().max().item() <= 1e-5
-    again = to_transformers(native.state_dict(), loaded_spec)  # generate.py's model
+    again = to_transformers(native.state_dict(), loaded_spec)  # generate.py's model, its buffers rebuilt
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in reloaded.state_dict().items())
+    with torch.no_grad():
+        assert (again.float()(input_ids=x).logits - native.logits(x)).abs().max().item() <= 1e-5
     if loaded_spec.family == spec.family:  # (a Llama with QK-norm comes back as the Qwen3 it is)
         assert loaded_spec.padded_vocab_size == spec.padded_vocab_size  # the rows as the file has them
         assert replace(loaded_spec, name=spec.name, vocab_size=spec.vocab_size,
@@ -451,9 +453,10 @@ def test_the_export_loads_as_its_class_and_tied_embeddings_stay_tied_through_fsd
     spec = get_model_spec(CASES[runs["name"]].preset)
     weights = {k: load_file(str(runs[k] / "final_model" / "model.safetensors")) for k in ("one", "fsdp2")}
     assert weights["one"].keys() == weights["fsdp2"].keys()
-    assert ("lm_head.weight" in weights["one"]) != spec.tie_word_embeddings  # tied: one tensor on disk
-    for k, v in weights["one"].items():
-        assert torch.allclose(weights["fsdp2"][k], v, atol=1e-5, rtol=0), k
+    engine_names = family(spec.family).hf().from_hf_state(weights["one"])
+    assert ("lm_head.weight" in engine_names) != spec.tie_word_embeddings  # tied: one tensor on disk
+    for k, v in weights["one"].items():  # (Adam moves a near-zero gradient's weight by up to lr: 3e-3 here)
+        assert torch.allclose(weights["fsdp2"][k], v, atol=1e-3, rtol=0), k
     model = AutoModelForCausalLM.from_pretrained(runs["fsdp2"] / "final_model").eval()
     assert type(model) is family(spec.family).hf().causal_lm_class(spec)
     if spec.tie_word_embeddings:
