@@ -74,6 +74,17 @@ def config_sizes(config: dict, name: str) -> dict:
                 initializer_range=float(config.get("initializer_range", 0.02)), pad_vocab_multiple=1)
 
 
+def decoder_config_fields(spec: ModelSpec, special_ids: dict | None) -> dict:
+    """The transformers config fields every pre-norm decoder family writes alike (Llama, Qwen, Gemma): sizes,
+    grouped heads, the norms' eps, tying, no cache and no dropout, the tokenizer's special ids."""
+    return dict(vocab_size=spec.padded_vocab_size, hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+                num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.kv_heads,
+                max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.initializer_range,
+                rms_norm_eps=spec.layer_norm_eps, use_cache=False, tie_word_embeddings=spec.tie_word_embeddings,
+                attention_dropout=0.0, **(special_ids or no_special_ids()))
+
+
 def no_special_ids() -> dict:
     return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 

@@ -151,3 +151,11 @@ def decoder_activations(spec: ModelSpec, sandwich: bool = False) -> float:
 
 DECODER_RESIDUAL_OUTPUTS = ("self_attn.o_proj", "mlp.down_proj")
 
+
+def qk_norm_and_full_rotary(spec: ModelSpec, who: str) -> None:
+    """For families whose transformers class always normalises q and k and rotates every head dim."""
+    if not spec.qk_norm:
+        raise ConfigError(f"model '{spec.name}': {who} normalises q and k (qk_norm true)")
+    if spec.rotary_pct != 1.0:
+        raise ConfigError(f"model '{spec.name}': {who} rotates every head dim (rotary_pct 1.0)")
+

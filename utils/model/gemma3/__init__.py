@@ -4,16 +4,13 @@ attention scaled by query_pre_attn_scalar, QK-norm, head_dim 256, a GeGLU MLP (g
 norms a block (before and after attention and MLP), Gemma's 1 + weight RMSNorm, the embedding scaled by
 sqrt(hidden_size), tied embeddings, final logit softcapping where a config has it. Its native model is
 model.py, its transformers side hf.py."""
-from configs.model_config import ConfigError, ModelSpec
+from configs.model_config import ModelSpec
 from utils.model.family import (DECODER_RESIDUAL_OUTPUTS, Family, decoder_activations, decoder_block_parameters,
-                                decoder_muon_matrices)
+                                decoder_muon_matrices, qk_norm_and_full_rotary)
 
 
 def check(spec: ModelSpec) -> None:
-    if not spec.qk_norm:
-        raise ConfigError(f"model '{spec.name}': Gemma 3 normalises q and k (qk_norm true)")
-    if spec.rotary_pct != 1.0:
-        raise ConfigError(f"model '{spec.name}': Gemma 3 rotates every head dim (rotary_pct 1.0)")
+    qk_norm_and_full_rotary(spec, "Gemma 3")
 
 
 def pattern(layers: int, every: int = 6) -> tuple[str, ...]:

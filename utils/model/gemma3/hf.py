@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from configs.model_config import ConfigError, ModelSpec
-from utils.model.adapter import HFAdapter, config_sizes, no_special_ids, rope_type
+from utils.model.adapter import HFAdapter, config_sizes, decoder_config_fields, rope_type
 from utils.model.common.mlp import ACTIVATIONS
 
 _KINDS = {"full": "full_attention", "sliding": "sliding_attention"}
@@ -28,20 +28,14 @@ class Gemma3Adapter(HFAdapter):
 
         local = spec.rope_local_base or spec.rotary_emb_base
         cfg = Gemma3TextConfig(
-            vocab_size=spec.padded_vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, hidden_activation=spec.hidden_act,
-            max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.initializer_range,
-            rms_norm_eps=spec.layer_norm_eps, use_cache=False, tie_word_embeddings=spec.tie_word_embeddings,
+            **decoder_config_fields(spec, special_ids), head_dim=spec.head_dim, hidden_activation=spec.hidden_act,
             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": spec.rotary_emb_base},
                              "sliding_attention": {"rope_type": "default", "rope_theta": local}},
-            attention_bias=spec.attention_bias, attention_dropout=0.0,
-            query_pre_attn_scalar=spec.query_pre_attn_scalar or spec.head_dim,
+            attention_bias=spec.attention_bias, query_pre_attn_scalar=spec.query_pre_attn_scalar or spec.head_dim,
             # (transformers builds the sliding mask whether or not a layer uses it: it needs a window)
             sliding_window=spec.sliding_window or spec.max_position_embeddings,
             layer_types=[_KINDS[kind] for kind in spec.layer_kinds],
-            final_logit_softcapping=spec.final_logit_softcapping or None, attn_logit_softcapping=None,
-            **(special_ids or no_special_ids()))
+            final_logit_softcapping=spec.final_logit_softcapping or None, attn_logit_softcapping=None)
         cfg._attn_implementation = attn_implementation
         return cfg
 

@@ -8,22 +8,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from utils.model.common.attention import GroupedQueryAttention
-from utils.model.common.decoder import Decoder
+from utils.model.common.decoder import Decoder, PreNormBlock
 from utils.model.common.embedding import ScaledEmbedding
-from utils.model.common.mlp import GatedMLP
 from utils.model.common.norms import OffsetRMSNorm
 
 
-class SandwichBlock(nn.Module):
-    """x + post_norm(attn(norm(x))), then + post_norm(mlp(norm(x)))."""
+class SandwichBlock(PreNormBlock):
+    """x + post_norm(attn(norm(x))), then + post_norm(mlp(norm(x))): the pre-norm block's modules (its
+    post_attention_layernorm now after attention) and two more norms around the MLP, in transformers' order."""
 
     def __init__(self, spec, norm):
-        super().__init__()
-        self.self_attn = GroupedQueryAttention(spec, norm)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act)
-        self.input_layernorm = norm(spec.hidden_size)
-        self.post_attention_layernorm = norm(spec.hidden_size)
+        super().__init__(spec, norm)
         self.pre_feedforward_layernorm = norm(spec.hidden_size)
         self.post_feedforward_layernorm = norm(spec.hidden_size)
 

@@ -9,7 +9,7 @@ model (biases on q/k/v, none on o), any other a Llama one.
 from __future__ import annotations
 
 from configs.model_config import ConfigError, ModelSpec
-from utils.model.adapter import (HFAdapter, config_sizes, llama3_scaling, no_special_ids, rope_parameters,
+from utils.model.adapter import (HFAdapter, config_sizes, decoder_config_fields, llama3_scaling, rope_parameters,
                                  rope_type)
 
 
@@ -25,13 +25,8 @@ class LlamaAdapter(HFAdapter):
         """transformers' LlamaConfig (Qwen2Config for a spec with `qkv_bias`, Qwen3Config with `qk_norm`)."""
         from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-        common = dict(vocab_size=spec.padded_vocab_size, hidden_size=spec.hidden_size,
-                      intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-                      num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.kv_heads,
-                      hidden_act=spec.hidden_act, max_position_embeddings=spec.max_position_embeddings,
-                      initializer_range=spec.initializer_range, rms_norm_eps=spec.layer_norm_eps, use_cache=False,
-                      tie_word_embeddings=spec.tie_word_embeddings, rope_parameters=rope_parameters(spec),
-                      attention_dropout=0.0, **(special_ids or no_special_ids()))
+        common = decoder_config_fields(spec, special_ids) | dict(hidden_act=spec.hidden_act,
+                                                                  rope_parameters=rope_parameters(spec))
         if spec.qk_norm:
             cfg = Qwen3Config(**common, attention_bias=spec.attention_bias, head_dim=spec.head_dim,
                               use_sliding_window=False)

@@ -3,16 +3,13 @@ RMSNorm on each head of q and k before rotary), an explicit head_dim (128 at hid
 grouped-query attention, SwiGLU, tied embeddings for the small ones, sliding-window layers where a config
 turns them on. Its native model is utils/model/common/decoder.py's; its transformers side
 (Qwen3ForCausalLM) hf.py."""
-from configs.model_config import ConfigError, ModelSpec
+from configs.model_config import ModelSpec
 from utils.model.family import (DECODER_RESIDUAL_OUTPUTS, Family, decoder_activations, decoder_block_parameters,
-                                decoder_muon_matrices)
+                                decoder_muon_matrices, qk_norm_and_full_rotary)
 
 
 def check(spec: ModelSpec) -> None:
-    if not spec.qk_norm:
-        raise ConfigError(f"model '{spec.name}': Qwen3 normalises q and k (qk_norm true)")
-    if spec.rotary_pct != 1.0:
-        raise ConfigError(f"model '{spec.name}': Qwen3 rotates every head dim (rotary_pct 1.0)")
+    qk_norm_and_full_rotary(spec, "Qwen3")
 
 
 def _qwen3(name, vocab, hidden, layers, heads, kv_heads, head_dim, ffn, positions, **kw) -> ModelSpec:

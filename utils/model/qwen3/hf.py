@@ -3,7 +3,7 @@ are transformers' own (`model.layers.N.self_attn.q_norm.weight`, ...), so the ke
 from __future__ import annotations
 
 from configs.model_config import ConfigError, ModelSpec
-from utils.model.adapter import (HFAdapter, config_sizes, llama3_scaling, no_special_ids, rope_parameters,
+from utils.model.adapter import (HFAdapter, config_sizes, decoder_config_fields, llama3_scaling, rope_parameters,
                                  rope_type)
 from utils.model.common.mlp import ACTIVATIONS
 
@@ -21,15 +21,10 @@ class Qwen3Adapter(HFAdapter):
 
         sliding = "sliding" in spec.layer_kinds
         cfg = Qwen3Config(
-            vocab_size=spec.padded_vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, hidden_act=spec.hidden_act,
-            max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.initializer_range,
-            rms_norm_eps=spec.layer_norm_eps, use_cache=False, tie_word_embeddings=spec.tie_word_embeddings,
+            **decoder_config_fields(spec, special_ids), head_dim=spec.head_dim, hidden_act=spec.hidden_act,
             rope_parameters=rope_parameters(spec), attention_bias=spec.attention_bias, use_sliding_window=sliding,
             sliding_window=spec.sliding_window if sliding else None,
-            layer_types=[_KINDS[kind] for kind in spec.layer_kinds], attention_dropout=0.0,
-            **(special_ids or no_special_ids()))
+            layer_types=[_KINDS[kind] for kind in spec.layer_kinds])
         cfg._attn_implementation = attn_implementation
         return cfg
 
