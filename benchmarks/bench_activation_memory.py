@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from configs.model_config import MODELS, get_model_spec
-from configs.profiles import memory_plan
+from configs.profiles import RunShape, memory_plan
 from configs.training_config import ACTIVATION_CHECKPOINTING
 from utils.model import build_model
 from utils.model.activation_checkpointing import apply_activation_checkpointing, saved_activation_bytes
@@ -73,8 +73,7 @@ def main(argv=None) -> int:
           f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}")
     print(f"{'policy':<10} {'saved MB':>10} {'of none':>8} {'step ms':>9} {'time x':>7} {'plan MB (bf16)':>15}")
     for r in rows:
-        plan = memory_plan(spec, micro_batch=args.micro_batch, seq_len=args.seq_len, checkpointing=r["policy"],
-                           checkpointing_every=args.every).activations
+        plan = memory_plan(spec, RunShape(micro_batch=args.micro_batch, seq_len=args.seq_len, checkpointing=r["policy"], checkpointing_every=args.every)).activations
         r["plan_bytes"] = plan
         print(f"{r['policy']:<10} {r['saved_bytes'] / 1e6:>10.2f} {r['saved_bytes'] / base['saved_bytes']:>8.2f} "
               f"{r['step_s'] * 1e3:>9.1f} {r['step_s'] / base['step_s']:>7.2f} {plan / 1e6:>15.2f}")

@@ -9,8 +9,18 @@ model architectures by name, and the memory plan.
 
 May import: utils, utils.observe, utils.training (their registries: the config's choices are their keys).
 """
-from configs.model_config import MODELS, ConfigError, ModelSpec, get_model_spec
+from configs.model_config import ConfigError, ModelSpec, get_model_spec
 from configs.training_config import PRESETS, TrainingConfig, get_training_config, parse_overrides
 
 __all__ = ["MODELS", "PRESETS", "ConfigError", "ModelSpec", "TrainingConfig", "get_model_spec",
            "get_training_config", "parse_overrides"]
+
+
+def __getattr__(name: str):
+    """`MODELS` (the presets by name) comes from the family registry when first asked for: the families'
+    folders import this package, so it cannot import them first."""
+    if name == "MODELS":
+        from configs.model_config import MODELS
+
+        return MODELS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,7 +49,7 @@ class MemoryPlan:
     gradients: float  # fp32
     optimizer: float  # AdamW's two moments, fp32 or bf16
     gathered: float  # FSDP: the bf16 units gathered at once (two blocks, the embedding, the head)
-    activations: float  # saved for backward, by the activation checkpointing policy (ACTIVATION_BYTES)
+    activations: float  # saved for backward, by the activation checkpointing policy (the family's counts)
     loss: float  # the chunked LM-head loss: two fp32 [chunk rows, vocab] buffers
     overhead: float = 2 * GB  # CUDA context, cuBLAS workspaces, allocator slack
 
@@ -72,48 +72,59 @@ class MemoryPlan:
         return [f"  {label:<22}{value / GB:8.2f} GB" for label, value in rows]
 
 
-# Bytes one block keeps for its backward pass, per token and hidden unit, in bf16 with fused attention:
-# everything (34: Korthikanti et al. 2022, without the attention matrix), with `selective` the outputs of the
-# matmuls and of attention (22), with a checkpointed block only its input (2). The ratios are what
-# `saved_activation_bytes` measures on the native model (CPU, fp32: 36, 22 and 2 per layer).
-ACTIVATION_BYTES = {"none": 34, "selective": 22, "full": 2}
+def activation_bytes(policy: str, layers: int, tokens: int, kept: dict[str, float], every: int = 2) -> float:
+    """What the blocks keep for backward under `policy`, plus the one block recomputed at a time; `kept`: the
+    bytes per token one block keeps under none, selective and full (its family's counts in bf16: for GPT-NeoX
+    34, 22 and 2 per hidden unit, Korthikanti et al. 2022 without the attention matrix)."""
+    per_layer = {"none": [kept["none"]] * layers, "selective": [kept["selective"]] * layers,
+                 "full": [kept["full"]] * layers,
+                 "every_k": [kept["full"] if i % every == 0 else kept["none"] for i in range(layers)]}[policy]
+    recomputed = kept["none"] if policy != "none" else 0
+    return (sum(per_layer) + recomputed) * tokens
 
 
-def activation_bytes(policy: str, layers: int, tokens: int, hidden: int, every: int = 2) -> float:
-    """What the blocks keep for backward under `policy`, plus the one block recomputed at a time."""
-    kept = {"none": [ACTIVATION_BYTES["none"]] * layers,
-            "selective": [ACTIVATION_BYTES["selective"]] * layers,
-            "full": [ACTIVATION_BYTES["full"]] * layers,
-            "every_k": [ACTIVATION_BYTES["full"] if i % every == 0 else ACTIVATION_BYTES["none"]
-                        for i in range(layers)]}[policy]
-    recomputed = ACTIVATION_BYTES["none"] if policy != "none" else 0
-    return (sum(kept) + recomputed) * tokens * hidden
+@dataclass(frozen=True)
+class RunShape:
+    """What besides the model decides a process's memory: the strategy over `world_size` ranks, the micro-batch
+    and its length (None: the training default), the activation-checkpointing policy, AdamW's moments' dtype
+    and the optimizer."""
+
+    strategy: str = "ddp"
+    world_size: int = 1
+    micro_batch: int = 1
+    seq_len: int | None = None
+    checkpointing: str = "none"
+    checkpointing_every: int = 2
+    moments: str = "fp32"
+    optimizer: str = "adamw"
 
 
-def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
-                seq_len: int | None = None, checkpointing: str = "none", checkpointing_every: int = 2,
-                moments: str = "fp32", optimizer: str = "adamw") -> MemoryPlan:
+def memory_plan(spec: ModelSpec, shape: RunShape = RunShape()) -> MemoryPlan:
+    from utils.model.families import family_of
+
+    strategy, world_size, micro_batch, seq_len = shape.strategy, shape.world_size, shape.micro_batch, shape.seq_len
     s, h, layers = seq_len or default_seq_len(spec)[0], spec.hidden_size, spec.num_hidden_layers
+    family = family_of(spec)  # its counts: utils/model/<family>/__init__.py
     embed = spec.padded_vocab_size * h
-    block = spec.block_parameters  # the family's formula (configs/model_config.py)
-    params = layers * block + 2 * h + embed * (1 if spec.tie_word_embeddings else 2)
+    block = family.block_parameters(spec)
+    params = family.parameters(spec)
     shards = world_size if strategy == "fsdp" else 1
-    # optimizer state: AdamW two moments per parameter; Muon (utils/training/optim/muon.py) one momentum buffer per block matrix
-    matrices = layers * (4 * h * h + 2 * h * spec.intermediate_size) if optimizer == "muon" else 0
+    # optimizer state: AdamW two moments per parameter; Muon (utils/training/optim/muon.py) one momentum buffer
+    # per matrix the family gives it, AdamW's two for the rest
+    matrices = family.muon_values(spec) if shape.optimizer == "muon" else 0
     state_values = 2 * params - matrices
-    activations = activation_bytes(checkpointing, layers, s * micro_batch, h, checkpointing_every)
+    kept = {p: 2 * family.activations(spec, p) for p in ("none", "selective", "full")}  # bf16
+    activations = activation_bytes(shape.checkpointing, layers, s * micro_batch, kept, shape.checkpointing_every)
     rows = min(LOSS_CHUNK_ROWS, micro_batch * (s - 1))
     return MemoryPlan(weights=4 * params / shards, gradients=4 * params / shards,
-                      optimizer=(2 if moments == "bf16" else 4) * state_values / shards,
+                      optimizer=(2 if shape.moments == "bf16" else 4) * state_values / shards,
                       gathered=2 * (2 * block + 2 * embed) if strategy == "fsdp" else 0,
                       activations=activations, loss=2 * 4 * rows * spec.padded_vocab_size)
 
 
 def plan_for(profile: "MemoryProfile", spec: ModelSpec, strategy: str, world_size: int,
              seq_len: int | None = None, optimizer: str = "adamw") -> MemoryPlan:
-    return memory_plan(spec, strategy=strategy, world_size=world_size, micro_batch=profile.micro_batch,
-                       seq_len=seq_len, checkpointing=profile.activation_checkpointing,
-                       moments=profile.optimizer_state_dtype, optimizer=optimizer)
+    return memory_plan(spec, RunShape(strategy=strategy, world_size=world_size, micro_batch=profile.micro_batch, seq_len=seq_len, checkpointing=profile.activation_checkpointing, moments=profile.optimizer_state_dtype, optimizer=optimizer))
 
 
 def choose_profile(device_gib: float, spec: ModelSpec | None = None, strategy: str = "ddp", world_size: int = 1,

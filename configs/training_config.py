@@ -128,8 +128,8 @@ class TrainingConfig:
     preset: str = _field("custom", "the preset (or config file) this config started from")
     model: str = _field("gpt-neox-1.2b", "architecture by name (configs/model_config.py); ignored with init_from")
     model_impl: str = _field("native", "native: the project's model of the family; hf: transformers' class "
-                                       "(GPTNeoXForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM)")
-    init_from: str = _field("", "an HF directory of a known family (GPT-NeoX, Llama, Qwen2: config.json + "
+                                       "of the family (GPTNeoXForCausalLM, LlamaForCausalLM, ...)")
+    init_from: str = _field("", "an HF directory of a registered family (docs/models.md: config.json + "
                                 "safetensors): start from its weights")
     seq_len: int = _field(0, "tokens per training sequence (1 has no next token to learn); 0: the model's "
                              "max_position_embeddings, at most its context before rope scaling and 8192 (the "

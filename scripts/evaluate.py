@@ -5,7 +5,7 @@
     python scripts/evaluate.py runs/demo/checkpoints/CHECKPOINT --task data/demo_next_line.jsonl --json
     python scripts/evaluate.py runs/demo --task a.jsonl --task b.jsonl   # a run's newest checkpoint
 
-PATH: final_model/ or any HF directory of a known family (GPT-NeoX, Llama, Qwen2), an engine checkpoint (sharded FSDP ones too, reassembled
+PATH: final_model/ or any HF directory of a registered family (docs/models.md), an engine checkpoint (sharded FSDP ones too, reassembled
 here), or a run's output directory (its newest complete checkpoint). `--task FILE` or `--task NAME=FILE`
 (repeatable): the layouts of utils/evals/tasks.py (HellaSwag, PIQA, ARC, LAMBADA as published, or the plain
 multiple_choice and cloze ones). The tokenizer is the one saved with PATH, or `--tokenizer`. The model is

@@ -15,7 +15,7 @@ import sys
 
 
 from configs.model_config import MODELS, ConfigError, get_model_spec
-from configs.profiles import USABLE_FRACTION, memory_plan
+from configs.profiles import USABLE_FRACTION, RunShape, memory_plan
 from configs.training_config import ACTIVATION_CHECKPOINTING, OPTIMIZER_STATE_DTYPES, STRATEGIES, default_seq_len
 
 
@@ -46,8 +46,7 @@ def main(argv=None) -> int:
         return 2
     policy = "full" if args.checkpointing else args.activation_checkpointing
     seq_len = args.seq_len or default_seq_len(spec)[0]
-    plan = memory_plan(spec, strategy=args.strategy, world_size=args.world_size, micro_batch=args.micro_batch,
-                       seq_len=seq_len, checkpointing=policy, checkpointing_every=args.every, moments=args.moments)
+    plan = memory_plan(spec, RunShape(strategy=args.strategy, world_size=args.world_size, micro_batch=args.micro_batch, seq_len=seq_len, checkpointing=policy, checkpointing_every=args.every, moments=args.moments))
     print(f"{spec.name}, {args.strategy} over {args.world_size} GPU(s), micro-batch {args.micro_batch} x seq_len "
           f"{seq_len:,}{'' if args.seq_len else ' (the training default)'}, activation checkpointing {policy}, "
           f"AdamW moments {args.moments}:")

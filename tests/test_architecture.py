@@ -24,11 +24,25 @@ def packages(root=REPO_ROOT) -> dict[str, Path]:
     return found
 
 
-def package_of(module: str, known) -> str:
-    """The layer folder a module belongs to: the longest known package it starts with."""
+def package_of(module: str, known, root=REPO_ROOT) -> str:
+    """The layer a module belongs to: the one its own docstring names on a line "Layer: NAME" (a module that
+    sits in a folder for what it describes but is read by a lower layer: a model family's bundle), else the
+    longest known package folder it starts with."""
+    override = declared_layer(module, root)
+    if override is not None:
+        return override
     best = max((p for p in known if module == p or module.startswith(p + ".")), key=len, default=None)
     assert best is not None, f"{module} is in no layer folder"
     return best
+
+
+def declared_layer(module: str, root=REPO_ROOT) -> str | None:
+    parts = module.split(".")
+    for path in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
+        if path.is_file():
+            match = re.search(r"^Layer: ([\w.]+)", ast.get_docstring(ast.parse(path.read_text())) or "", re.M)
+            return match[1] if match else None
+    return None
 
 
 def may_import(folder: Path) -> set[str]:
@@ -78,9 +92,9 @@ def layer_violations(root=REPO_ROOT) -> list[str]:
              for name, deps in allowed.items() if deps - set(known)]
     for path in sorted([*root.glob("utils/**/*.py"), *root.glob("configs/*.py")]):
         me = module_name(path, root)
-        mine = package_of(me, known)
+        mine = package_of(me, known, root)
         for other in project_imports(path, root):
-            theirs = package_of(other, known)
+            theirs = package_of(other, known, root)
             if theirs != mine and theirs not in allowed[mine]:
                 wrong.append(f"{me} ({mine}) imports {other} ({theirs}): not in {mine}'s 'May import:'")
     order = layer_order(allowed)
@@ -191,28 +205,37 @@ def test_every_model_impl_and_shuffle_the_config_accepts_is_implemented():
         Shuffle("not-a-choice")
 
 
-# Each model family's module attributes (utils/model/<family>/): only its own folder may name them; the rest
-# of the engine goes through the model's interface (utils/model/layers.py CausalLM) and the family registry.
-FAMILY_ATTRIBUTES = {
-    "gpt_neox": r"(?<!utils\.model)\.gpt_neox\b|\bembed_in\b|\bembed_out\b|\bfinal_layer_norm\b|\bquery_key_value\b"
-                r"|\bdense_h_to_4h\b|\bdense_4h_to_h\b",
-    "llama": r"\bembed_tokens\b|(?<!utils)\.model\.(layers|norm|embed_tokens)\b|\b[qkvo]_proj\b|\b(gate|up|down)_proj\b"
-             r"|\bself_attn\b",
+# Module attributes and who may name them: a family's own (GPT-NeoX's fused names) in its folder only; the shared
+# blocks' (utils/model/common/: transformers' common names) in the families that compose them and their counting
+# helpers (utils/model/family.py). The rest of the engine goes through the model's interface
+# (utils/model/layers.py CausalLM) and the family's bundle.
+def family_folders() -> list[str]:
+    return sorted(f"utils/model/{p.parent.name}/" for p in REPO_ROOT.glob("utils/model/*/__init__.py")
+                  if p.parent.name != "common")
+
+
+ATTRIBUTE_OWNERS = {
+    "gpt_neox": (("utils/model/gpt_neox/",),
+                 r"(?<!utils\.model)\.gpt_neox\b|\bembed_in\b|\bembed_out\b|\bfinal_layer_norm\b|\bquery_key_value\b"
+                 r"|\bdense_h_to_4h\b|\bdense_4h_to_h\b"),
+    "the shared blocks": (("utils/model/common/", "utils/model/family.py", *family_folders()),
+                          r"\bembed_tokens\b|(?<!utils)\.model\.(layers|norm|embed_tokens)\b|\b[qkvo]_proj\b"
+                          r"|\b(gate|up|down)_proj\b|\bself_attn\b|\b[qk]_norm\b"),
 }
 
 
-def family_attribute_uses(paths, root=REPO_ROOT) -> list[str]:
-    """'file:line: family' for every line outside a family's folder that names that family's attributes."""
+def family_attribute_uses(paths) -> list[str]:
+    """'file:line: owner' for every line outside the places allowed to that names an owner's attributes."""
     found = []
     for path in paths:
-        rel = path.relative_to(root).as_posix()
-        for family, pattern in FAMILY_ATTRIBUTES.items():
-            if rel.startswith(f"utils/model/{family}/"):
+        rel = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else path.name
+        for owner, (allowed, pattern) in ATTRIBUTE_OWNERS.items():
+            if rel.startswith(allowed):
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#", 1)[0]
                 if re.search(pattern, code):
-                    found.append(f"{rel}:{number}: names {family}'s attributes: {line.strip()}")
+                    found.append(f"{rel}:{number}: names {owner}' attributes: {line.strip()}")
     return found
 
 
@@ -224,12 +247,71 @@ def engine_sources():
 
 def test_no_code_outside_a_family_folder_names_its_attributes(tmp_path):
     assert family_attribute_uses(engine_sources()) == []
-    # the check catches one: a file outside the folders reaching into each family (in a temporary folder)
-    intruder = tmp_path / "utils" / "intruder.py"
-    intruder.parent.mkdir()
-    intruder.write_text("def f(model):\n    return model.gpt_neox.embed_in, model.model.embed_tokens\n")
-    found = family_attribute_uses([intruder], root=tmp_path)
-    assert len(found) == 2 and "gpt_neox" in found[0] and "llama" in found[1], found
+    # the check catches one: a stand-in file (outside the source tree) reaching into a family and a shared block
+    stand_in = tmp_path / "intruder.py"
+    stand_in.write_text("def f(model):\n    return model.gpt_neox.embed_in, model.model.layers[0].self_attn\n")
+    found = family_attribute_uses([stand_in])
+    assert len(found) == 2 and "gpt_neox" in found[0] and "shared blocks" in found[1], found
+
+
+def family_name_branches(paths) -> list[str]:
+    """'file:line: ...' for every comparison with, or dict keyed by, a registered family's name or one of the
+    config.json model_types it reads, outside the families' folders: such a branch is family knowledge living
+    outside its folder (what the family's bundle, utils/model/family.py, is for)."""
+    from utils.model.families import FAMILIES
+
+    names = set(FAMILIES) | {t for f in FAMILIES.values() for t in f.hf_model_types}
+    found = []
+    for path in paths:
+        rel = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else path.name
+        if rel.startswith(tuple(family_folders())):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                values = [node.left, *node.comparators]
+            elif isinstance(node, ast.Dict):
+                values = [k for k in node.keys if k is not None]
+            else:
+                continue
+            values += [e for v in values if isinstance(v, (ast.Tuple, ast.List, ast.Set)) for e in v.elts]
+            hit = [v.value for v in values if isinstance(v, ast.Constant) and v.value in names]
+            if hit:
+                found.append(f"{rel}:{node.lineno}: branches on the family name {hit[0]!r}")
+    return found
+
+
+def test_no_file_outside_a_family_folder_branches_on_a_family_name(tmp_path):
+    """Family knowledge (parameter counts, Muon's matrices, what a record carries, HF class choice) lives in
+    the family's folder: nothing else compares with or keys by a family's name."""
+    from utils.model.families import FAMILIES
+
+    assert family_name_branches(engine_sources()) == []
+    stand_in = tmp_path / "profiles_of_old.py"  # how configs/profiles.py and model_config.py used to do it
+    stand_in.write_text("def block(spec):\n    if spec.family == 'gpt_neox':\n        return 1\n"
+                        "    return {'llama': 2}.get(spec.family, 3)\n\n"
+                        "def kind(config):\n    return config['model_type'] in ('qwen2', 'x')\n")
+    found = family_name_branches([stand_in])
+    assert sorted(line.split(": ")[0] for line in found) == ["profiles_of_old.py:2", "profiles_of_old.py:4",
+                                                      "profiles_of_old.py:7"], found
+    assert set(FAMILIES) >= {"gpt_neox", "llama"}
+
+
+def test_the_config_family_choices_and_presets_come_from_the_registry():
+    """A spec's family, the presets by name and the config's `model` choices are the registry's, and each
+    preset is valid for its family (its fields, its checks)."""
+    from configs import ConfigError, get_model_spec, get_training_config
+    from configs.model_config import MODELS
+    from utils.model.families import FAMILIES, family
+
+    assert MODELS == {spec.name: spec for f in FAMILIES.values() for spec in f.presets}
+    for name, spec in MODELS.items():
+        family(spec.family).validate(spec)
+        assert get_model_spec(name) is spec
+    with pytest.raises(ConfigError, match="valid: " + ", ".join(FAMILIES)):
+        family("not-a-family")
+    with pytest.raises(ConfigError) as refused:
+        get_training_config("demo", {"model": "not-a-model"})
+    assert all(name in str(refused.value) for name in MODELS)
 
 
 ENGINE_FILES = ("train.py", "prepare_data.py", "generate.py", "download_training_data.py")

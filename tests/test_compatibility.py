@@ -1,6 +1,6 @@
-"""The engine before the package layout, the Trainer and typed settings (commit a3d8304) and today's: a
-checkpoint the old engine wrote resumes on today's code and continues the losses the old engine logged, and
-today's export of the old engine's checkpoint is byte for byte the old export."""
+"""The engine before the package layout, the Trainer and typed settings (commit a3d8304) and today's: a sharded
+(FSDP) checkpoint the old engine wrote resumes on today's code and continues the losses the old engine logged.
+(DDP checkpoints of a3d8304, GPT-NeoX and Llama, resume bitwise and export byte for byte: tests/test_model_io.py.)"""
 from __future__ import annotations
 
 import sys
@@ -18,7 +18,7 @@ def old_engine(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, strategy", [("tiny", "ddp"), ("tiny", "fsdp"), ("llama-tiny", "ddp")])
+@pytest.mark.parametrize("model, strategy", [("tiny", "fsdp")])
 def test_a_checkpoint_of_a3d8304_resumes_and_continues_its_losses(model, strategy, old_engine, tmp_path,
                                                                    subprocess_env):
     data = make_shards(tmp_path / "data")
@@ -38,23 +38,3 @@ def test_a_checkpoint_of_a3d8304_resumes_and_continues_its_losses(model, strateg
     for step in (4, 5, 6):
         assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-6, (step, resumed[step], reference[step])
     assert (split / "final_model" / "config.json").is_file()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
-def test_today_s_export_of_an_a3d8304_checkpoint_is_byte_identical_to_a3d8304_s(model, old_engine, tmp_path,
-                                                                                subprocess_env):
-    data = make_shards(tmp_path / "data")
-    out = tmp_path / "run"
-    old_env = dict(subprocess_env, PYTHONPATH=str(old_engine))
-    run([sys.executable, str(old_engine / "train.py")]
-        + train_cmd(out, data, f"model={model}", "per_device_train_batch_size=4", "max_steps=2", "save_steps=2")[2:],
-        old_env)
-    checkpoint = next((out / "checkpoints").iterdir())
-    then, now = tmp_path / "then", tmp_path / "now"
-    run([sys.executable, str(old_engine / "scripts" / "export_hf.py"), str(checkpoint), str(then)], old_env)
-    run([sys.executable, "scripts/export_hf.py", str(checkpoint), str(now)], subprocess_env)
-    files = sorted(p.relative_to(then) for p in then.rglob("*") if p.is_file())
-    assert files and files == sorted(p.relative_to(now) for p in now.rglob("*") if p.is_file())
-    different = [str(f) for f in files if (then / f).read_bytes() != (now / f).read_bytes()]
-    assert not different, different

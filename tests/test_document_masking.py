@@ -10,7 +10,7 @@ import torch
 
 from configs import get_model_spec
 from utils.model import build_model
-from utils.model.gpt_neox import document_ids, positions_in_documents
+from utils.model.common.masks import document_ids, positions_in_documents
 
 SPEC = replace(get_model_spec("tiny"), num_hidden_layers=2, max_position_embeddings=64)
 EOS = 0

@@ -183,19 +183,18 @@ def test_pythia_presets_have_the_published_parameter_counts():
 
 def test_memory_plan_matches_the_profile_budget_and_shards_under_fsdp():
     from configs import get_model_spec
-    from configs.profiles import choose_profile, memory_plan
+    from configs.profiles import RunShape, choose_profile, memory_plan
 
     spec = get_model_spec("gpt-neox-1.2b")
-    ddp = memory_plan(spec, strategy="ddp", world_size=8, micro_batch=4, checkpointing="full")
+    ddp = memory_plan(spec, RunShape(strategy="ddp", world_size=8, micro_batch=4, checkpointing="full"))
     assert round(ddp.state / 1e9, 1) == 22.6  # configs/profiles.py: 5.6 + 5.6 + 11.3 GB
-    fsdp = memory_plan(spec, strategy="fsdp", world_size=8, micro_batch=4, checkpointing="full")
+    fsdp = memory_plan(spec, RunShape(strategy="fsdp", world_size=8, micro_batch=4, checkpointing="full"))
     assert math.isclose(fsdp.state * 8, ddp.state) and fsdp.activations == ddp.activations
     # a 24 GB card: DDP must fall back to bf16 moments; sharded over 2 GPUs the balanced profile fits
     assert choose_profile(23.6, spec, "ddp", 2).name == "conservative"
     assert choose_profile(23.6, spec, "fsdp", 2).name == "balanced"
-    assert not memory_plan(get_model_spec("pythia-6.9b"), strategy="ddp", micro_batch=1, checkpointing="full").fits(80)
-    assert memory_plan(get_model_spec("pythia-6.9b"), strategy="fsdp", world_size=8, micro_batch=2,
-                       checkpointing="full").fits(80)
+    assert not memory_plan(get_model_spec("pythia-6.9b"), RunShape(strategy="ddp", micro_batch=1, checkpointing="full")).fits(80)
+    assert memory_plan(get_model_spec("pythia-6.9b"), RunShape(strategy="fsdp", world_size=8, micro_batch=2, checkpointing="full")).fits(80)
     out = subprocess.run([str(REPO_ROOT / ".venv" / "bin" / "python"), str(REPO_ROOT / "scripts" / "memory_plan.py"),
                           "--model", "pythia-6.9b", "--world-size", "8"], capture_output=True, text=True)
     assert out.returncode == 1 and "does NOT fit" in out.stdout and "weights (fp32)" in out.stdout

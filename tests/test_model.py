@@ -6,6 +6,7 @@ import torch
 
 from configs import get_model_spec
 from utils.model import build_model
+from utils.model import lm_loss
 from utils.model.hf import to_transformers
 
 
@@ -42,3 +43,26 @@ def test_flops_per_token_1p2b(impl):
     # The issue's target: ~54,500 tokens/s on one H100 (989 TFLOP/s dense bf16) is 50% MFU.
     from utils.observe.metrics import mfu
     assert math.isclose(mfu(54_500, fpt, 989e12, 1), 0.50, abs_tol=0.005)
+
+
+def test_chunked_loss_equals_the_plain_one(monkeypatch):
+    """Several chunks (and a ragged last one) give the same loss and gradients as full logits."""
+    monkeypatch.setattr(lm_loss, "LOSS_CHUNK_ROWS", 7)  # the chunked loss lives in utils/model/lm_loss.py
+    model = build_model(get_model_spec("tiny"), seed=3)
+    x = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
+    loss = model(x)
+    loss.backward()
+    chunked = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model.logits(x)[:, :-1].float()
+    plain = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+    plain.backward()
+    assert abs(loss.item() - plain.item()) <= 1e-6
+    for name, p in model.named_parameters():
+        assert torch.allclose(chunked[name], p.grad, atol=1e-7, rtol=1e-5), name
+    # under no_grad (eval) the loss-only path: the same value without the two gradient matmuls
+    calls = []
+    monkeypatch.setattr(lm_loss.ChunkedLMHeadLoss, "forward", lambda *a: calls.append(a))
+    with torch.no_grad():
+        assert abs(model(x).item() - plain.item()) <= 1e-6
+    assert calls == []

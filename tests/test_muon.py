@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from configs import get_model_spec, get_training_config
-from configs.profiles import memory_plan
+from configs.profiles import RunShape, memory_plan
 from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd, train_rows
 from utils.model import build_model
 from configs.training_config import ConfigError
@@ -117,7 +117,7 @@ def test_state_dict_round_trip_continues_bitwise(state_dtype):
 
 def test_memory_plan_and_describe_count_muon_state():
     spec = get_model_spec("gpt-neox-1.2b")
-    adamw, muon = memory_plan(spec), memory_plan(spec, optimizer="muon")
+    adamw, muon = memory_plan(spec), memory_plan(spec, RunShape(optimizer="muon"))
     h, i, L = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers
     assert math.isclose(adamw.optimizer - muon.optimizer, 4 * L * (4 * h * h + 2 * h * i))  # one buffer, not two
     from utils.run.report import optimizer_state_bytes

@@ -678,7 +678,7 @@ def tool_cases(tmp: Path) -> list[tuple[str, list]]:
     from configs import get_model_spec
     from utils.model.families import family
 
-    config = family("gpt_neox").hf_config(get_model_spec("tiny")).to_dict()
+    config = family("gpt_neox").hf().hf_config(get_model_spec("tiny")).to_dict()
     for name, extra, weights in (("hf-truncated", {}, b"\x08\x00\x00"), ("hf-mamba", {"model_type": "mamba"}, b""),
                                  ("hf-auto-map", {"auto_map": {"AutoModel": "m.M"}}, b""),
                                  ("hf-no-weights", {}, None), ("hf-heads-5", {"num_attention_heads": 5}, b""),

@@ -29,11 +29,11 @@ def test_profiles_keep_the_per_process_batch():
 def test_a_run_and_the_memory_plan_take_one_default_length(model, length):
     """seq_len unset: the model's positions, at most 8,192 (Llama 3.2: its 8,192-token context before rope
     scaling, of 131,072 positions; Qwen2.5: 32,768 and 131,072 capped); the memory plan counts the same."""
-    from configs.profiles import memory_plan
+    from configs.profiles import RunShape, memory_plan
 
     spec = get_model_spec(model)
     assert get_training_config("demo", {"model": model}).seq_len_for(spec) == length
-    assert memory_plan(spec) == memory_plan(spec, seq_len=length)
+    assert memory_plan(spec) == memory_plan(spec, RunShape(seq_len=length))
 
 
 def test_the_default_length_is_a_model_s_context_before_rope_scaling():

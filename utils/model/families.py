@@ -1,83 +1,57 @@
-"""Model families by name: each is one folder under utils/model/ (its native model, its HF adapter both
-ways, its transformers reference class), and this registry is the only place that knows them all.
+"""The model families, one line each: every family is a folder under utils/model/ whose `FAMILY` (a Family,
+utils/model/family.py) says everything the engine asks of it. The config's choices come from here: the family
+names, the presets by name (`configs.model_config.get_model_spec`), and which family reads an HF config.json
+(its `model_type`). Nothing else in the engine names a family.
 
-A `ModelSpec` names its family (`spec.family`); an HF directory's config.json names its `model_type`, which
-one family claims. Everything else in the engine reaches a model through the family (building, HF config and
-weights both ways) or through the model's own interface (utils/model/layers.py: CausalLM).
+Layer: configs (a torch-free description the config layer reads: presets, counts, the registry).
 """
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from types import ModuleType
+from configs.model_config import ConfigError, ModelSpec
+from utils.model.family import Family
+from utils.model.gpt_neox import FAMILY as GPT_NEOX
+from utils.model.llama import FAMILY as LLAMA
+from utils.model.qwen3 import FAMILY as QWEN3
+from utils.model.gemma3 import FAMILY as GEMMA3
 
-from configs.model_config import FAMILY_NAMES, ConfigError, ModelSpec
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    GPT_NEOX,
+    LLAMA,
+    QWEN3,
+    GEMMA3,
+)}
 
-# family name -> the module (in its folder) holding its HF adapter and builders
-_MODULES = {"gpt_neox": "utils.model.gpt_neox.hf", "llama": "utils.model.llama.hf"}
-assert tuple(_MODULES) == FAMILY_NAMES, "configs/model_config.py FAMILY_NAMES and utils/model/families.py disagree"
 
-
-@dataclass(frozen=True)
-class Family:
-    """One family's entry points (functions of its folder's hf.py)."""
-
-    name: str
-    module: ModuleType
-
-    @property
-    def hf_model_types(self) -> tuple[str, ...]:
-        return self.module.HF_MODEL_TYPES
-
-    @property
-    def residual_outputs(self) -> tuple[str, ...]:
-        """A block's Linears that write into the residual stream, by name within the block."""
-        return self.module.RESIDUAL_OUTPUTS
-
-    def native_model(self, spec: ModelSpec):
-        return self.module.native_model(spec)
-
-    def hf_model_class(self):
-        """transformers' class for this family with the engine's interface (`model_impl=hf`)."""
-        return self.module.hf_model_class()
-
-    def hf_config(self, spec: ModelSpec, attn_implementation: str = "sdpa", special_ids: dict | None = None):
-        return self.module.hf_config(spec, attn_implementation, special_ids)
-
-    def spec_from_hf_config(self, config: dict, name: str, source: str) -> ModelSpec:
-        return self.module.spec_from_hf_config(config, name, source)
-
-    def from_hf_state(self, state: dict) -> dict:
-        return self.module.from_hf_state(state)
-
-    def to_hf_state(self, state: dict) -> dict:
-        return self.module.to_hf_state(state)
-
-    def causal_lm_class(self, spec: ModelSpec):
-        """transformers' own *ForCausalLM for `spec` (what export writes and generate.py runs)."""
-        return self.module.causal_lm_class(spec)
-
-    def finish_transformers(self, model, config) -> None:
-        self.module.finish_transformers(model, config)
+def family_names() -> tuple[str, ...]:
+    return tuple(FAMILIES)
 
 
 def family(name: str) -> Family:
-    if name not in _MODULES:
-        raise ConfigError(f"unknown model family '{name}'; valid: {', '.join(_MODULES)}")
-    return Family(name, importlib.import_module(_MODULES[name]))
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown model family '{name}'; valid: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
 
 
 def family_of(spec: ModelSpec) -> Family:
     return family(spec.family)
 
 
+def presets() -> dict[str, ModelSpec]:
+    """Every family's presets by name."""
+    out: dict[str, ModelSpec] = {}
+    for fam in FAMILIES.values():
+        for spec in fam.presets:
+            assert spec.name not in out, f"preset {spec.name} is registered twice"
+            out[spec.name] = spec
+    return out
+
+
 def family_for_hf_config(config: dict, source: str) -> Family:
     """The family that reads an HF config.json of this `model_type`; one line naming the file otherwise."""
     model_type = config.get("model_type")
-    for name in _MODULES:
-        fam = family(name)
+    for fam in FAMILIES.values():
         if model_type in fam.hf_model_types:
             return fam
-    known = sorted(t for name in _MODULES for t in family(name).hf_model_types)
+    known = sorted(t for fam in FAMILIES.values() for t in fam.hf_model_types)
     raise ConfigError(f"{source}: model_type is {model_type!r}; the engine loads {', '.join(repr(t) for t in known)} "
                       f"model directories")

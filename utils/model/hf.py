@@ -1,7 +1,7 @@
 """HF weights in and out, in one place, for every model family (utils/model/families.py; each family's
 hf.py holds its config and key adapter both ways).
 
-In: `load_hf_pretrained(DIR)` reads an HF directory of a known family (GPT-NeoX, Llama, Qwen2) on disk
+In: `load_hf_pretrained(DIR)` reads an HF directory of a registered family (utils/model/families.py) on disk
 (config.json + model.safetensors, or a sharded model.safetensors.index.json; older models' pytorch_model.bin, single or sharded, loaded with
 `torch.load(weights_only=True)`), e.g. a Pythia or Llama checkpoint, into a ModelSpec and a state dict with
 the engine's names (the family's adapter). Out: `export_hf(state, spec, DIR)` writes through transformers'
@@ -10,6 +10,7 @@ own class of the family (`save_pretrained`), so `AutoModelForCausalLM.from_pretr
 """
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,7 @@ def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec,
                               f"run code; convert it to model.safetensors where you trust it)") from None
         except Exception as exc:  # safetensors / torch raise their own error types for truncated or foreign files
             raise HFLoadError(f"{where}{shard}: cannot read it ({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
-    return spec, family_of(spec).from_hf_state(state)
+    return spec, family_of(spec).hf().from_hf_state(state)
 
 
 def spec_from_hf_config(config: dict, name: str, source: str = "config.json") -> ModelSpec:
@@ -88,80 +89,120 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     if config.get("auto_map"):
         raise ConfigError(f"{source}: names code of its own (auto_map); only transformers' own model classes are "
                           f"loaded, and no code from a model directory is run")
-    return fam.spec_from_hf_config(config, name, source)
+    return fam.hf().spec_from_hf_config(config, name, source)
 
 
 _HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
              "max_position_embeddings")
 _HF_MAX_SIZE = 2**31  # beyond any model's vocabulary, width, depth or context
-_HF_POSITIVE_NUMBERS = ("layer_norm_eps", "rms_norm_eps", "rope_theta", "rotary_emb_base", "initializer_range")
-_HF_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor")  # of rope_parameters
-_HF_FLAGS = ("use_parallel_residual", "attention_bias", "tie_word_embeddings", "mlp_bias", "use_sliding_window")
+_HF_POSITIVE_NUMBERS = ("layer_norm_eps", "rms_norm_eps", "rope_theta", "rotary_emb_base", "initializer_range",
+                        "rope_local_base_freq", "query_pre_attn_scalar", "final_logit_softcapping",
+                        "attn_logit_softcapping")
+_HF_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor")  # of each rope object
+_HF_FLAGS = ("use_parallel_residual", "attention_bias", "tie_word_embeddings", "mlp_bias", "use_sliding_window",
+             "use_bidirectional_attention")
+_HF_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def check_hf_config(config: dict, source: str) -> None:
     """An HF config.json's values (the directory may come from a bucket, or be crafted) before a family reads
     them: the sizes positive integers (a JSON number, not a string or 1.5) below 2**31, hidden_size divisible
-    by num_attention_heads and that by num_key_value_heads, head_dim a positive integer, norms' eps, rotary
-    bases, rope scaling factors and initializer_range positive finite numbers, at least 2 positions, the rotary
-    share in (0, 1], flags true/false, BOS and EOS ids inside the vocabulary. ConfigError naming the file and
-    field."""
+    by num_attention_heads where no head_dim is given, num_attention_heads by num_key_value_heads, head_dim and
+    sliding_window positive integers, layer_types one known kind per layer, at least 2 positions, norms' eps,
+    rotary bases, rope scaling factors, scalars and initializer_range positive finite numbers, the rotary share
+    in (0, 1], flags true/false, activations strings, BOS and EOS ids inside the vocabulary. ConfigError naming
+    the file and field."""
     import math
 
-    def bad(field: str, value, want: str):
-        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-        raise ConfigError(f"{source}: {field} is {shown}, not {want}; the model directory is corrupt or not an "
-                          f"HF model's: download it again")
-
-    def size(field: str, value) -> None:
-        if type(value) is not int or not 1 <= value < _HF_MAX_SIZE:
-            bad(field, value, f"a positive integer below {_HF_MAX_SIZE:,}")
-
-    for field in _HF_SIZES:
-        if field not in config:
-            raise ConfigError(f"{source}: {field} is missing; an HF model's config.json names it")
-        size(field, config[field])
-    for field in ("num_key_value_heads", "head_dim"):
-        if config.get(field) is not None:
-            size(field, config[field])
-    if config["max_position_embeddings"] < 2:  # one position has no next token to predict
-        bad("max_position_embeddings", config["max_position_embeddings"], "at least 2")
-    heads = config["num_attention_heads"]
-    if config["hidden_size"] % heads:
-        bad("hidden_size", config["hidden_size"], f"a multiple of num_attention_heads ({heads})")
-    if config.get("num_key_value_heads") and heads % config["num_key_value_heads"]:
-        bad("num_attention_heads", heads, f"a multiple of num_key_value_heads ({config['num_key_value_heads']})")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    if not isinstance(rope, dict):
-        bad(rope_field, rope, "an object")
-    if rope.get("original_max_position_embeddings") is not None:
-        size(f"{rope_field}.original_max_position_embeddings", rope["original_max_position_embeddings"])
+    _check_hf_sizes(config, source)
+    rope = _check_hf_rope(config, source)
     numbers = [(f, config[f]) for f in _HF_POSITIVE_NUMBERS if config.get(f) is not None]
-    numbers += [(f"{rope_field}.{f}", rope[f]) for f in _HF_ROPE_NUMBERS if rope.get(f) is not None]
     for field, value in numbers:
         if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
-            bad(field, value, "a positive finite number")
+            _bad_hf(source, field, value, "a positive finite number")
     for field, value in (("rotary_pct", config.get("rotary_pct")),
                          ("partial_rotary_factor", rope.get("partial_rotary_factor", config.get("partial_rotary_factor")))):
         if value is not None and (type(value) not in (int, float) or not 0 < value <= 1):
-            bad(field, value, "a number in (0, 1]")
+            _bad_hf(source, field, value, "a number in (0, 1]")
     for field in _HF_FLAGS:
         if config.get(field) is not None and not isinstance(config[field], bool):
-            bad(field, config[field], "true or false")
-    if config.get("hidden_act") is not None and not isinstance(config["hidden_act"], str):
-        bad("hidden_act", config["hidden_act"], "a string")
+            _bad_hf(source, field, config[field], "true or false")
+    for field in ("hidden_act", "hidden_activation"):
+        if config.get(field) is not None and not isinstance(config[field], str):
+            _bad_hf(source, field, config[field], "a string")
     for field in ("bos_token_id", "eos_token_id"):  # (pad_token_id: some published configs say -1 or null)
         value = config.get(field)
         for token in value if isinstance(value, list) else [value]:
             if token is not None and (type(token) is not int or not 0 <= token < config["vocab_size"]):
-                bad(field, value, f"a token id below vocab_size ({config['vocab_size']:,})")
+                _bad_hf(source, field, value, f"a token id below vocab_size ({config['vocab_size']:,})")
+
+
+def _bad_hf(source: str, field: str, value, want: str):
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise ConfigError(f"{source}: {field} is {shown}, not {want}; the model directory is corrupt or not an "
+                      f"HF model's: download it again")
+
+
+def _hf_size(source: str, field: str, value) -> None:
+    if type(value) is not int or not 1 <= value < _HF_MAX_SIZE:
+        _bad_hf(source, field, value, f"a positive integer below {_HF_MAX_SIZE:,}")
+
+
+def _check_hf_sizes(config: dict, source: str) -> None:
+    """The sizes, the heads against the width and each other, the layer kinds."""
+    for field in _HF_SIZES:
+        if field not in config:
+            raise ConfigError(f"{source}: {field} is missing; an HF model's config.json names it")
+        _hf_size(source, field, config[field])
+    for field in ("num_key_value_heads", "head_dim", "sliding_window"):
+        if config.get(field) is not None:
+            _hf_size(source, field, config[field])
+    if config["max_position_embeddings"] < 2:  # one position has no next token to predict
+        _bad_hf(source, "max_position_embeddings", config["max_position_embeddings"], "at least 2")
+    heads = config["num_attention_heads"]
+    if config.get("head_dim") is None and config["hidden_size"] % heads:
+        _bad_hf(source, "hidden_size", config["hidden_size"], f"a multiple of num_attention_heads ({heads})")
+    kinds = config.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != config["num_hidden_layers"]
+                              or any(kind not in _HF_LAYER_TYPES for kind in kinds)):
+        _bad_hf(source, "layer_types", kinds,
+                f"a list of {config['num_hidden_layers']} of {', '.join(_HF_LAYER_TYPES)}")
+    if config.get("num_key_value_heads") and heads % config["num_key_value_heads"]:
+        _bad_hf(source, "num_attention_heads", heads,
+                f"a multiple of num_key_value_heads ({config['num_key_value_heads']})")
+
+
+def _check_hf_rope(config: dict, source: str) -> dict:
+    """The rope object(s): one, or one per layer kind (transformers 5 writes one per kind for models with
+    several, Gemma 3); their factors and bases positive finite numbers, their original positions a size.
+    Returns the top one."""
+    import math
+
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    if not isinstance(rope, dict):
+        _bad_hf(source, rope_field, rope, "an object")
+    ropes = {"": rope}
+    for kind in _HF_LAYER_TYPES:
+        if kind in rope:
+            if not isinstance(rope[kind], dict):
+                _bad_hf(source, f"{rope_field}.{kind}", rope[kind], "an object")
+            ropes = ropes | {f"{kind}.": rope[kind]}
+    for kind, r in ropes.items():
+        if r.get("original_max_position_embeddings") is not None:
+            _hf_size(source, f"{rope_field}.{kind}original_max_position_embeddings",
+                     r["original_max_position_embeddings"])
+        for f in _HF_ROPE_NUMBERS:
+            value = r.get(f)
+            if value is not None and (type(value) not in (int, float) or not math.isfinite(value) or value <= 0):
+                _bad_hf(source, f"{rope_field}.{kind}{f}", value, "a positive finite number")
+    return rope
 
 
 def check_weights_hold(spec: ModelSpec, shards: list[Path], where: str, config_path: Path) -> None:
     """The config's shape has no more parameters than its weight files have bytes (a byte a parameter is
     the least any saved precision takes): a crafted shape would have generate.py or the export allocate it."""
-    parameters = spec.vocab_size * spec.hidden_size + spec.num_hidden_layers * spec.block_parameters
+    parameters = spec.vocab_size * spec.hidden_size + spec.num_hidden_layers * family_of(spec).block_parameters(spec)
     held = sum(p.stat().st_size for p in shards)
     if parameters > held + 2**20:
         raise HFLoadError(f"{where}{config_path}: its shape (hidden_size {spec.hidden_size:,}, "
@@ -217,13 +258,6 @@ def _check_inside(directory: Path, rel, what: str) -> None:
                           f"are its own (or the hub cache's blobs/): copy them in (cp -L)")
 
 
-def engine_names(state: dict[str, torch.Tensor], spec: ModelSpec | None = None) -> dict[str, torch.Tensor]:
-    """An HF state dict of `spec`'s family (default GPT-NeoX) -> the engine's parameter names."""
-    from utils.model.families import family
-
-    return (family_of(spec) if spec is not None else family("gpt_neox")).from_hf_state(state)
-
-
 def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source, option: str = "init_from",
                   impl: str = "native", described: str = "its config.json") -> None:
     """One line naming what is missing, of the wrong shape (against `impl`'s model of `spec`), not floating point
@@ -254,13 +288,14 @@ def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source, optio
 
 def to_transformers(state: dict[str, torch.Tensor], spec: ModelSpec, special_ids: dict | None = None):
     """transformers' own model class of `spec`'s family holding `state` (loaded strictly)."""
-    fam = family_of(spec)
-    config = fam.hf_config(spec, special_ids=special_ids)
+    family_of(spec).validate(spec)
+    adapter = family_of(spec).hf()
+    config = adapter.hf_config(spec, special_ids=special_ids)
     with torch.device("meta"):  # no time spent initialising weights that are replaced at once
-        model = fam.causal_lm_class(spec)(config)
-    hf_state = fam.to_hf_state(fam.from_hf_state(state))
+        model = adapter.causal_lm_class(spec)(config)
+    hf_state = adapter.to_hf_state(adapter.from_hf_state(state))
     model.load_state_dict(hf_state, strict=not spec.tie_word_embeddings, assign=True)
-    fam.finish_transformers(model, config)  # rotary buffers are not in any state dict
+    adapter.finish_transformers(model, config)  # rotary buffers are not in any state dict
     if spec.tie_word_embeddings:
         model.tie_weights()
     return model

@@ -2,12 +2,14 @@
 norm layers; `init_from` runs and resumes load their weights over it, so the scheme only shapes a fresh start.
 
     hf    transformers' initialisation: normal(0, initializer_range) for every Linear and Embedding, zero
-          biases, norm weights 1 (what the models do by themselves; nothing to redo)
+          biases, norms at their identity (what the models do by themselves; nothing to redo)
     neox  the GPT-NeoX library's, as Pythia was trained: `small_init` (normal, std sqrt(2 / (5 d)), Nguyen &
           Salazar 2019) for every weight matrix and embedding, the input embedding and the LM head included,
           and `wang_init` (normal, std 2 / (L sqrt(d))) for the two projections that write into the residual
           stream in each block, attention's output and the MLP's output (each family names them in its
-          folder: `RESIDUAL_OUTPUTS`). Biases 0, norm weights 1.
+          bundle: `Family.residual_outputs`). Biases 0; the shared norms (utils/model/common/norms.py) at their
+          identity (weight 1, or 0 for Gemma's 1 + weight RMSNorm); transformers' own norms stay as built,
+          which is their identity.
 
 Followed: EleutherAI/gpt-neox `megatron/model/init_functions.py` (small_init_init_method: std =
 sqrt(2 / (5 * dim)); wang_init_method: std = 2 / n_layers / sqrt(dim), dim = hidden_size) and the Pythia
@@ -22,6 +24,8 @@ import math
 import torch
 from torch import nn
 
+from utils.model.common.norms import NORMS
+
 
 
 def small_init_std(hidden: int) -> float:
@@ -33,7 +37,7 @@ def wang_init_std(hidden: int, layers: int) -> float:
 
 
 def residual_output_names(model: nn.Module) -> set[str]:
-    """Qualified names of the blocks' residual-stream outputs (the family's RESIDUAL_OUTPUTS in each block)."""
+    """Qualified names of the blocks' residual-stream outputs (the family's `residual_outputs` in each block)."""
     from utils.model.families import family_of
 
     suffixes = family_of(model.spec).residual_outputs
@@ -54,8 +58,8 @@ def planned_stds(model: nn.Module, hidden: int, layers: int) -> dict[str, float]
 @torch.no_grad()
 def init_weights(model: nn.Module, scheme: str, hidden: int, layers: int) -> nn.Module:
     """Re-initialises `model` in place by `scheme` (see the module docstring); `hf` leaves it as built. A
-    tied head shares the embedding's tensor, drawn once. Meta-device parameters are left alone (FSDP builds
-    on meta and materialises rank 0's full weights, built by this same function)."""
+    tied head shares the embedding's tensor, drawn once. Meta-device parameters are left alone (FSDP builds on meta and materialises rank 0's
+    full weights, built by this same function)."""
     if scheme == "hf":
         return model
     if scheme != "neox":
@@ -69,9 +73,6 @@ def init_weights(model: nn.Module, scheme: str, hidden: int, layers: int) -> nn.
             module.weight.normal_(0.0, stds[f"{name}.weight"])
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
-        elif isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
-            if getattr(module, "weight", None) is not None and not module.weight.is_meta:
-                module.weight.fill_(1.0)
-            if getattr(module, "bias", None) is not None and not module.bias.is_meta:
-                module.bias.zero_()
+        elif isinstance(module, NORMS) and not module.weight.is_meta:
+            module.reset_parameters()
     return model

@@ -1,13 +1,15 @@
-"""What every model family shares: rotary helpers, document masking (`attention=document`), the chunked
-LM-head loss, and `CausalLM`, the small interface through which the rest of the engine sees a model.
+"""`CausalLM`, the small interface through which the rest of the engine sees a native model of any family,
+and the machinery every family shares through it: rotary tables per attention kind, document masking
+(`attention=document`), sliding-window masks, the chunked LM-head loss, regional compile.
 
 The engine (activation checkpointing, regional compile, FSDP, fp8, the loop, evaluation, export) reaches a
 model only through `CausalLM`'s methods: `blocks()` (the ModuleList of transformer blocks that checkpointing,
 compile and FSDP wrap), `input_embedding()`, `output_units()` (final norm and LM head, one FSDP unit),
 `tie_weights()`, `forward(input_ids) -> loss` (the chunked loss), `logits(input_ids)`, `flops_per_token`,
-`parameter_counts`, `compile_blocks`, `reset_buffers`, `use_document_masking`. Each family's folder
-(utils/model/<family>/) implements it; nothing outside that folder names a family's module attributes
-(tests/test_architecture.py checks).
+`parameter_counts`, `compile_blocks`, `reset_buffers`, `use_document_masking`. A family's model implements
+`blocks`, `input_embedding` and `final_norm` over the shared blocks of utils/model/common/; every block is
+called as `block(x, cos, sin, mask)` with its layer kind's rotary tables and mask. `HFCausalLM` puts the
+same interface on transformers' own classes (`model_impl=hf`).
 """
 from __future__ import annotations
 
@@ -15,75 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from utils.model.common.masks import attention_mask, document_ids, positions_in_documents
+from utils.model.common.norms import NORMS
+from utils.model.common.rotary import rotary_tables, spec_inv_freq
 from utils.model.lm_loss import ChunkedLMHeadLoss, LMHead, chunked_loss_only  # noqa: F401 (the head, shared)
-
-
-def rotary_inv_freq(dims: int, base: float) -> torch.Tensor:
-    """The plain rotary inverse frequencies of `dims` rotated dims (fp32), as transformers computes them."""
-    return 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
-
-
-def rotary_tables_from(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position x rotary frequency, [positions, 2 * len(inv_freq)] (fp32)."""
-    freqs = torch.arange(positions, dtype=torch.float)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates the first `cos.shape[-1]` dims of each head (x: [B, heads, T, head_dim]); the rest pass."""
-    dims = cos.shape[-1]
-    rot, rest = x[..., :dims], x[..., dims:]
-    half1, half2 = rot[..., : dims // 2], rot[..., dims // 2:]
-    rotated = rot * cos + torch.cat((-half2, half1), dim=-1) * sin
-    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
-
-
-
-
-def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[B, T] -> the document each token belongs to (0, 1, ... within its row): an EOS ends its document,
-    so the token after it starts the next one."""
-    is_eos = (input_ids == eos_id).to(torch.int32)
-    return torch.cumsum(is_eos, dim=1) - is_eos
-
-
-def positions_in_documents(docs: torch.Tensor) -> torch.Tensor:
-    """[B, T] document ids -> each token's position within its document (0 at every document's start)."""
-    idx = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    return idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
-
-
-def document_mask(docs: torch.Tensor, flex: bool):
-    """Block-causal attention within documents: a boolean [B, 1, T, T] mask for SDPA, or (flex) a
-    FlexAttention BlockMask built once per batch, whose kernels skip the blocks no query attends to."""
-    B, T = docs.shape
-    if not flex:
-        causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
-        return (docs[:, None, :, None] == docs[:, None, None, :]) & causal
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_document_causal(b, h, q, kv):
-        return (docs[b, q] == docs[b, kv]) & (q >= kv)
-
-    return create_block_mask(same_document_causal, B, None, T, T, device=docs.device)
-
-
-_FLEX = None
-
-
-def _flex_attention():
-    """FlexAttention, compiled once (eager FlexAttention materialises the scores: a reference, not a kernel)."""
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
-    return _FLEX
-
-
 
 
 class FlopsMixin:
@@ -95,24 +32,41 @@ class FlopsMixin:
         return total, total - self.input_embedding().weight.numel() * (not self.spec.tie_word_embeddings)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """PaLM's training FLOPs per token: 6N + 12·L·H·Q·T (N matmul parameters, L layers, H heads,
-        Q head dim, T sequence length); the second term is attention's score and value matmuls."""
-        s = self.spec
-        return 6.0 * self.parameter_counts()[1] + 12.0 * s.num_hidden_layers * s.num_attention_heads * s.head_dim * seq_len
+        """The family's count (utils/model/family.py Family.flops_per_token: PaLM's 6N + attention)."""
+        from utils.model.families import family_of
+
+        return family_of(self.spec).flops_per_token(self.spec, seq_len)
+
+    def muon_parameters(self) -> list[torch.Tensor]:
+        """The weight matrices of every block that the model's family names for Muon (`Family.muon_matrices`:
+        its blocks' projection and MLP matrices), in module order; embeddings, the LM head, norms and biases
+        stay with AdamW (utils/training/optim/muon.py asks this)."""
+        from utils.model.activation_checkpointing import parameter_fqn
+        from utils.model.families import family_of
+
+        names = set(family_of(self.spec).muon_matrices(self.spec))
+        out = []
+        for block in self.blocks():
+            for name, module in block.named_modules():
+                if parameter_fqn(name) in names and module.weight.requires_grad:
+                    out.append(module.weight)
+        return out
 
 
 class HFCausalLM(FlopsMixin):
     """The engine's interface on transformers' *ForCausalLM (`model_impl=hf`), mixed in before it: `forward(input_ids)
-    -> loss` (the LM head on every position but the last, cross-entropy in fp32 for a stable log-softmax under
-    autocast), through transformers' own accessors (`base_model`, `get_input_embeddings`); a family's subclass
-    adds `output_units()` (its final norm and the head)."""
+    -> loss` (transformers' own logits, final softcapping included, on every position but the last; cross-entropy
+    in fp32 for a stable log-softmax under autocast), through transformers' own accessors (`base_model`,
+    `get_input_embeddings`); `final_norm_name` is the trunk's final norm (utils/model/hf.py engine_class)."""
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.base_model(input_ids=input_ids).last_hidden_state[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
+    final_norm_name = "norm"
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.base_model(input_ids=input_ids).last_hidden_state)
+        return super().forward(input_ids=input_ids, use_cache=False).logits
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(input_ids)[:, :-1]
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
 
     def blocks(self):
         return self.base_model.layers
@@ -120,15 +74,18 @@ class HFCausalLM(FlopsMixin):
     def input_embedding(self):
         return self.get_input_embeddings()
 
+    def output_units(self):
+        return [self.base_model.get_submodule(self.final_norm_name), self.lm_head]
+
     def compile_blocks(self) -> None:
         for layer in self.blocks():
             layer.compile()
 
 
 class CausalLM(FlopsMixin, nn.Module):
-    """The engine's view of a native model. A family sets `trunk_name` and implements `_embed`, `_norm`,
-    `_layers` and `init_weights`; rotary tables are `rotary_cos`/`rotary_sin` buffers (never saved), built by
-    `rotary_tables()` (the family's)."""
+    """The engine's view of a native model. A family implements `blocks`, `input_embedding`, `final_norm`,
+    creates `lm_head` (an LMHead) and ends its __init__ with `finish_init()`. Rotary tables are buffers (never
+    saved), one cos/sin pair per attention kind its layers use, built by `reset_buffers()`."""
 
     def __init__(self, spec):
         super().__init__()
@@ -136,6 +93,11 @@ class CausalLM(FlopsMixin, nn.Module):
         self.document_eos: int | None = None  # use_document_masking
         self.position_reset = False
         self.flex_attention = False
+        self.kinds = tuple(sorted(set(spec.layer_kinds)))
+        for kind in self.kinds:
+            cos, sin = self._table_names(kind)
+            self.register_buffer(cos, torch.empty(0), persistent=False)
+            self.register_buffer(sin, torch.empty(0), persistent=False)
 
     # --- the family fills these in
     def blocks(self) -> nn.ModuleList:
@@ -147,13 +109,34 @@ class CausalLM(FlopsMixin, nn.Module):
     def final_norm(self) -> nn.Module:
         raise NotImplementedError
 
-    def rotary_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+    # --- shared
+    def finish_init(self) -> None:
+        """After the family built its modules: the head tied where the spec ties it, its softcapping, the
+        rotary tables and the initial weights."""
+        self.lm_head.softcap = float(self.spec.final_logit_softcapping)
+        self.tie_weights()
+        self.reset_parameters()
+
+    def rotary_tables(self, kind: str, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the layers of `kind` ("full" | "sliding") for `positions` positions (fp32)."""
+        return rotary_tables(spec_inv_freq(self.spec, kind), positions)
+
+    @staticmethod
+    def _table_names(kind: str) -> tuple[str, str]:
+        return ("rotary_cos", "rotary_sin") if kind == "full" else (f"rotary_cos_{kind}", f"rotary_sin_{kind}")
 
     def init_weights(self) -> None:
-        raise NotImplementedError
+        """transformers' initialisation: normal(0, initializer_range) for every Linear and Embedding (in module
+        order), zero biases, every norm at its identity (utils/model/common/norms.py)."""
+        std = self.spec.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, NORMS):
+                module.reset_parameters()
 
-    # --- shared
     def output_units(self) -> list[nn.Module]:
         """What FSDP shards together after the blocks: the final norm and the LM head."""
         return [self.final_norm(), self.lm_head]
@@ -167,8 +150,11 @@ class CausalLM(FlopsMixin, nn.Module):
         """The rotary tables (not in any state dict): built here, and again after a meta-device model is
         materialised with `to_empty`, which leaves buffers uninitialised."""
         device = self.lm_head.weight.device
-        cos, sin = self.rotary_tables(self.spec.max_position_embeddings)
-        self.rotary_cos, self.rotary_sin = cos.to(device), sin.to(device)
+        for kind in self.kinds:
+            cos, sin = self.rotary_tables(kind, self.spec.max_position_embeddings)
+            cos_name, sin_name = self._table_names(kind)
+            setattr(self, cos_name, cos.to(device))
+            setattr(self, sin_name, sin.to(device))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -185,18 +171,28 @@ class CausalLM(FlopsMixin, nn.Module):
         self.document_eos, self.position_reset = int(eos_id), position_reset
         self.flex_attention = torch.cuda.is_available() if flex is None else flex
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def attention_inputs(self, input_ids: torch.Tensor) -> dict[str, tuple]:
+        """Per attention kind: (cos, sin, mask) for this batch (its documents, positions, window)."""
         T = input_ids.shape[1]
-        cos, sin, mask = self.rotary_cos[:T], self.rotary_sin[:T], None
-        if self.document_eos is not None:
-            docs = document_ids(input_ids, self.document_eos)
-            mask = document_mask(docs, self.flex_attention)
-            if self.position_reset:
-                positions = positions_in_documents(docs)
-                cos, sin = self.rotary_cos[positions][:, None], self.rotary_sin[positions][:, None]
+        docs = document_ids(input_ids, self.document_eos) if self.document_eos is not None else None
+        positions = positions_in_documents(docs) if docs is not None and self.position_reset else None
+        inputs = {}
+        for kind in self.kinds:
+            cos_name, sin_name = self._table_names(kind)
+            cos, sin = getattr(self, cos_name), getattr(self, sin_name)
+            if positions is not None:
+                cos, sin = cos[positions][:, None], sin[positions][:, None]
+            else:
+                cos, sin = cos[:T], sin[:T]
+            window = self.spec.sliding_window if kind == "sliding" else 0
+            inputs[kind] = (cos, sin, attention_mask(T, docs, window, self.flex_attention, input_ids.device))
+        return inputs
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        inputs = self.attention_inputs(input_ids)
         x = self.input_embedding()(input_ids)
-        for block in self.blocks():  # activation checkpointing wraps blocks from outside (utils/parallel/strategies.py)
-            x = block(x, cos, sin, mask)
+        for kind, block in zip(self.spec.layer_kinds, self.blocks()):  # checkpointing wraps blocks from outside
+            x = block(x, *inputs[kind])
         return self.final_norm()(x)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -212,14 +208,3 @@ class CausalLM(FlopsMixin, nn.Module):
         code, so the model compiles once per block shape instead of as one large graph."""
         for block in self.blocks():
             block.compile()
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
-    """Attention of [B, heads, T, head_dim] q over k/v (fewer heads: grouped-query); `mask`: None (causal),
-    a boolean [B, 1, T, T] tensor (True: may attend) or a FlexAttention BlockMask."""
-    gqa = k.shape[1] != q.shape[1]
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)

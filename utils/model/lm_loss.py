@@ -6,6 +6,10 @@ gradient of the z term is folded into the chunk's logit gradient (softmax * (1 +
 the z-loss costs no extra matmul and no extra memory. The head returns cross-entropy + z term (what
 backward follows) and keeps the z term's value, detached, in `last_z_loss` for the metrics row (`z_loss`);
 the logged `loss` stays the cross-entropy, comparable with runs without it and with the validation loss.
+
+Final logit softcapping (`softcap` > 0, Gemma's `final_logit_softcapping`): the logits are
+softcap * tanh(logits / softcap) before the softmax, in the loss and in `logits()`; the chunk's gradient is
+taken through it (times 1 - tanh^2).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                z_loss: float = 0.0):
+                z_loss: float = 0.0, softcap: float = 0.0):
         n = hidden.shape[0]
         w = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden)
@@ -37,6 +41,9 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             h = hidden[start:start + LOSS_CHUNK_ROWS].to(dtype)
             t = targets[start:start + LOSS_CHUNK_ROWS]
             logits = (h @ w.t()).float()
+            if softcap:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
             lse = torch.logsumexp(logits, dim=-1)
             total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
             grad = torch.softmax(logits, dim=-1)  # d(sum of losses)/d(logits) = softmax - one-hot
@@ -44,6 +51,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
                 z_total += lse.square().sum()
                 grad.mul_((1 + 2 * z_loss * lse)[:, None])  # + d(z lse^2)/d(logits) = 2 z lse softmax
             grad.scatter_add_(1, t[:, None], -torch.ones_like(grad[:, :1]))
+            if softcap:
+                grad.mul_(1 - capped * capped)  # d(softcap * tanh(l / softcap))/dl
             grad = grad.to(dtype)
             grad_hidden[start:start + LOSS_CHUNK_ROWS] = (grad @ w).to(hidden.dtype)
             grad_weight += (grad.t() @ h).float()
@@ -57,7 +66,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_output, _grad_z):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_output / ctx.n
-        return grad_hidden * scale.to(grad_hidden.dtype), grad_weight * scale.to(grad_weight.dtype), None, None, None
+        return (grad_hidden * scale.to(grad_hidden.dtype), grad_weight * scale.to(grad_weight.dtype), None, None, None,
+                None)
 
 
 class LMHead(nn.Linear):
@@ -67,23 +77,26 @@ class LMHead(nn.Linear):
     forward starts) sees it. Without gradients (eval) it is the cross-entropy alone."""
 
     z_loss: float = 0.0
+    softcap: float = 0.0  # final logit softcapping (0: none)
     last_z_loss: torch.Tensor | None = None  # the last training forward's z term (detached)
     _z_sum: torch.Tensor | None = None  # the z terms since the last pop_z_loss(), and how many
     _z_count: int = 0
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
-            return super().forward(hidden)
+            logits = super().forward(hidden)
+            return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
         with torch.autocast(device, enabled=False):
             if torch.is_grad_enabled() and (hidden.requires_grad or self.weight.requires_grad):
-                loss, self.last_z_loss = ChunkedLMHeadLoss.apply(hidden, self.weight, targets, dtype, self.z_loss)
+                loss, self.last_z_loss = ChunkedLMHeadLoss.apply(hidden, self.weight, targets, dtype, self.z_loss,
+                                                                 self.softcap)
                 if self.z_loss:
                     self._z_sum = self.last_z_loss if self._z_sum is None else self._z_sum + self.last_z_loss
                     self._z_count += 1
                 return loss
-            return chunked_loss_only(hidden, self.weight, targets, dtype)
+            return chunked_loss_only(hidden, self.weight, targets, dtype, self.softcap)
 
 
     def pop_z_loss(self) -> torch.Tensor | None:
@@ -96,12 +109,14 @@ class LMHead(nn.Linear):
 
 
 def chunked_loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                      dtype: torch.dtype) -> torch.Tensor:
+                      dtype: torch.dtype, softcap: float = 0.0) -> torch.Tensor:
     """ChunkedLMHeadLoss's cross-entropy without its gradients (eval, no_grad): one vocab-sized matmul per
     chunk instead of three."""
     w, total = weight.to(dtype), torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], LOSS_CHUNK_ROWS):
         logits = (hidden[start:start + LOSS_CHUNK_ROWS].to(dtype) @ w.t()).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
         t = targets[start:start + LOSS_CHUNK_ROWS]
         total += (torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)).sum()
     return total / hidden.shape[0]

@@ -10,6 +10,7 @@ from configs import get_model_spec
 from configs.training_config import check_seq_len, default_seq_len
 from utils.data.dataset_info import DatasetInfo
 from utils.errors import UserError
+from utils.model.families import family_of
 from utils.model.hf import check_weights, load_hf_pretrained
 from utils.settings import Settings
 
@@ -52,6 +53,10 @@ def resolve_model_spec(settings: ModelSettings, described: Path, log):
                  f"embedding rows")
         spec = replace(spec, vocab_size=info.vocab_size)
     check_seq_len(settings.seq_len, spec)
+    family_of(spec).validate(spec)
+    refusal = family_of(spec).hf().export_refusal(spec)
+    if refusal:
+        raise UserError(refusal)
     length, why = (settings.seq_len, "") if settings.seq_len else default_seq_len(spec)
     if length < spec.max_position_embeddings and not settings.seq_len:
         scaling = " and the rope scaling" if spec.rope_scaling else ""

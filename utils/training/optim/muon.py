@@ -86,19 +86,10 @@ def build(model: nn.Module, settings: OptimizerSettings, fused: bool) -> MuonWit
 
 
 def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
-    """The 2-D weights of the Linear layers inside the blocks (the model's `blocks()`, its interface);
-    embeddings, the LM head, norms and biases are outside them or not Linear weights."""
+    """The matrices Muon takes: what the model names (`muon_parameters()`, the engine's model interface: its
+    family's blocks' projection and MLP matrices); everything else stays with AdamW."""
     core = getattr(model, "module", model)  # a DDP wrapper's model
-    out, seen = [], set()
-    embeddings = {id(m.weight) for m in core.modules() if isinstance(m, nn.Embedding)}
-    for module in core.blocks().modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        w = module.weight
-        if w.requires_grad and w.dim() == 2 and id(w) not in embeddings and id(w) not in seen:
-            seen.add(id(w))
-            out.append(w)
-    return out
+    return core.muon_parameters()
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

@@ -1,6 +1,8 @@
-"""The native GPT-NeoX against transformers' GPTNeoXForCausalLM, both ways: same logits, loss and gradients
-on every architecture variant, HF weights in (`init_from`) and out (`final_model/`, scripts/export_hf.py),
-old checkpoints resuming on it, fp8 (torchao emulation on the CPU)."""
+"""HF directories in and out and the engine's older checkpoints, whatever the family: init_from's reader (both
+GPT-NeoX head names, buffers of older files, a weight index naming files out of its folder), init_from
+starting at the HF model's own loss, scripts/export_hf.py, checkpoints of earlier engines resuming on today's
+(the transformers-backed one, the one before the family seam, a3d8304 before the family bundles: bitwise, and
+the same HF export byte for byte), fp8 refused off Hopper and switching precision on resume."""
 from __future__ import annotations
 
 import json
@@ -12,106 +14,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from configs.model_config import ConfigError, ModelSpec
+from configs.model_config import ConfigError, ModelSpec, get_model_spec
 from tests.trainkit import REPO_ROOT, engine_at, make_shards, metrics, run, train_cmd, train_rows
 from utils.checkpoint.format import list_checkpoints
 from utils.model import build_model
-from utils.model import gpt_neox, lm_loss
-from utils.model.hf import export_hf, load_hf_pretrained, to_transformers
+from utils.model.hf import load_hf_pretrained, to_transformers
 
 BASE = ModelSpec("toy", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=128, max_position_embeddings=32)
-VARIANTS = {
-    "pythia-like": {},
-    "full-rotary-sequential": {"rotary_pct": 1.0, "use_parallel_residual": False},
-    "no-biases": {"attention_bias": False},
-    "base-eps-act": {"rotary_pct": 0.5, "rotary_emb_base": 500.0, "layer_norm_eps": 1e-6, "hidden_act": "gelu_new"},
-    "tied-unpadded": {"tie_word_embeddings": True, "pad_vocab_multiple": 1},
-}
-
-
-def ids(batch=3, length=32, vocab=300, seed=0):
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_native_equals_transformers_logits_loss_and_gradients(variant):
-    spec = replace(BASE, **VARIANTS[variant])
-    hf = build_model(spec, seed=1, impl="hf")
-    native = build_model(spec, seed=2)
-    assert [n for n, _ in native.named_parameters()] == [n for n, _ in hf.named_parameters()]  # names and order
-    native.load_state_dict(hf.state_dict())
-    x = ids()
-    reference = to_transformers(hf.state_dict(), spec)  # transformers' own class, untouched
-    with torch.no_grad():
-        theirs = reference(input_ids=x).logits
-        assert (native.logits(x) - theirs).abs().max().item() <= 1e-5
-        assert abs(native(x).item() - reference(input_ids=x, labels=x).loss.item()) <= 1e-5
-    native(x).backward()
-    hf(x).backward()
-    grads = dict(hf.named_parameters())
-    for name, p in native.named_parameters():
-        assert torch.allclose(p.grad, grads[name].grad, atol=1e-6, rtol=1e-4), name
-
-
-def test_chunked_loss_equals_the_plain_one(monkeypatch):
-    """Several chunks (and a ragged last one) give the same loss and gradients as full logits."""
-    monkeypatch.setattr(lm_loss, "LOSS_CHUNK_ROWS", 7)  # the chunked loss lives in utils/model/lm_loss.py
-    model = build_model(BASE, seed=3)
-    x = ids(batch=2, length=20)
-    loss = model(x)
-    loss.backward()
-    chunked = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    logits = model.logits(x)[:, :-1].float()
-    plain = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
-    plain.backward()
-    assert abs(loss.item() - plain.item()) <= 1e-6
-    for name, p in model.named_parameters():
-        assert torch.allclose(chunked[name], p.grad, atol=1e-7, rtol=1e-5), name
-    # under no_grad (eval) the loss-only path: the same value without the two gradient matmuls
-    calls = []
-    monkeypatch.setattr(lm_loss.ChunkedLMHeadLoss, "forward", lambda *a: calls.append(a))
-    with torch.no_grad():
-        assert abs(model(x).item() - plain.item()) <= 1e-6
-    assert calls == []
-
-
-@pytest.mark.slow
-def test_regional_compile_changes_nothing():  # activation checkpointing: tests/test_activation_checkpointing.py
-    x = ids(batch=2, length=16)
-    grads = []
-    for compiled in (False, True):
-        model = build_model(BASE, seed=4)
-        if compiled:
-            model.compile_blocks()
-        model(x).backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    for other in grads[1:]:
-        for name in grads[0]:
-            assert torch.allclose(grads[0][name], other[name], atol=1e-6, rtol=1e-4), name
-
-
-def test_import_then_export_is_bit_for_bit(tmp_path):
-    spec = replace(BASE, pad_vocab_multiple=1)
-    hf = to_transformers(build_model(spec, seed=5, impl="hf").state_dict(), spec)
-    hf.save_pretrained(tmp_path / "in")
-    loaded_spec, weights = load_hf_pretrained(tmp_path / "in")
-    native = build_model(loaded_spec, seed=6)
-    native.load_state_dict(weights)
-    export_hf(native.state_dict(), loaded_spec, tmp_path / "out")
-    from safetensors.torch import load_file
-
-    before, after = load_file(str(tmp_path / "in" / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gpt_neox"
-    from transformers import AutoModelForCausalLM
-
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    x = ids(vocab=300)
-    with torch.no_grad():
-        assert abs(reloaded(input_ids=x, labels=x).loss.item() - native(x).item()) <= 1e-5
 
 
 def test_load_hf_pretrained_takes_both_head_names_and_refuses_others(tmp_path):
@@ -311,3 +221,90 @@ def test_an_hf_weight_index_naming_a_file_out_of_its_directory_is_refused(tmp_pa
         (repo / "snapshots" / "abc" / path.name).symlink_to(f"../../blobs/{path.name}")
     _, cached = load_hf_pretrained(repo / "snapshots" / "abc")
     assert cached.keys() == weights.keys() and all(torch.equal(cached[k], weights[k]) for k in weights)
+
+
+
+def resumed_from_an_older_engine(commit: str, tmp_path, env: dict, sets: list[str], before_resume=None):
+    """`commit`'s engine trains 2 steps (a checkpoint at step 2), `before_resume(checkpoint, out)` looks at them,
+    today's engine resumes that checkpoint to step 4, and the old engine runs the 4 steps without the
+    interruption: then steps 3-4 and the exported weights are bit for bit the same (asserted here)."""
+    from safetensors.torch import load_file
+
+    old = engine_at(commit, tmp_path / "old-engine")
+    data = make_shards(tmp_path / "data")
+    old_env = dict(env, PYTHONPATH=str(old))
+    out, straight = tmp_path / "out", tmp_path / "straight"
+    run([sys.executable, str(old / "train.py")] + train_cmd(out, data, *sets, "max_steps=2")[2:], old_env)
+    saved = list_checkpoints(out / "checkpoints")[-1]
+    if before_resume is not None:
+        before_resume(saved, out)
+    proc = run(train_cmd(out, data, *sets, "max_steps=4", extra=("--resume", "latest")), env)
+    assert "Resumed from" in proc.stdout and "at step 2" in proc.stdout
+    run([sys.executable, str(old / "train.py")] + train_cmd(straight, data, *sets, "max_steps=4")[2:], old_env)
+    resumed, reference = train_rows(out), train_rows(straight)
+    for step in (3, 4):
+        assert resumed[step]["loss"] == reference[step]["loss"], (step, resumed[step], reference[step])
+    a = load_file(str(out / "final_model" / "model.safetensors"))
+    b = load_file(str(straight / "final_model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return saved, list_checkpoints(out / "checkpoints")[-1]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_engine_before_the_seam_resumes_bitwise(tmp_path, subprocess_env):
+    """A GPT-NeoX run of the engine before the model seam (5d01e6f), stopped at step 2 and resumed by
+    today's: steps 3-4 and the exported weights are bit for bit those of the old engine's uninterrupted run."""
+    resumed_from_an_older_engine("5d01e6f", tmp_path, subprocess_env, ["per_device_train_batch_size=4", "save_steps=2"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_a_checkpoint_of_a3d8304_resumes_bitwise_and_exports_byte_for_byte(model, tmp_path, subprocess_env):
+    """The engine before the family bundles and shared blocks (a3d8304) trains 2 steps; today's
+    scripts/export_hf.py writes, from its checkpoint, the very files the old engine exported for those weights
+    (model.safetensors, config.json, generation_config.json: byte for byte); today's engine resumes the
+    checkpoint, continues the old engine's uninterrupted run bit for bit, and writes model.safetensors with
+    the keys the old one wrote."""
+    from safetensors.torch import load_file
+
+    def export_again(saved, out):
+        run([sys.executable, str(REPO_ROOT / "scripts" / "export_hf.py"), str(saved), str(tmp_path / "new-export")],
+            subprocess_env)
+        for name in ("model.safetensors", "config.json", "generation_config.json"):
+            assert (tmp_path / "new-export" / name).read_bytes() == (out / "final_model" / name).read_bytes(), name
+
+    sets = [f"model={model}", "per_device_train_batch_size=4", "save_steps=2"]
+    old, newest = resumed_from_an_older_engine("a3d8304", tmp_path, subprocess_env, sets, before_resume=export_again)
+    assert load_file(str(newest / "model.safetensors")).keys() == load_file(str(old / "model.safetensors")).keys()
+
+
+@pytest.mark.slow
+def test_init_from_a_131072_position_llama_trains_at_its_original_context_and_exports_every_position(
+        tmp_path, subprocess_env):
+    """A Llama 3.2-shaped config (131,072 positions, llama3 rope scaling from an 8,192-token original context)
+    with ordinary 1-D token-stream shards and no seq_len: the run trains at 8,192 tokens a sequence, says so in
+    its first lines, and final_model/ keeps the 131,072 positions and the rope scaling."""
+    import numpy as np
+
+    from utils.model.families import family
+
+    spec = replace(get_model_spec("llama-tiny"), max_position_embeddings=131072,
+                   rope_scaling=(32.0, 1.0, 4.0, 8192))
+    fam = family("llama")
+    fam.causal_lm_class(spec)(fam.hf_config(spec)).save_pretrained(tmp_path / "llama-131k")
+    rng = np.random.default_rng(0)
+    for i in range(3):  # two for training, the last held out: streams as prepare_data.py writes them
+        (tmp_path / "data").mkdir(exist_ok=True)
+        np.savez(tmp_path / "data" / f"shard-{i:05d}.npz", input_ids=rng.integers(0, 512, 20_000).astype(np.uint16))
+    out = tmp_path / "out"
+    proc = run(train_cmd(out, tmp_path / "data", "max_steps=2", "save_steps=2", "per_device_train_batch_size=1",
+                         "eval_batches=1", f"init_from={tmp_path / 'llama-131k'}"), subprocess_env, timeout=600)
+    first_lines = proc.stdout.splitlines()[:12]
+    assert any("seq_len not set: training at 8,192 tokens a sequence" in line and "131,072 positions" in line
+               for line in first_lines), "\n".join(first_lines)
+    rows = train_rows(out)
+    assert rows[2]["tokens"] == 2 * 8192, rows[2]
+    config = json.loads((out / "final_model" / "config.json").read_text())
+    rope = config.get("rope_parameters") or config["rope_scaling"]
+    assert config["max_position_embeddings"] == 131072
+    assert rope["rope_type"] == "llama3" and rope["original_max_position_embeddings"] == 8192 and rope["factor"] == 32
