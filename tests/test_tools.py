@@ -186,7 +186,7 @@ def bad_hf_dir(root: Path, tmp: Path, what: str) -> Path:
     ("truncated", r"model.safetensors: cannot read it"),
     ("no-weights", r"no-weights: no weights \(model.safetensors, pytorch_model.bin"),
     ("unsafe-bin", r"pytorch_model.bin: cannot read it \(it holds more than tensors"),
-    ("mamba", r"config.json: model_type is 'mamba'; the engine loads 'gpt_neox', 'llama', 'qwen2' model directories"),
+    ("mamba", r"config.json: model_type is 'mamba'; the engine loads 'gemma3_text', 'gpt_neox', 'llama', 'qwen2', 'qwen3' model directories"),
     ("auto-map", r"config.json: names code of its own \(auto_map\)"),
 ])
 def test_a_bad_hf_directory_is_one_line_and_runs_no_code(tools, tmp_path, capsys, what, says):
