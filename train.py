@@ -189,22 +189,27 @@ def train(cfg, profile, args) -> int:
             trace.after_step()
             window.add(step_loss, skipped=not applied)
             bar.update(1)
-            if guard.rollback_due and guard.roll_back(ckpt, loader, state):  # the newest checkpoint, data since skipped
+            with watchdog.busy("a rollback"):  # busy: progress though no step ends (utils/watchdog.py)
+                rolled_back = guard.rollback_due and guard.roll_back(ckpt, loader, state)  # to the newest checkpoint
+            if rolled_back:  # the data since it skipped
                 window.restart(state.step + 1)
                 bar.n = state.step
                 continue
             last, planned_stop = state.step == cfg.max_steps, state.step == cfg.stop_at_step
             reporter.log_if_due(state, grad_norm, last)
-            evaluator.run_if_due(state, last)
+            with watchdog.busy("an evaluation"):
+                evaluator.run_if_due(state, last)
             # a source that fetches ahead: its next step's files, or the one that failed (then a checkpoint and stop)
             stopping = stop.agreed(None if last or planned_stop else loader.unavailable(cfg.gradient_accumulation_steps))
             if ckpt.due(state.step, last=last or planned_stop or stopping):
                 window.checked_losses()  # a non-finite loss stops the run before anything is saved
                 guard.review()  # warn: the saved guard has seen every step before the checkpoint
-                last_checkpoint = ckpt.save(state.step)
+                with watchdog.busy("a checkpoint"):  # it may wait for the previous checkpoint's write
+                    last_checkpoint = ckpt.save(state.step)
             if stopping or planned_stop:
                 stopped_by, exit_code = stop.reason if stopping else "stop_at_step", int(stop.failed)
-                ckpt.wait()
+                with watchdog.busy("the stop's checkpoint"):
+                    ckpt.wait()
                 log.info(f"Stopped by {stopped_by} after step {state.step}: checkpoint {last_checkpoint}")
                 break
         watchdog.stop()  # the loop is over: what follows (uploads, export) has its own limits

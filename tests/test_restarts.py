@@ -4,6 +4,7 @@ checkpoint. The run comes back with --resume auto and ends with the uninterrupte
 restarts it exits non-zero naming them; a bad setting is never retried."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -164,3 +165,54 @@ def test_a_stopped_rank_is_found_by_the_hang_watchdog(tmp_path, env, restarts):
         assert proc.returncode != 0, text[-4000:]
     else:
         assert proc.returncode == 0 and "restart 1 of 1" in text and "(1 restart(s))" in text, text[-4000:]
+
+
+STOP_LINE = re.compile(r"^start_training\.sh: stopped by SIGTERM after step (\d+); checkpoint (\S+) ", re.M)
+
+
+def test_the_stop_s_checkpoint_is_progress_not_a_hang(tmp_path, env):
+    """SIGTERM after step 5 of 2 ranks, a checkpoint that takes 25 s to write (a slow disk or bucket:
+    NEOX_DEBUG_CHECKPOINT_DELAY_S) and hang_timeout_s=10: the watchdog lets the write finish (it killed the
+    rank mid-write, leaving only a temporary folder, exit 1): one verified checkpoint, exit 0, no stacks."""
+    from utils.checkpoint.format import verify_checkpoint
+
+    data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
+    proc = start(launcher_cmd(out, data, sets=["max_steps=100000", "save_steps=100000", "hang_timeout_s=10"]),
+                 dict(env, NEOX_DEBUG_CHECKPOINT_DELAY_S="25"), log)
+    try:
+        deadline = time.time() + 300
+        while steps_done(out) < 5:
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    stopped = STOP_LINE.search(text)
+    assert stopped and "hang watchdog" not in text and not hang_files(out), text[-4000:]
+    verify_checkpoint(Path(stopped.group(2)))
+    assert list_checkpoints(out / "checkpoints") == [Path(stopped.group(2))]
+
+
+def test_a_checkpoint_waiting_for_a_slow_write_is_progress_on_every_rank(tmp_path, env):
+    """save_steps=2 on 2 ranks with writes of 15 s and hang_timeout_s=6: at each save rank 0 waits for the
+    previous write, and rank 1 waits for rank 0 in its next step's collective. Neither is a hang (rank 0 is
+    busy with a checkpoint, rank 1 sees that in rank 0's heartbeat): the run finishes, exit 0, no stacks."""
+    data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
+    proc = start(launcher_cmd(out, data, sets=["max_steps=6", "save_steps=2", "hang_timeout_s=6"]),
+                 dict(env, NEOX_DEBUG_CHECKPOINT_DELAY_S="15"), log)
+    try:
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    assert "finished after step 6" in text and "hang watchdog" not in text and not hang_files(out), text[-4000:]
+    blocked = [r["blocked_s"] for r in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())
+               if "checkpoint" in r]
+    assert len(blocked) == 3 and max(blocked) > 6, blocked  # the saves did wait longer than hang_timeout_s
+
