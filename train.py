@@ -158,7 +158,7 @@ def train(cfg, profile, args) -> int:
     reporter = StepReporter(cfg.logging_steps, log, window, schedule_from_config(cfg), loader, guard, bar)
     evaluator = make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len, described, log)
     grad_norm = torch.zeros((), device=device)
-    trace = BatchTrace(output_dir, accelerator)  # NEOX_TRACE_BATCHES, NEOX_DEBUG_STEP_DELAY_S
+    trace = BatchTrace(output_dir, accelerator)  # NEOX_TRACE_BATCHES, NEOX_DEBUG_STEP_DELAY_S, _HANG_AFTER_STEP
     exit_code, stopped_by, last_checkpoint, export_dir = 0, None, None, None
     watchdog = HangWatchdog(cfg.hang_timeout_s, output_dir / layout.LOGS, accelerator.process_index, world)
     try:
@@ -186,7 +186,7 @@ def train(cfg, profile, args) -> int:
                         optimizer.zero_grad(set_to_none=True)
             state.advance(tokens_per_step)
             watchdog.beat(state.step)  # progress: for the hang watchdog and the launcher's restarts
-            trace.after_step()
+            trace.after_step(state.step)
             window.add(step_loss, skipped=not applied)
             bar.update(1)
             with watchdog.busy("a rollback"):  # busy: progress though no step ends (utils/watchdog.py)

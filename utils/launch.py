@@ -63,12 +63,14 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's utils package
 
 from utils.console import survive_lost_console  # noqa: E402
-from utils.run_status import RESTARTS_ENV, STATUS_FILE_ENV, TRAINED_SUFFIX, RunStatus  # noqa: E402
+from utils.run_status import (HANG_EXIT, HUNG_SUFFIX, RESTARTS_ENV, STATUS_FILE_ENV, TRAINED_SUFFIX,  # noqa: E402
+                              RunStatus, hung_ranks)
 from utils.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid  # noqa: E402
 
 PROG = "start_training.sh"
@@ -295,6 +297,17 @@ def watched_launcher() -> str:
     return launcher if launcher.isdigit() and int(launcher) == os.getppid() else str(os.getpid())
 
 
+@dataclass
+class Launch:
+    """How one launch of the command ended: its exit status, rank 0's status record, what its output said,
+    whether a rank finished a training step, and the ranks the hang watchdog ended (first to fire first)."""
+    code: int
+    status: RunStatus | None
+    output: StderrFilter
+    trained: bool
+    hung: list[int]
+
+
 class Supervisor:
     def __init__(self, cmd: list[str], max_restarts: int = 0, restart_delay: float = 10.0):
         self.cmd = cmd
@@ -306,7 +319,6 @@ class Supervisor:
         self.status_path: str | None = None
         self.delivered: set[int] = set()  # ranks a stop signal reached
         self.child_done = threading.Event()
-
     def ranks_now(self) -> list[int]:
         """The training processes: a launcher's children (accelerate's single-process Popen, or torchrun's
         workers), or the command itself when it runs train.py directly."""
@@ -374,10 +386,9 @@ class Supervisor:
             launched = self._launch(restarts)
             if isinstance(launched, int):
                 return launched
-            code, status, output, trained = launched
-            why = self._restartable(code, status, output, trained)
+            why = self._restartable(launched)
             if why is None or restarts >= self.max_restarts:
-                result = self._report(code, status, output, restarts)
+                result = self._report(launched, restarts)
                 if why is not None and self.max_restarts:
                     print(f"{PROG}: gave up after {restarts} restart(s) (--max-restarts {self.max_restarts}): {why}; "
                           f"continue from the newest checkpoint with --resume auto", file=sys.stderr, flush=True)
@@ -394,15 +405,16 @@ class Supervisor:
                       f"more to save (continue with --resume auto)", file=sys.stderr, flush=True)
                 return 0
 
-    def _restartable(self, code: int, status: RunStatus | None, output: StderrFilter, trained: bool) -> str | None:
+    def _restartable(self, launch: Launch) -> str | None:
         """Why this launch's end deserves a restart (what went wrong, in words), or None: it finished or
         stopped cleanly, it was stopped by a signal (never retried), it failed on a setting or input (exit 2)
         or before its first training step (a restart would fail the same way), or restarts are off."""
+        code, status, output = launch.code, launch.status, launch.output
         if not self.max_restarts or code == 0 or self.received:
             return None
         if code == 2 or (status is not None and status.exit_code == 2):
             return None
-        if not trained:
+        if not launch.trained:
             print(f"{PROG}: not restarting: the run failed before its first training step (a setting, a missing "
                   f"file or the machine; a restart would fail the same way)", file=sys.stderr, flush=True)
             return None
@@ -411,11 +423,13 @@ class Supervisor:
             return f"rank {rank}{f' (pid {pid})' if pid else ''} was killed by {_signal_name(signum)}"
         if code < 0:
             return f"training was killed by {_signal_name(-code)}"
+        if launch.hung:
+            return f"the hang watchdog ended rank {launch.hung[0]} (exit status {HANG_EXIT})"
         return f"training failed (exit status {status.exit_code if status and status.exit_code else code})"
 
-    def _launch(self, restarts: int):
-        """One launch of the command (after a restart: with --resume auto). Returns (exit status, status
-        record, output filter, whether a step was trained), or an exit status when it could not start."""
+    def _launch(self, restarts: int) -> Launch | int:
+        """One launch of the command (after a restart: with --resume auto), or an exit status when it could not
+        start."""
         self.child, self.ranks, self.delivered = None, set(), set()
         self.child_done = threading.Event()
         fd, status_path = tempfile.mkstemp(prefix="neox-status-", suffix=".json")
@@ -440,14 +454,14 @@ class Supervisor:
         pump.start()
         code = self._wait_all()
         pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
-        status = RunStatus.read(status_path)
-        trained = os.path.exists(status_path + TRAINED_SUFFIX)
-        for path in (status_path, status_path + SIGNAL_SUFFIX, status_path + TRAINED_SUFFIX):
+        launch = Launch(code, RunStatus.read(status_path), output, os.path.exists(status_path + TRAINED_SUFFIX),
+                        hung_ranks(status_path))
+        for suffix in ("", SIGNAL_SUFFIX, TRAINED_SUFFIX, HUNG_SUFFIX):
             try:
-                os.unlink(path)
+                os.unlink(status_path + suffix)
             except OSError:
                 pass
-        return code, status, output, trained
+        return launch
 
     def _wait_all(self) -> int:
         """Reaps every child (ours and the orphans reparented to us) until none is left; returns the
@@ -473,7 +487,8 @@ class Supervisor:
                 code = os.waitstatus_to_exitcode(status)
                 child_done_at = time.monotonic()
 
-    def _report(self, code: int, status: RunStatus | None, output: StderrFilter, restarts: int = 0) -> int:
+    def _report(self, launch: Launch, restarts: int = 0) -> int:
+        code, status, output = launch.code, launch.status, launch.output
         if code != 0 and self.received and status is not None and not status.exit_code and \
                 (status.stopped_by or status.final_model):
             # the stop signal reached accelerate/torchrun too (Slurm's scancel and preemption signal every process
@@ -490,6 +505,8 @@ class Supervisor:
                   f"the other ranks stopped with it; " + (f"last checkpoint {saved}; " if saved else "") +
                   "continue from the newest checkpoint with --resume auto", file=sys.stderr, flush=True)
             return 128 + signum
+        if code != 0 and launch.hung:
+            return HANG_EXIT  # the rank's watchdog said which and where; accelerate and torchrun exit 1 for it
         if code != 0 and output.peer_lost is not None:
             print(f"{PROG}: a rank lost its connection to the others: {output.peer_lost}", file=sys.stderr, flush=True)
         if status and status.exit_code:

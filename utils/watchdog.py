@@ -19,6 +19,8 @@ process itself was not running for that long (SIGSTOP, a frozen VM), the thread
 - prints one line: this rank, where its main thread waits (innermost frame, and the innermost frame in this
   repository), the ranks that are not running, and the stack file;
 - on CUDA, writes NCCL's flight recorder (`logs/nccl-trace-<time>-rank<R>.pkl`, where torch can dump it);
+- marks the hang beside the launcher's status record (utils/run_status.py `mark_hung`), so that the launcher
+  exits 3 too, whichever rank fired and whatever accelerate or torchrun exit with;
 - exits with status 3 (`os._exit`: a thread cannot unwind a main thread stuck in a collective).
 
 On CUDA, `nccl_flight_recorder_env` (called before the process group exists) also turns on NCCL's own flight
@@ -40,9 +42,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from utils.run_status import mark_trained
+from utils.run_status import HANG_EXIT, mark_hung, mark_trained
 
-HANG_EXIT = 3
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WAIT_FOR_PEER_STACKS_S = 15.0
 
@@ -195,6 +196,7 @@ class HangWatchdog:
               f"{HANG_EXIT} (start_training.sh --max-restarts or the scheduler brings the run back from the newest "
               f"checkpoint)", file=sys.stderr, flush=True)
         self._flight_recorder(stamp)
+        mark_hung(self.rank)
         deadline = time.monotonic() + (WAIT_FOR_PEER_STACKS_S if woken else 0)
         while time.monotonic() < deadline and not all(
                 list(self.logs.glob(f"hang-*-rank{p.get('rank')}.txt")) for p in woken):
