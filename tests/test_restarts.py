@@ -218,3 +218,32 @@ def test_a_checkpoint_waiting_for_a_slow_write_is_progress_on_every_rank(tmp_pat
                if "checkpoint" in r]
     assert len(blocked) == 3 and max(blocked) > 6, blocked  # the saves did wait longer than hang_timeout_s
 
+
+def test_a_launcher_killed_during_a_restart_wait_leaves_nothing_running(tmp_path, env):
+    """`kill -9` of start_training.sh while its supervisor (a session of its own) waits to restart the ranks:
+    the supervisor relaunched every rank 8 s later and trained on, holding the folder's lock with nobody
+    watching. Now it restarts nothing: 20 s later no process of the run is left."""
+    from tests.test_preemption import leftovers
+
+    data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
+    proc = start(launcher_cmd(out, data, "--max-restarts", "2", "--restart-delay", "8", sets=["max_steps=1000"]),
+                 env, log)
+    try:
+        os.kill(wait_past_a_checkpoint(out, proc, log), signal.SIGKILL)
+        deadline = time.time() + 120
+        while "restart 1 of 2 in 8 s" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.time()
+        proc.wait(timeout=10)
+        while leftovers(str(out)) and time.time() < killed + 20:
+            time.sleep(0.5)
+        time.sleep(max(0.0, killed + 20 - time.time()))  # past the restart's moment: nothing started again
+        left = leftovers(str(out))
+    finally:
+        for line in leftovers(str(out)):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    text = log.read_text()
+    assert left == [], (left, text[-3000:])
+    assert "no restart" in text and "Resumed from" not in text, text[-3000:]

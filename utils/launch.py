@@ -293,8 +293,14 @@ def watched_launcher() -> str:
     """The pid the ranks watch (utils/signals.py watch_supervisor): start_training.sh's when it started this
     supervisor (a `kill -9` of the launcher the user started then stops the run with a checkpoint, as one of
     the supervisor did when the script exec'd it), else this supervisor's."""
+    launcher = started_by_launcher()
+    return str(launcher or os.getpid())
+
+
+def started_by_launcher() -> int | None:
+    """start_training.sh's pid when it started this supervisor (NEOX_LAUNCHER_PID is our parent), else None."""
     launcher = os.environ.get(LAUNCHER_PID, "")
-    return launcher if launcher.isdigit() and int(launcher) == os.getppid() else str(os.getpid())
+    return int(launcher) if launcher.isdigit() and int(launcher) == os.getppid() else None
 
 
 @dataclass
@@ -319,6 +325,24 @@ class Supervisor:
         self.status_path: str | None = None
         self.delivered: set[int] = set()  # ranks a stop signal reached
         self.child_done = threading.Event()
+        self.launcher_lost: str | None = None  # start_training.sh is gone (kill -9): nothing is restarted
+
+    @property
+    def stopped_by(self) -> str | None:
+        """What ended the run from outside: the first stop signal, or the loss of the launcher script."""
+        return self.received[0] if self.received else self.launcher_lost
+
+    def watch_launcher(self, launcher: int, interval_s: float = 0.2) -> None:
+        """start_training.sh, our parent, killed with SIGKILL: its caller saw the run end, so nothing may start
+        again behind it, holding the output folder's lock and the devices with nobody watching. The ranks stop
+        with a checkpoint on their own (each watches the script: utils/signals.py watch_supervisor); this
+        supervisor restarts nothing, ends a restart's wait at once, and exits once they have."""
+        while os.getppid() == launcher:
+            time.sleep(interval_s)
+        self.launcher_lost = f"the loss of its launcher (pid {launcher})"
+        print(f"{PROG}: the launcher script (pid {launcher}) is gone: no restart; any training process stops with "
+              f"a checkpoint", file=sys.stderr, flush=True)
+
     def ranks_now(self) -> list[int]:
         """The training processes: a launcher's children (accelerate's single-process Popen, or torchrun's
         workers), or the command itself when it runs train.py directly."""
@@ -377,6 +401,9 @@ class Supervisor:
             pass  # not Linux: orphans go to init as usual
         for signum in FORWARDED:
             signal.signal(signum, self.on_signal)
+        launcher = started_by_launcher()
+        if launcher:
+            threading.Thread(target=self.watch_launcher, args=(launcher,), daemon=True).start()
         if _EARLY_STOPS:
             print(f"{PROG}: stopped by {_signal_name(_EARLY_STOPS[0])} before training started; nothing to save",
                   file=sys.stderr)
@@ -398,19 +425,20 @@ class Supervisor:
             print(f"{PROG}: {why}; restart {restarts} of {self.max_restarts} in {delay:g} s: every rank again with "
                   f"--resume auto (the newest complete checkpoint)", file=sys.stderr, flush=True)
             deadline = time.monotonic() + delay
-            while time.monotonic() < deadline and not self.received:
+            while time.monotonic() < deadline and not self.stopped_by:
                 time.sleep(0.1)
-            if self.received:
-                print(f"{PROG}: stopped by {self.received[0]} before restart {restarts}; nothing running, nothing "
+            if self.stopped_by:
+                print(f"{PROG}: stopped by {self.stopped_by} before restart {restarts}; nothing running, nothing "
                       f"more to save (continue with --resume auto)", file=sys.stderr, flush=True)
                 return 0
 
     def _restartable(self, launch: Launch) -> str | None:
         """Why this launch's end deserves a restart (what went wrong, in words), or None: it finished or
-        stopped cleanly, it was stopped by a signal (never retried), it failed on a setting or input (exit 2)
-        or before its first training step (a restart would fail the same way), or restarts are off."""
+        stopped cleanly, it was stopped by a signal or lost its launcher script (never retried), it failed on a
+        setting or input (exit 2) or before its first training step (a restart would fail the same way), or
+        restarts are off."""
         code, status, output = launch.code, launch.status, launch.output
-        if not self.max_restarts or code == 0 or self.received:
+        if not self.max_restarts or code == 0 or self.stopped_by:
             return None
         if code == 2 or (status is not None and status.exit_code == 2):
             return None
@@ -475,7 +503,7 @@ class Supervisor:
             except ChildProcessError:
                 return code if code is not None else 1
             if pid == 0:  # children left, none finished yet: leftovers after the command ended
-                restart_may_follow = code != 0 and self.max_restarts and not self.received
+                restart_may_follow = code != 0 and self.max_restarts and not self.stopped_by
                 if restart_may_follow or not (self.ranks & set(_children_of(os.getpid()))) and \
                         time.monotonic() - child_done_at > LEFTOVER_GRACE_S:
                     for leftover in _children_of(os.getpid()):
@@ -489,7 +517,7 @@ class Supervisor:
 
     def _report(self, launch: Launch, restarts: int = 0) -> int:
         code, status, output = launch.code, launch.status, launch.output
-        if code != 0 and self.received and status is not None and not status.exit_code and \
+        if code != 0 and self.stopped_by and status is not None and not status.exit_code and \
                 (status.stopped_by or status.final_model):
             # the stop signal reached accelerate/torchrun too (Slurm's scancel and preemption signal every process
             # of the step) and ended it, while the ranks stopped cleanly at a checkpoint, or had just finished and
