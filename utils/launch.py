@@ -282,6 +282,14 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
+def _acts_on(pid: int, signum: int) -> bool:
+    """Whether training process `pid` acts on the stop signal `signum`: it catches SIGTERM, which the engine's
+    handlers do from main()'s start (utils/signals.py catch_early, with SIGINT's), and `signum`. SIGINT caught
+    alone is Python's default handler, there from the interpreter's start: a SIGINT then is a KeyboardInterrupt
+    in whatever the rank is importing."""
+    return _catches(pid, signal.SIGTERM) and _catches(pid, signum)
+
+
 def _children_of(pid: int) -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and parent_pid(int(entry)) == pid]
 
@@ -369,19 +377,20 @@ class Supervisor:
                   f"stop after the current step" + ("" if first else " (a second Ctrl-C stops them at once)"),
                   file=sys.stderr, flush=True)
         for pid in targets:
-            if _catches(pid, forward):
+            if _acts_on(pid, forward):
                 self._deliver(pid, forward)
         if first:  # ranks not started yet, or not yet catching it: they get it as soon as they can act on it
             threading.Thread(target=self._forward_to_late_ranks, args=(forward,), daemon=True).start()
 
     def _forward_to_late_ranks(self, forward: int) -> None:
         """A stop signal that came while accelerate was still starting the ranks, or before a rank had
-        installed its handler (Python's default for SIGTERM is to die mid-setup): every rank gets it once
-        its /proc status says it catches the signal, for as long as the command runs."""
+        installed its handler (Python's default for SIGTERM is to die mid-setup, its default for SIGINT a
+        KeyboardInterrupt): every rank gets it once its /proc status says it acts on it (`_acts_on`), for as
+        long as the command runs."""
         deadline = time.monotonic() + LATE_RANK_WAIT_S
         while not self.child_done.is_set() and time.monotonic() < deadline:
             for pid in self.ranks_now():
-                if pid not in self.delivered and _catches(pid, forward):
+                if pid not in self.delivered and _acts_on(pid, forward):
                     self.ranks.add(pid)
                     self._deliver(pid, forward)
             time.sleep(0.1)
