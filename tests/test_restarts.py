@@ -247,3 +247,40 @@ def test_a_launcher_killed_during_a_restart_wait_leaves_nothing_running(tmp_path
     text = log.read_text()
     assert left == [], (left, text[-3000:])
     assert "no restart" in text and "Resumed from" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("small_disk", ["5m"], indirect=True)
+def test_a_full_disk_at_the_restart_s_lock_write_is_one_line(tmp_path, env, small_disk):
+    """The output folder on a 5 MB tmpfs, rank 1 killed past a checkpoint, the disk filled during the restart's
+    wait: the restarted rank 0's first write, the folder's lock record, was a traceback (OSError: No space left on
+    device); now one `error:` line naming the lock file and what to do, exit 2 (not restarted again), and the
+    checkpoint written before still verifies."""
+    from utils.checkpoint.format import verify_checkpoint
+
+    data, out, log = make_shards(tmp_path / "data"), small_disk / "out", tmp_path / "out.log"
+    proc = start(launcher_cmd(out, data, "--max-restarts", "1", "--restart-delay", "5",
+                              sets=["max_steps=1000", "save_total_limit=1"]), env, log)
+    try:
+        os.kill(wait_past_a_checkpoint(out, proc, log), signal.SIGKILL)
+        deadline = time.time() + 120
+        while "restart 1 of 1 in 5 s" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        filler = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(filler, b"\0" * 4096)
+        os.close(filler)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert proc.returncode == 2, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(rf"no space left on \S+ writing {re.escape(str(out / '.run.lock'))} \(",
+                                          errors[0]), text[-4000:]
+    assert "--resume auto" in errors[0] and "restart 2" not in text
+    for path in list_checkpoints(out / "checkpoints"):
+        verify_checkpoint(path)
