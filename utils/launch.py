@@ -13,19 +13,25 @@ workers and torchrun before train.py could act on it. So:
 - SIGTERM, SIGHUP, SIGUSR1 (a common pre-timeout signal on SLURM) and SIGINT are caught here, also as
   PID 1, and forwarded as SIGTERM (SIGINT for Ctrl-C) straight to the ranks, never to torchrun, which then
   simply sees its workers finish: every rank stops at the same optimizer step, rank 0 writes the
-  checkpoint, all exit 0. A second Ctrl-C reaches the ranks too, which then stop at once;
+  checkpoint, all exit 0. A second Ctrl-C reaches the ranks too, which then stop at once. A rank gets the
+  signal once it acts on it (it catches SIGTERM: the engine's handlers, not Python's default SIGINT one);
+  the main thread never blocks for long and the helper threads block these signals, so a signal's handler
+  runs within a fraction of a second whenever it comes;
 - the supervisor is a child subreaper (PID 1 is one anyway): whatever the ranks leave behind is reparented
   here and waited for, so nothing outlives the launcher;
 - the last line says how the run ended and names the checkpoint, from the record rank 0 writes to
-  `NEOX_STATUS_FILE` (utils/run_status.py). Exit status: 0 for a finished run or a clean stop on a signal, train.py's own status
-  otherwise (2: a problem the user fixes, already explained on stderr in one `error:` line), not the
-  launcher's (accelerate exits 1 whatever its rank's status);
+  `NEOX_STATUS_FILE` (utils/run_status.py). Exit status: 0 for a finished run or a clean stop on a signal,
+  train.py's own status otherwise (2: a problem the user fixes, already explained on stderr in one `error:`
+  line; 3: the hang watchdog ended a rank, which any rank marks beside the record), not the launcher's
+  (accelerate and torchrun exit 1 whatever their rank's status);
 - the command's stderr passes through `StderrFilter` (with its stdout, over a pseudo-terminal, when ours is
   a terminal, so progress bars still draw and stay in order with the log lines), which leaves out the
   traceback accelerate or torchrun print after a rank failed: that rank has already said what went wrong.
 
-- the ranks get this supervisor's pid (`NEOX_SUPERVISOR_PID`): if it is SIGKILLed, so that it can forward
-  nothing, each rank notices (utils/signals.py `watch_supervisor`) and stops as on SIGTERM, with a checkpoint;
+- the ranks get the pid to watch (`NEOX_SUPERVISOR_PID`: start_training.sh's, else this supervisor's): if it
+  is SIGKILLed, so that it can forward nothing, each rank notices (utils/signals.py `watch_supervisor`) and
+  stops as on SIGTERM, with a checkpoint. This supervisor watches start_training.sh too, and once it is gone
+  restarts nothing (a restart's wait ends at once): nobody would be watching the run it started;
 - a rank killed by a signal (SIGKILL, the OOM killer) is one line naming it and the signal, not the other
   ranks' tracebacks about the peer they lost, nor torchrun's report;
 - a console that goes away (`| tee log` and Ctrl-C, a closed terminal) never stops it (utils/console.py).
@@ -37,9 +43,10 @@ launches the same command again with `--resume auto`, so every rank continues fr
 checkpoint; up to N times, waiting S, 2S, 4S ... (at most 300 s) in between. Each restart is one line on
 stderr; the ranks see the count in `NEOX_RESTART_COUNT` and rank 0's status record carries it (`restarts`);
 N exhausted, the last line names the restarts and the exit status is the failure's. Never restarted: a stop
-signal (it checkpoints and exits 0; one during the backoff ends the launcher, exit 0), a user error (exit 2),
-and a failure before the first training step of a launch (a setting, a missing file: it would fail again;
-rank 0 marks the first step beside the status file, `mark_trained`).
+signal (it checkpoints and exits 0; one during the backoff ends the launcher, exit 0), the loss of
+start_training.sh (likewise), a user error (exit 2), and a failure before the first training step of a
+launch (a setting, a missing file: it would fail again; rank 0 marks the first step beside the status file,
+`mark_trained`).
 Why not torchrun's own `--max-restarts`: it relaunches the workers with the same arguments (no `--resume
 auto`: a fresh run would start over, or be refused by its own output folder), it retries every non-zero
 exit, a user error's exit 2 and a failure during setup included, it cannot read the status record that says
@@ -80,6 +87,7 @@ PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE_S = 30.0  # non-rank leftovers (e.g. a stuck DataLoader worker) get this long after the ranks
 LATE_RANK_WAIT_S = 600.0  # how long a stop signal waits for ranks that are still starting
 MAX_RESTART_DELAY_S = 300.0  # the backoff between restarts doubles up to this
+WAIT_POLL_S = 0.2  # how often the main thread looks for children that ended (and runs a signal's handler)
 
 
 class StderrFilter:
@@ -290,6 +298,22 @@ def _acts_on(pid: int, signum: int) -> bool:
     return _catches(pid, signal.SIGTERM) and _catches(pid, signum)
 
 
+def _start_thread(target, *args) -> threading.Thread:
+    """A daemon thread that never takes the stop signals. POSIX lets the kernel hand a signal sent to this
+    process to any thread that does not block it (Linux prefers the main thread, without promising it), and
+    Python runs the handler only when the main thread next runs Python code: the main thread, blocked in
+    waitpid() for the whole run, would not be woken, and the signal would wait for the run's end. A thread
+    starts with its creator's signal mask, so the signals are blocked around its start."""
+    stops = set(FORWARDED)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return thread
+
+
 def _children_of(pid: int) -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and parent_pid(int(entry)) == pid]
 
@@ -380,7 +404,7 @@ class Supervisor:
             if _acts_on(pid, forward):
                 self._deliver(pid, forward)
         if first:  # ranks not started yet, or not yet catching it: they get it as soon as they can act on it
-            threading.Thread(target=self._forward_to_late_ranks, args=(forward,), daemon=True).start()
+            _start_thread(self._forward_to_late_ranks, forward)
 
     def _forward_to_late_ranks(self, forward: int) -> None:
         """A stop signal that came while accelerate was still starting the ranks, or before a rank had
@@ -412,7 +436,7 @@ class Supervisor:
             signal.signal(signum, self.on_signal)
         launcher = started_by_launcher()
         if launcher:
-            threading.Thread(target=self.watch_launcher, args=(launcher,), daemon=True).start()
+            _start_thread(self.watch_launcher, launcher)
         if _EARLY_STOPS:
             print(f"{PROG}: stopped by {_signal_name(_EARLY_STOPS[0])} before training started; nothing to save",
                   file=sys.stderr)
@@ -487,8 +511,7 @@ class Supervisor:
             os.close(write_end)
         sink = (sys.stdout if merged else sys.stderr).buffer
         output = StderrFilter(sink)
-        pump = threading.Thread(target=output.pump, args=(read_end,), daemon=True)
-        pump.start()
+        pump = _start_thread(output.pump, read_end)
         code = self._wait_all()
         pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
         launch = Launch(code, RunStatus.read(status_path), output, os.path.exists(status_path + TRAINED_SUFFIX),
@@ -502,22 +525,29 @@ class Supervisor:
 
     def _wait_all(self) -> int:
         """Reaps every child (ours and the orphans reparented to us) until none is left; returns the
-        command's exit status."""
-        code, child_done_at = None, None
+        command's exit status. Polled, never blocked in waitpid(): Python runs a signal's handler in the main
+        thread between two bytecodes, and a signal that came just before a blocking waitpid() (or that another
+        thread took) would wait for the next child to end, with the run training on; so a stop signal is acted
+        on within WAIT_POLL_S whenever it comes."""
+        code, child_done_at, reaped = None, None, True
         while True:
-            if self.child is not None and code is None:
+            if self.child is not None and code is None and reaped:
                 self.ranks.update(p for p in self.ranks_now() if p != self.child.pid)
             try:
-                pid, status = os.waitpid(-1, 0 if code is None else os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return code if code is not None else 1
+            reaped = pid != 0
+            if pid == 0 and code is None:
+                time.sleep(WAIT_POLL_S)
+                continue
             if pid == 0:  # children left, none finished yet: leftovers after the command ended
                 restart_may_follow = code != 0 and self.max_restarts and not self.stopped_by
                 if restart_may_follow or not (self.ranks & set(_children_of(os.getpid()))) and \
                         time.monotonic() - child_done_at > LEFTOVER_GRACE_S:
                     for leftover in _children_of(os.getpid()):
                         os.kill(leftover, signal.SIGKILL)
-                time.sleep(0.2)
+                time.sleep(WAIT_POLL_S)
                 continue
             if pid == self.child.pid:
                 self.child_done.set()
