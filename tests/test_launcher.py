@@ -378,29 +378,18 @@ def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition(
 
 # ------------------------------------------------------------- every exit code of docs/contracts.md, through it
 
-def _training_rank(out: Path) -> int | None:
-    """The pid of the one training process of the run writing to `out` (python train.py ..., not accelerate's
-    launcher, whose command line names train.py too)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) > 2 and argv[1].endswith(b"train.py") and str(out).encode() in b" ".join(argv):
-            return int(proc.name)
-    return None
-
-
 def _kill_the_rank_after_step_1(out: Path, proc: subprocess.Popen) -> None:
     """Once step 1 is logged (the rank then hangs after step 2: NEOX_DEBUG_HANG_AFTER_STEP=2, the watchdog off),
     SIGKILL it."""
     import time
 
+    from tests.trainkit import training_process
+
     rows, deadline = out / "logs" / "metrics.jsonl", time.time() + 240
     while not (rows.exists() and '"loss"' in rows.read_text()):
         assert proc.poll() is None and time.time() < deadline, "no training step in time"
         time.sleep(0.2)
-    os.kill(_training_rank(out), signal.SIGKILL)
+    os.kill(training_process(out), signal.SIGKILL)
 
 
 EXIT_CODES = {  # id: (exit status, start_training.sh options, --set values, environment, action, a line it prints)

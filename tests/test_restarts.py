@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,24 @@ def wait_past_a_checkpoint(out: Path, proc: subprocess.Popen, log: Path, not_in=
         elif list_checkpoints(out / "checkpoints") and steps_done(out) >= max(base + 2, 4):
             return pid
         time.sleep(0.2)
+
+
+def wait_until(done, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    """Polls `done()` while the run goes on; fails with the log's end if the run ends or time runs out first."""
+    deadline = time.time() + timeout
+    while not done():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+@contextmanager
+def killed_on_failure(proc: subprocess.Popen):
+    """Whatever happens in the block, the launcher's process group does not outlive it."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def final_weights(out: Path) -> dict:
@@ -181,16 +200,10 @@ def test_the_stop_s_checkpoint_is_progress_not_a_hang(tmp_path, env):
     data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
     proc = start(launcher_cmd(out, data, sets=["max_steps=100000", "save_steps=100000", "hang_timeout_s=10"]),
                  dict(env, NEOX_DEBUG_CHECKPOINT_DELAY_S="25"), log)
-    try:
-        deadline = time.time() + 300
-        while steps_done(out) < 5:
-            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+    with killed_on_failure(proc):
+        wait_until(lambda: steps_done(out) >= 5, proc, log)
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
     stopped = STOP_LINE.search(text)
@@ -206,11 +219,8 @@ def test_a_checkpoint_waiting_for_a_slow_write_is_progress_on_every_rank(tmp_pat
     data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
     proc = start(launcher_cmd(out, data, sets=["max_steps=6", "save_steps=2", "hang_timeout_s=6"]),
                  dict(env, NEOX_DEBUG_CHECKPOINT_DELAY_S="15"), log)
-    try:
+    with killed_on_failure(proc):
         proc.wait(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
     assert "finished after step 6" in text and "hang watchdog" not in text and not hang_files(out), text[-4000:]
@@ -230,10 +240,7 @@ def test_a_launcher_killed_during_a_restart_wait_leaves_nothing_running(tmp_path
                  env, log)
     try:
         os.kill(wait_past_a_checkpoint(out, proc, log), signal.SIGKILL)
-        deadline = time.time() + 120
-        while "restart 1 of 2 in 8 s" not in log.read_text():
-            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+        wait_until(lambda: "restart 1 of 2 in 8 s" in log.read_text(), proc, log, timeout=120)
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.time()
         proc.wait(timeout=10)
@@ -260,21 +267,15 @@ def test_a_full_disk_at_the_restart_s_lock_write_is_one_line(tmp_path, env, smal
     data, out, log = make_shards(tmp_path / "data"), small_disk / "out", tmp_path / "out.log"
     proc = start(launcher_cmd(out, data, "--max-restarts", "1", "--restart-delay", "5",
                               sets=["max_steps=1000", "save_total_limit=1"]), env, log)
-    try:
+    with killed_on_failure(proc):
         os.kill(wait_past_a_checkpoint(out, proc, log), signal.SIGKILL)
-        deadline = time.time() + 120
-        while "restart 1 of 1 in 5 s" not in log.read_text():
-            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_until(lambda: "restart 1 of 1 in 5 s" in log.read_text(), proc, log, timeout=120)
         filler = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT)
         with pytest.raises(OSError, match="No space left"):
             while True:
                 os.write(filler, b"\0" * 4096)
         os.close(filler)
         proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
     assert proc.returncode == 2, text[-4000:]
     assert "Traceback" not in text, text[-4000:]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
-from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd
+from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd, training_process
 
 pytestmark = pytest.mark.slow
 SETS = TINY + ["per_device_train_batch_size=2", "save_steps=100000"]
@@ -191,18 +191,6 @@ def test_train_args_keep_a_path_with_a_space_whole(slurm, tmp_path, subprocess_e
     assert "finished after step 2" in text and (out / "final_model" / "model.safetensors").exists(), text[-3000:]
 
 
-def _training_rank(out: Path) -> int | None:
-    """The pid of the run's training process (python train.py ... naming `out`)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) > 2 and argv[1].endswith(b"train.py") and str(out).encode() in b" ".join(argv):
-            return int(proc.name)
-    return None
-
-
 def test_scancel_during_a_restart_wait_says_only_what_is_true(slurm, tmp_path, subprocess_env):
     """MAX_RESTARTS=1, the rank killed, scancel while the launcher waits to restart it: the batch script said
     "the job then requeues itself" and printed scancel's error (the job was already ending) before ending
@@ -212,7 +200,7 @@ def test_scancel_during_a_restart_wait_says_only_what_is_true(slurm, tmp_path, s
     job_id = submit(slurm, dict(subprocess_env, MAX_RESTARTS="1"), out, data, log, "--time=10",
                     sets=["max_steps=100000"], launch=["--restart-delay", "120"])
     wait_for_steps(slurm, job_id, out, log, 3)
-    os.kill(_training_rank(out), signal.SIGKILL)
+    os.kill(training_process(out), signal.SIGKILL)
     deadline = time.time() + 120
     while "restart 1 of 1 in 120 s" not in log.read_text():
         assert time.time() < deadline, log.read_text()[-3000:]
