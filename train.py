@@ -190,8 +190,8 @@ def train(cfg, profile, args) -> int:
             window.add(step_loss, skipped=not applied)
             bar.update(1)
             with watchdog.busy("a rollback"):  # busy: progress though no step ends (utils/watchdog.py)
-                rolled_back = guard.rollback_due and guard.roll_back(ckpt, loader, state)  # to the newest checkpoint
-            if rolled_back:  # the data since it skipped
+                rolled_back = guard.rollback_due and guard.roll_back(ckpt, loader, state)
+            if rolled_back:  # to the newest checkpoint, the data since it skipped
                 window.restart(state.step + 1)
                 bar.n = state.step
                 continue
