@@ -283,8 +283,12 @@ done
 # The supervisor runs as a child in a session of its own (a signal to this script's process group reaches it
 # once, through this script), never exec'd: an exec'd interpreter dies of a stop signal that comes before its
 # first line has installed its handlers. A signal until then is held here and handed over once it catches them.
-catches_stops() {  # whether process $1 has its handlers for SIGTERM and SIGINT (bits 14 and 1 of /proc's SigCgt)
-    local mask
+supervisor_script="$SCRIPT_DIR/utils/runtime/launch.py"
+catches_stops() {  # whether process $1 is the supervisor with its handlers for SIGTERM and SIGINT (bits 14 and 1
+    # of /proc's SigCgt). Past its exec only: the shell forked to start it shows this script's traps until it execs.
+    local argv=() mask
+    { mapfile -d '' argv < "/proc/$1/cmdline"; } 2>/dev/null || return 1
+    [[ " ${argv[*]} " == *" $supervisor_script "* ]] || return 1
     mask="$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null)" || return 1
     [[ -n "$mask" ]] && (( (16#$mask >> 14) & 1 )) && (( (16#$mask >> 1) & 1 ))
 }
@@ -293,10 +297,10 @@ export NEOX_LAUNCHER_PID=$$  # the ranks stop with a checkpoint if this script i
 # The supervisor runs with -S (no site hooks, so no installed project either): the repo's packages by path.
 export PYTHONPATH="$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH}"
 if command -v setsid >/dev/null 2>&1; then
-    setsid "$python" -S "$SCRIPT_DIR/utils/runtime/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
+    setsid "$python" -S "$supervisor_script" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
         -- "${cmd[@]}" &  # -S: no site hooks, it catches sooner
 else
-    "$python" -S "$SCRIPT_DIR/utils/runtime/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
+    "$python" -S "$supervisor_script" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
         -- "${cmd[@]}" &
 fi
 supervisor=$!

@@ -226,10 +226,11 @@ class TrainingConfig:
     upload_timeout_s: int = _field(600, "at exit, wait at most this long for uploads still running", "[0, inf)")
     process_group_timeout_s: int = _field(3600, "collective timeout: long enough for rank 0's checkpoint I/O",
                                           "[1, inf)")
-    hang_timeout_s: int = _field(1800, "hang watchdog: a rank whose training loop makes no progress for this long "
-                                       "writes every rank's stacks to logs/hang-*.txt and the run exits 3 (restarted "
-                                       "by --max-restarts or the scheduler); above any honest step, evaluation or "
-                                       "checkpoint (docs/preemptible-gpus.md); 0: off", "[0, inf)")
+    hang_timeout_s: int = _field(1800, "hang watchdog: a run whose training loop makes no progress for this long "
+                                       "writes every rank's stacks to logs/hang-*.txt and exits 3 (restarted by "
+                                       "--max-restarts or the scheduler); above any honest step (evaluations, "
+                                       "checkpoints and rollbacks count as progress: docs/preemptible-gpus.md); 0: "
+                                       "off", "[0, inf)")
     # downstream evals (utils/evals/)
     eval_tasks: dict = field(default_factory=dict, metadata={
         "help": "task files scored with validation, as lm-evaluation-harness scores them {name: FILE} (or a list of "

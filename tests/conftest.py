@@ -1,4 +1,5 @@
-"""Shared fixtures: a real in-process GCS emulator, the repo root, and a python that runs the repo's code."""
+"""Shared fixtures: a real in-process GCS emulator, a real small disk, the repo root, and a python that runs the
+repo's code."""
 from __future__ import annotations
 
 import os
@@ -74,6 +75,22 @@ def open_tmp():
     yield path
     subprocess.run(["chmod", "-R", "u+rwx", str(path)], capture_output=True)
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path, request):
+    """A real small filesystem: a tmpfs of 3 MB (another size: parametrize the fixture indirectly, e.g. "5m"),
+    mounted in the test's folder; skipped where mounting needs root."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    size = getattr(request, "param", "3m")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 @pytest.fixture

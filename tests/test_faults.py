@@ -141,16 +141,6 @@ def test_printed_upload_command_then_resume_from_gcs(tmp_path, subprocess_env, g
 
 # ------------------------------------------------------------------------------------------- disk full
 
-@pytest.fixture
-def small_disk(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("needs root to mount a small tmpfs")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-
-
 @pytest.mark.slow
 def test_disk_full_is_one_line_and_earlier_checkpoints_resume(tmp_path, subprocess_env, small_disk):
     data = make_shards(tmp_path / "data")

@@ -374,3 +374,58 @@ def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition(
     f = StderrFilter(sink)
     f.feed(b"\rtrain:   0%| 0/3\r")  # a progress bar clearing itself before a log line on stdout: nothing held
     assert sink.getvalue() == b"\rtrain:   0%| 0/3\r"
+
+
+# ------------------------------------------------------------- every exit code of docs/contracts.md, through it
+
+def _kill_the_rank_after_step_1(out: Path, proc: subprocess.Popen) -> None:
+    """Once step 1 is logged (the rank then hangs after step 2: NEOX_DEBUG_HANG_AFTER_STEP=2, the watchdog off),
+    SIGKILL it."""
+    import time
+
+    from tests.trainkit import training_process
+
+    rows, deadline = out / "logs" / "metrics.jsonl", time.time() + 240
+    while not (rows.exists() and '"loss"' in rows.read_text()):
+        assert proc.poll() is None and time.time() < deadline, "no training step in time"
+        time.sleep(0.2)
+    os.kill(training_process(out), signal.SIGKILL)
+
+
+EXIT_CODES = {  # id: (exit status, start_training.sh options, --set values, environment, action, a line it prints)
+    "0-finished": (0, [], ["max_steps=2"], {}, None, "start_training.sh: finished after step 2"),
+    "1-upload-failed": (1, [], ["max_steps=2", "save_steps=1", "gcs_bucket=nowhere", "run_name=r",
+                                "upload_timeout_s=1"], {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}, None,
+                        "error: upload of"),
+    "2-input-error": (2, ["--resume", "latest"], [], {}, None, "error: --resume latest"),
+    "3-hang-1-process": (3, [], ["max_steps=100", "hang_timeout_s=3"], {"NEOX_DEBUG_HANG_AFTER_STEP": "2"}, None,
+                         "hang watchdog: rank 0 made no training progress"),
+    "3-hang-2-ranks": (3, ["--gpus", "2"], ["max_steps=100", "hang_timeout_s=3"],
+                       {"NEOX_DEBUG_HANG_AFTER_STEP": "2:1"}, None, "hang watchdog: rank 1 made no training progress"),
+    "137-rank-killed": (128 + signal.SIGKILL, [], ["max_steps=100", "logging_steps=1", "hang_timeout_s=0"],
+                        {"NEOX_DEBUG_HANG_AFTER_STEP": "2"}, _kill_the_rank_after_step_1, "was killed by SIGKILL"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", EXIT_CODES, ids=list(EXIT_CODES))
+def test_every_exit_code_of_the_contract_reaches_the_caller(launcher, tmp_path, subprocess_env, case):
+    """docs/contracts.md's exit codes, each from a real run through start_training.sh (accelerate exits 1
+    whatever its rank's status; torchrun too): 0 finished, 1 a checkpoint that did not reach GCS, 2 an input
+    error, 3 the hang watchdog (one process, and a rank of two that hangs), 128+N a rank killed by signal N."""
+    from tests.trainkit import TINY, make_shards
+
+    code, options, sets, env, action, said = EXIT_CODES[case]
+    data, out = make_shards(tmp_path / "data"), tmp_path / "out"
+    args = ["--config", "demo", "--cpu", "--main-port", str(free_port()), *options]
+    for s in TINY + ["per_device_train_batch_size=2", *sets]:
+        args += ["--set", s]
+    proc = start(launcher, args + ["--", "--output-dir", str(out), "--data-dir", str(data)],
+                 dict(subprocess_env, **env))
+    if action:
+        action(out, proc)
+    res = finish(proc, timeout=300)
+    text = res.stdout + res.stderr
+    assert res.returncode == code, text[-3000:]
+    assert said in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

@@ -4,11 +4,13 @@ checkpoint. The run comes back with --resume auto and ends with the uninterrupte
 restarts it exits non-zero naming them; a bad setting is never retried."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,24 @@ def wait_past_a_checkpoint(out: Path, proc: subprocess.Popen, log: Path, not_in=
         elif list_checkpoints(out / "checkpoints") and steps_done(out) >= max(base + 2, 4):
             return pid
         time.sleep(0.2)
+
+
+def wait_until(done, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    """Polls `done()` while the run goes on; fails with the log's end if the run ends or time runs out first."""
+    deadline = time.time() + timeout
+    while not done():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+@contextmanager
+def killed_on_failure(proc: subprocess.Popen):
+    """Whatever happens in the block, the launcher's process group does not outlive it."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def final_weights(out: Path) -> dict:
@@ -135,7 +155,7 @@ def hang_files(out: Path) -> dict[int, str]:
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_a_stopped_rank_is_found_by_the_hang_watchdog(tmp_path, env, restarts):
     """SIGSTOP to rank 1 past a checkpoint: within hang_timeout_s + 30 s every rank's stacks are on disk and
-    a line names rank 1; the run exits non-zero, or with --max-restarts comes back and finishes."""
+    a line names rank 1; the run exits 3, or with --max-restarts comes back (its line says why) and finishes."""
     data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
     timeout_s = 20
     steps = 1000 if restarts == 0 else 14
@@ -160,7 +180,108 @@ def test_a_stopped_rank_is_found_by_the_hang_watchdog(tmp_path, env, restarts):
     text = log.read_text()
     assert re.search(rf"hang watchdog: rank 0 made no training progress .*rank 1 \(pid {pid}, .*\) is not running",
                      text), text[-4000:]
-    if restarts == 0:
-        assert proc.returncode != 0, text[-4000:]
+    if restarts == 0:  # the watchdog's status, not accelerate's or torchrun's 1
+        assert proc.returncode == 3, text[-4000:]
     else:
-        assert proc.returncode == 0 and "restart 1 of 1" in text and "(1 restart(s))" in text, text[-4000:]
+        assert proc.returncode == 0 and "(1 restart(s))" in text, text[-4000:]
+        restarted = r"start_training\.sh: the hang watchdog ended rank \d \(exit status 3\); restart 1 of 1 in 0 s"
+        assert re.search(restarted, text), text[-4000:]
+
+
+STOP_LINE = re.compile(r"^start_training\.sh: stopped by SIGTERM after step (\d+); checkpoint (\S+) ", re.M)
+
+
+def test_the_stop_s_checkpoint_is_progress_not_a_hang(tmp_path, env):
+    """SIGTERM after step 5 of 2 ranks, a checkpoint that takes 25 s to write (a slow disk or bucket:
+    NEOX_DEBUG_CHECKPOINT_DELAY_S) and hang_timeout_s=10: the watchdog lets the write finish (it killed the
+    rank mid-write, leaving only a temporary folder, exit 1): one verified checkpoint, exit 0, no stacks."""
+    from utils.checkpoint.format import verify_checkpoint
+
+    data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
+    proc = start(launcher_cmd(out, data, sets=["max_steps=100000", "save_steps=100000", "hang_timeout_s=10"]),
+                 dict(env, NEOX_DEBUG_CHECKPOINT_DELAY_S="25"), log)
+    with killed_on_failure(proc):
+        wait_until(lambda: steps_done(out) >= 5, proc, log)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    stopped = STOP_LINE.search(text)
+    assert stopped and "hang watchdog" not in text and not hang_files(out), text[-4000:]
+    verify_checkpoint(Path(stopped.group(2)))
+    assert list_checkpoints(out / "checkpoints") == [Path(stopped.group(2))]
+
+
+def test_a_checkpoint_waiting_for_a_slow_write_is_progress_on_every_rank(tmp_path, env):
+    """save_steps=2 on 2 ranks with writes of 15 s and hang_timeout_s=6: at each save rank 0 waits for the
+    previous write, and rank 1 waits for rank 0 in its next step's collective. Neither is a hang (rank 0 is
+    busy with a checkpoint, rank 1 sees that in rank 0's heartbeat): the run finishes, exit 0, no stacks."""
+    data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
+    proc = start(launcher_cmd(out, data, sets=["max_steps=6", "save_steps=2", "hang_timeout_s=6"]),
+                 dict(env, NEOX_DEBUG_CHECKPOINT_DELAY_S="15"), log)
+    with killed_on_failure(proc):
+        proc.wait(timeout=400)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    assert "finished after step 6" in text and "hang watchdog" not in text and not hang_files(out), text[-4000:]
+    blocked = [r["blocked_s"] for r in map(json.loads, (out / "logs" / "metrics.jsonl").read_text().splitlines())
+               if "checkpoint" in r]
+    assert len(blocked) == 3 and max(blocked) > 6, blocked  # the saves did wait longer than hang_timeout_s
+
+
+def test_a_launcher_killed_during_a_restart_wait_leaves_nothing_running(tmp_path, env):
+    """`kill -9` of start_training.sh while its supervisor (a session of its own) waits to restart the ranks:
+    the supervisor relaunched every rank 8 s later and trained on, holding the folder's lock with nobody
+    watching. Now it restarts nothing: 20 s later no process of the run is left."""
+    from tests.test_preemption import leftovers
+
+    data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
+    proc = start(launcher_cmd(out, data, "--max-restarts", "2", "--restart-delay", "8", sets=["max_steps=1000"]),
+                 env, log)
+    try:
+        os.kill(wait_past_a_checkpoint(out, proc, log), signal.SIGKILL)
+        wait_until(lambda: "restart 1 of 2 in 8 s" in log.read_text(), proc, log, timeout=120)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.time()
+        proc.wait(timeout=10)
+        while leftovers(str(out)) and time.time() < killed + 20:
+            time.sleep(0.5)
+        time.sleep(max(0.0, killed + 20 - time.time()))  # past the restart's moment: nothing started again
+        left = leftovers(str(out))
+    finally:
+        for line in leftovers(str(out)):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    text = log.read_text()
+    assert left == [], (left, text[-3000:])
+    assert "no restart" in text and "Resumed from" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("small_disk", ["5m"], indirect=True)
+def test_a_full_disk_at_the_restart_s_lock_write_is_one_line(tmp_path, env, small_disk):
+    """The output folder on a 5 MB tmpfs, rank 1 killed past a checkpoint, the disk filled during the restart's
+    wait: the restarted rank 0's first write, the folder's lock record, was a traceback (OSError: No space left on
+    device); now one `error:` line naming the lock file and what to do, exit 2 (not restarted again), and the
+    checkpoint written before still verifies."""
+    from utils.checkpoint.format import verify_checkpoint
+
+    data, out, log = make_shards(tmp_path / "data"), small_disk / "out", tmp_path / "out.log"
+    proc = start(launcher_cmd(out, data, "--max-restarts", "1", "--restart-delay", "5",
+                              sets=["max_steps=1000", "save_total_limit=1"]), env, log)
+    with killed_on_failure(proc):
+        os.kill(wait_past_a_checkpoint(out, proc, log), signal.SIGKILL)
+        wait_until(lambda: "restart 1 of 1 in 5 s" in log.read_text(), proc, log, timeout=120)
+        filler = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(filler, b"\0" * 4096)
+        os.close(filler)
+        proc.wait(timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 2, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(rf"no space left on \S+ writing {re.escape(str(out / '.run.lock'))} \(",
+                                          errors[0]), text[-4000:]
+    assert "--resume auto" in errors[0] and "restart 2" not in text
+    for path in list_checkpoints(out / "checkpoints"):
+        verify_checkpoint(path)

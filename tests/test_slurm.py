@@ -10,7 +10,10 @@ The one other storage plugin Debian ships, accounting_storage/slurmdbd, needs sl
 server, more than a test fixture should start. On a cluster with accounting, `sacct -j JOB -D` lists each run."""
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import signal
 import time
 from pathlib import Path
 
@@ -18,7 +21,7 @@ import pytest
 import torch
 
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
-from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd
+from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd, training_process
 
 pytestmark = pytest.mark.slow
 SETS = TINY + ["per_device_train_batch_size=2", "save_steps=100000"]
@@ -37,10 +40,11 @@ def slurm(tmp_path_factory):
 
 
 def submit(slurm: SlurmCluster, env: dict, out: Path, data: Path, log: Path, *options: str, sets=(),
-           step_delay: str = "0.5") -> str:
-    launch = " ".join(f"--set {s}" for s in SETS + list(sets))
+           step_delay: str = "0.5", launch: list[str] = ()) -> str:
+    launch = shlex.join([*launch, *(word for s in SETS + list(sets) for word in ("--set", s))])
     job_env = dict(env, CONFIG="demo", CPU_PROCESSES="1", LAUNCH_ARGS=launch, MAIN_PORT=str(_free_port()),
-                   TRAIN_ARGS=f"--output-dir {out} --data-dir {data}", NEOX_DEBUG_STEP_DELAY_S=step_delay)
+                   TRAIN_ARGS=shlex.join(["--output-dir", str(out), "--data-dir", str(data)]),
+                   NEOX_DEBUG_STEP_DELAY_S=step_delay)
     proc = slurm.run(["sbatch", "--parsable", "--nodes=1", "--cpus-per-task=2", f"--output={log}", *options,
                       str(REPO_ROOT / "scripts" / "slurm_train.sbatch")], env=job_env, cwd=REPO_ROOT)
     return proc.stdout.strip().split(";")[0]
@@ -54,6 +58,14 @@ def wait_for(slurm: SlurmCluster, job_id: str, done, timeout: float, log: Path) 
             return job
         assert time.time() < deadline, f"{job}\n{log.read_text()[-3000:] if log.exists() else ''}"
         time.sleep(1)
+
+
+def last_line(log: Path, line: str, timeout: float = 60) -> str:
+    """The job's log once `line` is in it (the batch script's last lines come after the job has ended)."""
+    deadline = time.time() + timeout
+    while line not in log.read_text() and time.time() < deadline:
+        time.sleep(0.5)
+    return log.read_text()
 
 
 def ended(job: dict) -> bool:
@@ -83,7 +95,8 @@ def test_a_time_limit_checkpoints_requeues_and_the_run_finishes_as_an_uninterrup
     assert job["JobState"] == "COMPLETED", (job, text[-3000:])
     assert int(job["Restarts"]) >= 1, (job, text[-3000:])
     assert re.search(r"stopped by SIGTERM after step \d+; checkpoint", text), text[-3000:]
-    assert "requeueing (the next run resumes from it)" in text and "Resumed from" in text, text[-3000:]
+    assert "requeueing (the next run resumes from the newest checkpoint)" in text and "Resumed from" in text, \
+        text[-3000:]
     assert "finished after step 150" in text
     expected, got = load_weights(ref / "final_model" / "model.safetensors"), \
         load_weights(out / "final_model" / "model.safetensors")
@@ -149,11 +162,11 @@ def test_scancel_checkpoints_and_does_not_requeue(slurm, tmp_path, subprocess_en
         time.sleep(0.5)
     slurm.run(["scancel", job_id])
     job = wait_for(slurm, job_id, ended, 300, log)
-    time.sleep(2)  # the batch script's last lines
-    text = log.read_text()
+    text = last_line(log, "not requeued by this script")
     assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", job
     assert re.search(r"stopped by SIGTERM after step \d+; checkpoint", text), text[-3000:]
-    assert "stopped at a checkpoint; not requeued by this script (JobState=COMPLETING" in text, text[-3000:]
+    assert "the run stopped; not requeued by this script (JobState=COMPLETING" in text, text[-3000:]
+    assert "scancel: error" not in text and "requeues itself" not in text, text[-3000:]
     assert list((out / "checkpoints").iterdir())
 
 
@@ -165,3 +178,38 @@ def test_a_run_that_fails_on_a_setting_is_not_requeued(slurm, tmp_path, subproce
     text = log.read_text()
     assert job["JobState"] == "FAILED" and job["Restarts"] == "0", (job, text[-2000:])
     assert "error:" in text and "requeueing" not in text, text[-2000:]
+
+
+def test_train_args_keep_a_path_with_a_space_whole(slurm, tmp_path, subprocess_env):
+    """TRAIN_ARGS="--output-dir '/.../my run' ...": split as a shell splits words (it was split on every
+    blank, and the run was refused naming '/.../my' and 'run'): the run writes into "my run"."""
+    data, out, log = make_shards(tmp_path / "data"), tmp_path / "my run", tmp_path / "job.out"
+    job_id = submit(slurm, subprocess_env, out, data, log, "--time=10", sets=["max_steps=2"], step_delay="0")
+    job = wait_for(slurm, job_id, ended, 300, log)
+    text = log.read_text()
+    assert job["JobState"] == "COMPLETED", (job, text[-3000:])
+    assert "finished after step 2" in text and (out / "final_model" / "model.safetensors").exists(), text[-3000:]
+
+
+def test_scancel_during_a_restart_wait_says_only_what_is_true(slurm, tmp_path, subprocess_env):
+    """MAX_RESTARTS=1, the rank killed, scancel while the launcher waits to restart it: the batch script said
+    "the job then requeues itself" and printed scancel's error (the job was already ending) before ending
+    correctly. Now: the launcher stops before the restart, the job is CANCELLED, and no line is untrue or an
+    error."""
+    data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "job.out"
+    job_id = submit(slurm, dict(subprocess_env, MAX_RESTARTS="1"), out, data, log, "--time=10",
+                    sets=["max_steps=100000"], launch=["--restart-delay", "120"])
+    wait_for_steps(slurm, job_id, out, log, 3)
+    os.kill(training_process(out), signal.SIGKILL)
+    deadline = time.time() + 120
+    while "restart 1 of 1 in 120 s" not in log.read_text():
+        assert time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    slurm.run(["scancel", job_id])
+    job = wait_for(slurm, job_id, ended, 120, log)
+    text = last_line(log, "not requeued by this script")
+    assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", (job, text[-3000:])
+    assert "stopped by SIGTERM before restart 1; nothing running" in text, text[-3000:]
+    assert "requeues itself" not in text and "scancel: error" not in text, text[-3000:]
+    assert "the run stopped; not requeued by this script (JobState=" in text, text[-3000:]
+

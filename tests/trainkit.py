@@ -58,6 +58,19 @@ def train_rows(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in metrics(out) if "loss" in r}
 
 
+def training_process(out: Path) -> int | None:
+    """The pid of the one training process of the run writing to `out` (`python train.py ...`, not accelerate's
+    launcher, whose command line names train.py too), or None."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 2 and argv[1].endswith(b"train.py") and str(out).encode() in b" ".join(argv):
+            return int(proc.name)
+    return None
+
+
 def load_weights(path: Path) -> dict:
     from safetensors.torch import load_file
 

@@ -9,6 +9,10 @@
                                     the preemption tests
     NEOX_DEBUG_STEP_DELAY_S=S       every optimizer step sleeps S seconds after it: a slow step, so that a test can
                                     act (kill, stop a rank) between two steps of a toy run
+    NEOX_DEBUG_HANG_AFTER_STEP=S[:R]
+                                    after optimizer step S, rank R (every rank without :R) hangs: its main thread
+                                    sleeps for ever, as one stuck in a deadlock or a collective that never returns
+                                    (the hang watchdog's tests)
     NEOX_DEBUG_POISON_SEQUENCES=A-B[,C-D...]
                                     the sequences at global stream positions [A, B) (the data cursor's count)
                                     reach the model as their first token repeated: a loss spike on demand, for
@@ -68,6 +72,15 @@ def profiled_steps() -> tuple[int, int] | None:
     return span
 
 
+def hang_after_step() -> tuple[int, int | None] | None:
+    """`NEOX_DEBUG_HANG_AFTER_STEP` as (step, rank or None for every rank), None when unset."""
+    spec = os.environ.get("NEOX_DEBUG_HANG_AFTER_STEP", "")
+    if not spec:
+        return None
+    step, _, rank = spec.partition(":")
+    return int(step), int(rank) if rank else None
+
+
 def poisoned_sequences() -> list[range]:
     """`NEOX_DEBUG_POISON_SEQUENCES` as ranges of global stream positions (empty when unset)."""
     spec = os.environ.get("NEOX_DEBUG_POISON_SEQUENCES", "")
@@ -93,11 +106,16 @@ class BatchTrace:
         self.path, self.accelerator = Path(output_dir) / layout.LOGS / layout.BATCH_TRACE, accelerator
         self.enabled = os.environ.get("NEOX_TRACE_BATCHES") == "1"
         self.step_delay = step_delay_s()
+        self.hang = hang_after_step()
 
-    def after_step(self) -> None:
-        """`NEOX_DEBUG_STEP_DELAY_S`: a pause after each step (tests act between two steps); nothing unless set."""
+    def after_step(self, step: int) -> None:
+        """`NEOX_DEBUG_STEP_DELAY_S`: a pause after each step (tests act between two steps);
+        `NEOX_DEBUG_HANG_AFTER_STEP`: a hang after one. Nothing unless set."""
         if self.step_delay:
             time.sleep(self.step_delay)
+        if self.hang and self.hang[0] == step and self.hang[1] in (None, self.accelerator.process_index):
+            while True:
+                time.sleep(60)
 
     def record(self, step: int, input_ids) -> None:
         """Every rank calls it for every micro-batch; it does nothing unless NEOX_TRACE_BATCHES=1."""

@@ -25,6 +25,8 @@ from utils.io import files
 from utils.errors import UserError
 
 LOCK_FILE = ".run.lock"
+FULL_DISK_ADVICE = ("free space there, then run again (a training run: --resume auto continues from its newest "
+                    "checkpoint)")
 _HELD: set[int] = set()  # lock descriptors this process holds; a forked child closes its copies
 
 
@@ -75,8 +77,14 @@ class OutputDirLock:
         if previous and previous.get("pid") != os.getpid():
             log(f"output dir: taking over the lock left by a run that is no longer alive ({_describe(previous)})")
         record = {"host": socket.gethostname(), "pid": os.getpid(), "started_unix": round(time.time(), 1)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        try:  # a full disk (a restart into a folder that filled up meanwhile) is one line, as for any write
+            with files.write_guard(self.path, advice=FULL_DISK_ADVICE):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        except UserError:
+            _HELD.discard(fd)
+            os.close(fd)
+            raise
         self._fd = fd
         atexit.register(self.release)  # emptied at exit too when the holder fails before releasing it
 

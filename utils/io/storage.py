@@ -26,7 +26,7 @@ import google_crc32c
 from utils.io import files
 from utils.errors import DiskFullError, UserError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CREDENTIALS_DIR = REPO_ROOT / "credentials"
 CHUNK_BYTES = 8 * 1024 * 1024
 MAX_BACKOFF_S = 30.0

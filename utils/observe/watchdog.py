@@ -4,10 +4,14 @@ restarts (start_training.sh --max-restarts) or the scheduler bring the run back 
 instead of a hung collective burning the allocation until its time limit (over gloo nothing else times out
 soon: a collective waits process_group_timeout_s).
 
-Every rank runs one daemon thread. The loop calls `beat(step)` after each optimizer step; the thread
-publishes, every few seconds, this rank's heartbeat (`logs/.watchdog/rank<R>.json`: pid, host, last step,
-when it progressed, when the thread last ran). When the loop has not progressed for `hang_timeout_s`, or
-this process itself was not running for that long (SIGSTOP, a frozen VM), the thread
+Every rank runs one daemon thread. The loop calls `beat(step)` after each optimizer step, and runs the parts of
+an iteration that are progress without being a step inside `busy(what)`: an evaluation, a checkpoint's save,
+the stop's wait for its checkpoint, a rollback's restore (the clock stops while one runs and starts again when
+it ends). The thread publishes, every few seconds, this rank's heartbeat (`logs/.watchdog/rank<R>.json`: pid,
+host, last step, when it progressed, what it is busy with, when the thread last ran). A rank waiting in a
+collective for another that is busy (rank 0 alone writes a checkpoint) or that progressed lately is not hung:
+the run's progress is any running rank's. When the run has not progressed for `hang_timeout_s`, or this
+process itself was not running for that long (SIGSTOP, a frozen VM), the thread
 - writes `logs/hang-<UTC time>-rank<R>.txt`: a header and every thread's Python stack (faulthandler);
 - reads the other ranks' heartbeats: a rank whose thread has not run for a while is not running (stopped,
   frozen or gone) and is named; one on this host that is stopped gets SIGCONT, so that its own watchdog
@@ -15,6 +19,8 @@ this process itself was not running for that long (SIGSTOP, a frozen VM), the th
 - prints one line: this rank, where its main thread waits (innermost frame, and the innermost frame in this
   repository), the ranks that are not running, and the stack file;
 - on CUDA, writes NCCL's flight recorder (`logs/nccl-trace-<time>-rank<R>.pkl`, where torch can dump it);
+- marks the hang beside the launcher's status record (utils/runtime/run_status.py `mark_hung`), so that the launcher
+  exits 3 too, whichever rank fired and whatever accelerate or torchrun exit with;
 - exits with status 3 (`os._exit`: a thread cannot unwind a main thread stuck in a collective).
 
 On CUDA, `nccl_flight_recorder_env` (called before the process group exists) also turns on NCCL's own flight
@@ -32,12 +38,13 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-from utils.runtime.run_status import mark_trained
+from utils.runtime.run_status import HANG_EXIT, mark_hung, mark_trained
 
-HANG_EXIT = 3
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 WAIT_FOR_PEER_STACKS_S = 15.0
 
 
@@ -62,8 +69,10 @@ class HangWatchdog:
         self.stale_s = 3 * self.poll_s + 5  # a heartbeat older than this: that rank's process is not running
         self.step: int | None = None
         self.progress_t, self.progress_wall = time.monotonic(), time.time()
+        self.busy_with: str | None = None  # the phase running now that is progress though no step ends
         self._stop = threading.Event()
         self._host = socket.gethostname()
+        self._publishing = threading.Lock()
 
     def start(self, step: int) -> "HangWatchdog":
         """Arms it (hang_timeout_s 0: off), counting from now, at optimizer step `step`."""
@@ -71,6 +80,7 @@ class HangWatchdog:
             return self
         self.beat(step)
         self.beats.mkdir(parents=True, exist_ok=True)
+        self._publish()  # at once: a heartbeat left by an earlier launch is this rank's no longer
         threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
         return self
 
@@ -79,6 +89,19 @@ class HangWatchdog:
         may be restarted: --max-restarts), whether or not the watchdog is on."""
         mark_trained()
         self.step, self.progress_t, self.progress_wall = step, time.monotonic(), time.time()
+
+    @contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        """`with watchdog.busy("evaluation"): ...`: a part of the loop that is progress though no step ends
+        (an evaluation, a checkpoint's save, the stop's wait for its checkpoint): the clock stops while it runs
+        and starts again when it ends; the other ranks read it in this rank's heartbeat. Cheap: the loop may
+        wrap a call that is due only now and then."""
+        self.busy_with = what
+        try:
+            yield
+        finally:
+            self.busy_with = None
+            self.progress_t, self.progress_wall = time.monotonic(), time.time()
 
     def stop(self) -> None:
         self._stop.set()
@@ -90,21 +113,42 @@ class HangWatchdog:
         while not self._stop.wait(self.poll_s):
             now = time.monotonic()
             not_running_s, last = now - last, now  # this process was stopped (SIGSTOP, a frozen VM) that long
-            idle = now - self.progress_t
-            if idle >= self.timeout_s or not_running_s >= self.timeout_s:
+            idle = self._idle_s()
+            frozen = not_running_s >= self.timeout_s and self.busy_with is None  # a long call may hold the GIL
+            if idle >= self.timeout_s or frozen:
                 self._fire(idle, not_running_s, main)
             self._publish()
 
+    def _idle_s(self) -> float:
+        """Seconds since the run last progressed, as this rank sees it: its own steps and busy phases, and
+        those of every other rank still running (one that waits in a collective for a rank writing a checkpoint
+        or evaluating alone is not hung). The other ranks' heartbeats are read only once this rank's own idle
+        time has reached the timeout."""
+        if self.busy_with is not None:
+            return 0.0
+        idle = time.monotonic() - self.progress_t
+        if idle < self.timeout_s:
+            return idle
+        now = time.time()
+        for peer in self._peers():
+            if now - peer.get("alive", 0) > self.stale_s:
+                continue  # not running: it makes no progress, and the line names it
+            if peer.get("busy"):
+                return 0.0
+            idle = min(idle, now - peer.get("progress", 0))
+        return idle
+
     def _publish(self) -> None:
         record = {"rank": self.rank, "pid": os.getpid(), "host": self._host, "step": self.step,
-                  "progress": self.progress_wall, "alive": time.time()}
+                  "progress": self.progress_wall, "busy": self.busy_with, "alive": time.time()}
         path = self.beats / f"rank{self.rank}.json"
-        try:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        with self._publishing:  # start() and the thread: one temporary file at a time
+            try:
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(record))
+                os.replace(tmp, path)
+            except OSError:
+                pass
 
     def _peers(self) -> list[dict]:
         found = []
@@ -152,6 +196,7 @@ class HangWatchdog:
               f"{HANG_EXIT} (start_training.sh --max-restarts or the scheduler brings the run back from the newest "
               f"checkpoint)", file=sys.stderr, flush=True)
         self._flight_recorder(stamp)
+        mark_hung(self.rank)
         deadline = time.monotonic() + (WAIT_FOR_PEER_STACKS_S if woken else 0)
         while time.monotonic() < deadline and not all(
                 list(self.logs.glob(f"hang-*-rank{p.get('rank')}.txt")) for p in woken):

@@ -10,6 +10,8 @@ Hooks, in the order a step meets them (each gets the Trainer, `run`, and reads w
                     callback that rewinds the run (`run.rewind()`) ends this hook for the callbacks after it
   on_rewind         the run went back to an earlier step (a spike guard's rollback)
   step_end          after the stop vote (`run.stopping`): where the checkpoint policy decides
+  busy(what)        a context around a part of the loop that is progress though no step ends (an evaluation,
+                    a checkpoint's save, the stop's wait for its write, a rollback): `with run.busy(what):`
   pre_checkpoint    before a save; post_checkpoint after it (`run.last_checkpoint`)
   on_stop           the loop is over, for any reason, before the export
   on_close          every way out of the run, an error's too
@@ -19,6 +21,8 @@ Adding an observer is one Callback subclass and one line where the Trainer is bu
 of the Trainer; the adapters here hand each the values it takes.
 """
 from __future__ import annotations
+
+import contextlib
 
 
 class Callback:
@@ -38,6 +42,9 @@ class Callback:
     def on_rewind(self, run) -> None: ...
 
     def step_end(self, run) -> None: ...
+
+    def busy(self, run, what: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def pre_checkpoint(self, run) -> None: ...
 
@@ -72,10 +79,18 @@ class Callbacks:
             if run.rewound:
                 return
 
+    @contextlib.contextmanager
+    def busy(self, run, what: str):
+        """Every callback's context for a busy part of the loop, entered in order."""
+        with contextlib.ExitStack() as stack:
+            for callback in self.callbacks:
+                stack.enter_context(callback.busy(run, what))
+            yield
+
 
 class WatchdogBeat(Callback):
-    """The hang watchdog (utils/observe/watchdog.py): armed at the first step, a beat after each step, off
-    once the loop is over."""
+    """The hang watchdog (utils/observe/watchdog.py): armed at the first step, a beat after each step, its
+    clock stopped while the run is busy between steps (`busy`), off once the loop is over."""
 
     def __init__(self, watchdog):
         self.watchdog = watchdog
@@ -88,6 +103,9 @@ class WatchdogBeat(Callback):
 
     def on_rewind(self, run) -> None:
         self.watchdog.beat(run.state.step)
+
+    def busy(self, run, what: str) -> contextlib.AbstractContextManager:
+        return self.watchdog.busy(what)
 
     def on_stop(self, run) -> None:
         self.watchdog.stop()
@@ -107,7 +125,7 @@ class BatchTracing(Callback):
         self.trace.record(run.state.step + 1, run.input_ids)
 
     def post_step(self, run) -> None:
-        self.trace.after_step()
+        self.trace.after_step(run.state.step)
 
 
 class StepTiming(Callback):
@@ -163,7 +181,11 @@ class SpikeGuarding(Callback):
         return self.guard.check(run.state.step + 1, run.step_loss, run.grad_norm)  # skip, rollback: a host sync
 
     def post_step(self, run) -> None:
-        if self.guard.rollback_due and self.guard.roll_back(run.checkpointer, run.loader, run.state):
+        if not self.guard.rollback_due:
+            return
+        with run.busy("a rollback"):
+            rolled_back = self.guard.roll_back(run.checkpointer, run.loader, run.state)
+        if rolled_back:
             run.rewind()  # the newest checkpoint restored, the data read since skipped
 
     def pre_checkpoint(self, run) -> None:
@@ -191,7 +213,8 @@ class Evaluation(Callback):
         self.evaluator.at_start(run.state, self.bar)
 
     def post_step(self, run) -> None:
-        self.evaluator.run_if_due(run.state, run.last)
+        with run.busy("an evaluation"):
+            self.evaluator.run_if_due(run.state, run.last)
 
 
 class StepProfiler(Callback):

@@ -261,8 +261,10 @@ class Trainer:
             if self.stopping or self.planned_stop:
                 self.stopped_by = self.stop.reason if self.stopping else "stop_at_step"
                 self.exit_code = int(self.stop.failed)
-                self.checkpointer.wait()
-                self.log.info(f"Stopped by {self.stopped_by} after step {state.step}: checkpoint {self.last_checkpoint}")
+                with self.busy("the stop's checkpoint"):
+                    self.checkpointer.wait()
+                self.log.info(f"Stopped by {self.stopped_by} after step {state.step}: checkpoint "
+                              f"{self.last_checkpoint}")
                 break
 
     def train_step(self, data) -> None:
@@ -296,8 +298,14 @@ class Trainer:
     def save(self) -> None:
         """A checkpoint now, with the callbacks' pre- and post-checkpoint hooks around it."""
         self.callbacks.call("pre_checkpoint", self)
-        self.last_checkpoint = self.checkpointer.save(self.state.step)
+        with self.busy("a checkpoint"):  # it may wait for the previous checkpoint's write
+            self.last_checkpoint = self.checkpointer.save(self.state.step)
         self.callbacks.call("post_checkpoint", self)
+
+    def busy(self, what: str):
+        """`with run.busy(what):` around a part of the loop that is progress though no step ends (the
+        callbacks' `busy`: the hang watchdog's clock stops meanwhile)."""
+        return self.callbacks.busy(self, what)
 
     # ------------------------------------------------------------------------------------------ the end
     def _end(self) -> None:

@@ -13,19 +13,25 @@ workers and torchrun before train.py could act on it. So:
 - SIGTERM, SIGHUP, SIGUSR1 (a common pre-timeout signal on SLURM) and SIGINT are caught here, also as
   PID 1, and forwarded as SIGTERM (SIGINT for Ctrl-C) straight to the ranks, never to torchrun, which then
   simply sees its workers finish: every rank stops at the same optimizer step, rank 0 writes the
-  checkpoint, all exit 0. A second Ctrl-C reaches the ranks too, which then stop at once;
+  checkpoint, all exit 0. A second Ctrl-C reaches the ranks too, which then stop at once. A rank gets the
+  signal once it acts on it (it catches SIGTERM: the engine's handlers, not Python's default SIGINT one);
+  the main thread never blocks for long and the helper threads block these signals, so a signal's handler
+  runs within a fraction of a second whenever it comes;
 - the supervisor is a child subreaper (PID 1 is one anyway): whatever the ranks leave behind is reparented
   here and waited for, so nothing outlives the launcher;
 - the last line says how the run ended and names the checkpoint, from the record rank 0 writes to
-  `NEOX_STATUS_FILE` (utils/runtime/run_status.py). Exit status: 0 for a finished run or a clean stop on a signal, train.py's own status
-  otherwise (2: a problem the user fixes, already explained on stderr in one `error:` line), not the
-  launcher's (accelerate exits 1 whatever its rank's status);
+  `NEOX_STATUS_FILE` (utils/runtime/run_status.py). Exit status: 0 for a finished run or a clean stop on a signal,
+  train.py's own status otherwise (2: a problem the user fixes, already explained on stderr in one `error:`
+  line; 3: the hang watchdog ended a rank, which any rank marks beside the record), not the launcher's
+  (accelerate and torchrun exit 1 whatever their rank's status);
 - the command's stderr passes through `StderrFilter` (with its stdout, over a pseudo-terminal, when ours is
   a terminal, so progress bars still draw and stay in order with the log lines), which leaves out the
   traceback accelerate or torchrun print after a rank failed: that rank has already said what went wrong.
 
-- the ranks get this supervisor's pid (`NEOX_SUPERVISOR_PID`): if it is SIGKILLed, so that it can forward
-  nothing, each rank notices (utils/runtime/signals.py `watch_supervisor`) and stops as on SIGTERM, with a checkpoint;
+- the ranks get the pid to watch (`NEOX_SUPERVISOR_PID`: start_training.sh's, else this supervisor's): if it
+  is SIGKILLed, so that it can forward nothing, each rank notices (utils/runtime/signals.py `watch_supervisor`) and
+  stops as on SIGTERM, with a checkpoint. This supervisor watches start_training.sh too, and once it is gone
+  restarts nothing (a restart's wait ends at once): nobody would be watching the run it started;
 - a rank killed by a signal (SIGKILL, the OOM killer) is one line naming it and the signal, not the other
   ranks' tracebacks about the peer they lost, nor torchrun's report;
 - a console that goes away (`| tee log` and Ctrl-C, a closed terminal) never stops it (utils/io/console.py).
@@ -37,9 +43,10 @@ launches the same command again with `--resume auto`, so every rank continues fr
 checkpoint; up to N times, waiting S, 2S, 4S ... (at most 300 s) in between. Each restart is one line on
 stderr; the ranks see the count in `NEOX_RESTART_COUNT` and rank 0's status record carries it (`restarts`);
 N exhausted, the last line names the restarts and the exit status is the failure's. Never restarted: a stop
-signal (it checkpoints and exits 0; one during the backoff ends the launcher, exit 0), a user error (exit 2),
-and a failure before the first training step of a launch (a setting, a missing file: it would fail again;
-rank 0 marks the first step beside the status file, `mark_trained`).
+signal (it checkpoints and exits 0; one during the backoff ends the launcher, exit 0), the loss of
+start_training.sh (likewise), a user error (exit 2), and a failure before the first training step of a
+launch (a setting, a missing file: it would fail again; rank 0 marks the first step beside the status file,
+`mark_trained`).
 Why not torchrun's own `--max-restarts`: it relaunches the workers with the same arguments (no `--resume
 auto`: a fresh run would start over, or be refused by its own output folder), it retries every non-zero
 exit, a user error's exit 2 and a failure during setup included, it cannot read the status record that says
@@ -63,11 +70,13 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
 from utils.io.console import survive_lost_console
-from utils.runtime.run_status import RESTARTS_ENV, STATUS_FILE_ENV, TRAINED_SUFFIX, RunStatus
+from utils.runtime.run_status import (HANG_EXIT, HUNG_SUFFIX, RESTARTS_ENV, STATUS_FILE_ENV, TRAINED_SUFFIX,
+                              RunStatus, hung_ranks)
 from utils.runtime.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid
 
 PROG = "start_training.sh"
@@ -77,6 +86,7 @@ PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE_S = 30.0  # non-rank leftovers (e.g. a stuck DataLoader worker) get this long after the ranks
 LATE_RANK_WAIT_S = 600.0  # how long a stop signal waits for ranks that are still starting
 MAX_RESTART_DELAY_S = 300.0  # the backoff between restarts doubles up to this
+WAIT_POLL_S = 0.2  # how often the main thread looks for children that ended (and runs a signal's handler)
 
 
 class StderrFilter:
@@ -279,6 +289,30 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
+def _acts_on(pid: int, signum: int) -> bool:
+    """Whether training process `pid` acts on the stop signal `signum`: it catches SIGTERM, which the engine's
+    handlers do from main()'s start (utils/runtime/signals.py catch_early, with SIGINT's), and `signum`. SIGINT caught
+    alone is Python's default handler, there from the interpreter's start: a SIGINT then is a KeyboardInterrupt
+    in whatever the rank is importing."""
+    return _catches(pid, signal.SIGTERM) and _catches(pid, signum)
+
+
+def _start_thread(target, *args) -> threading.Thread:
+    """A daemon thread that never takes the stop signals. POSIX lets the kernel hand a signal sent to this
+    process to any thread that does not block it (Linux prefers the main thread, without promising it), and
+    Python runs the handler only when the main thread next runs Python code: the main thread, blocked in
+    waitpid() for the whole run, would not be woken, and the signal would wait for the run's end. A thread
+    starts with its creator's signal mask, so the signals are blocked around its start."""
+    stops = set(FORWARDED)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return thread
+
+
 def _children_of(pid: int) -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and parent_pid(int(entry)) == pid]
 
@@ -290,8 +324,25 @@ def watched_launcher() -> str:
     """The pid the ranks watch (utils/runtime/signals.py watch_supervisor): start_training.sh's when it started this
     supervisor (a `kill -9` of the launcher the user started then stops the run with a checkpoint, as one of
     the supervisor did when the script exec'd it), else this supervisor's."""
+    launcher = started_by_launcher()
+    return str(launcher or os.getpid())
+
+
+def started_by_launcher() -> int | None:
+    """start_training.sh's pid when it started this supervisor (NEOX_LAUNCHER_PID is our parent), else None."""
     launcher = os.environ.get(LAUNCHER_PID, "")
-    return launcher if launcher.isdigit() and int(launcher) == os.getppid() else str(os.getpid())
+    return int(launcher) if launcher.isdigit() and int(launcher) == os.getppid() else None
+
+
+@dataclass
+class Launch:
+    """How one launch of the command ended: its exit status, rank 0's status record, what its output said,
+    whether a rank finished a training step, and the ranks the hang watchdog ended (first to fire first)."""
+    code: int
+    status: RunStatus | None
+    output: StderrFilter
+    trained: bool
+    hung: list[int]
 
 
 class Supervisor:
@@ -305,6 +356,23 @@ class Supervisor:
         self.status_path: str | None = None
         self.delivered: set[int] = set()  # ranks a stop signal reached
         self.child_done = threading.Event()
+        self.launcher_lost: str | None = None  # start_training.sh is gone (kill -9): nothing is restarted
+
+    @property
+    def stopped_by(self) -> str | None:
+        """What ended the run from outside: the first stop signal, or the loss of the launcher script."""
+        return self.received[0] if self.received else self.launcher_lost
+
+    def watch_launcher(self, launcher: int, interval_s: float = 0.2) -> None:
+        """start_training.sh, our parent, killed with SIGKILL: its caller saw the run end, so nothing may start
+        again behind it, holding the output folder's lock and the devices with nobody watching. The ranks stop
+        with a checkpoint on their own (each watches the script: utils/runtime/signals.py watch_supervisor); this
+        supervisor restarts nothing, ends a restart's wait at once, and exits once they have."""
+        while os.getppid() == launcher:
+            time.sleep(interval_s)
+        self.launcher_lost = f"the loss of its launcher (pid {launcher})"
+        print(f"{PROG}: the launcher script (pid {launcher}) is gone: no restart; any training process stops with "
+              f"a checkpoint", file=sys.stderr, flush=True)
 
     def ranks_now(self) -> list[int]:
         """The training processes: a launcher's children (accelerate's single-process Popen, or torchrun's
@@ -332,19 +400,20 @@ class Supervisor:
                   f"stop after the current step" + ("" if first else " (a second Ctrl-C stops them at once)"),
                   file=sys.stderr, flush=True)
         for pid in targets:
-            if _catches(pid, forward):
+            if _acts_on(pid, forward):
                 self._deliver(pid, forward)
         if first:  # ranks not started yet, or not yet catching it: they get it as soon as they can act on it
-            threading.Thread(target=self._forward_to_late_ranks, args=(forward,), daemon=True).start()
+            _start_thread(self._forward_to_late_ranks, forward)
 
     def _forward_to_late_ranks(self, forward: int) -> None:
         """A stop signal that came while accelerate was still starting the ranks, or before a rank had
-        installed its handler (Python's default for SIGTERM is to die mid-setup): every rank gets it once
-        its /proc status says it catches the signal, for as long as the command runs."""
+        installed its handler (Python's default for SIGTERM is to die mid-setup, its default for SIGINT a
+        KeyboardInterrupt): every rank gets it once its /proc status says it acts on it (`_acts_on`), for as
+        long as the command runs."""
         deadline = time.monotonic() + LATE_RANK_WAIT_S
         while not self.child_done.is_set() and time.monotonic() < deadline:
             for pid in self.ranks_now():
-                if pid not in self.delivered and _catches(pid, forward):
+                if pid not in self.delivered and _acts_on(pid, forward):
                     self.ranks.add(pid)
                     self._deliver(pid, forward)
             time.sleep(0.1)
@@ -364,6 +433,9 @@ class Supervisor:
             pass  # not Linux: orphans go to init as usual
         for signum in FORWARDED:
             signal.signal(signum, self.on_signal)
+        launcher = started_by_launcher()
+        if launcher:
+            _start_thread(self.watch_launcher, launcher)
         if _EARLY_STOPS:
             print(f"{PROG}: stopped by {_signal_name(_EARLY_STOPS[0])} before training started; nothing to save",
                   file=sys.stderr)
@@ -373,10 +445,9 @@ class Supervisor:
             launched = self._launch(restarts)
             if isinstance(launched, int):
                 return launched
-            code, status, output, trained = launched
-            why = self._restartable(code, status, output, trained)
+            why = self._restartable(launched)
             if why is None or restarts >= self.max_restarts:
-                result = self._report(code, status, output, restarts)
+                result = self._report(launched, restarts)
                 if why is not None and self.max_restarts:
                     print(f"{PROG}: gave up after {restarts} restart(s) (--max-restarts {self.max_restarts}): {why}; "
                           f"continue from the newest checkpoint with --resume auto", file=sys.stderr, flush=True)
@@ -386,22 +457,24 @@ class Supervisor:
             print(f"{PROG}: {why}; restart {restarts} of {self.max_restarts} in {delay:g} s: every rank again with "
                   f"--resume auto (the newest complete checkpoint)", file=sys.stderr, flush=True)
             deadline = time.monotonic() + delay
-            while time.monotonic() < deadline and not self.received:
+            while time.monotonic() < deadline and not self.stopped_by:
                 time.sleep(0.1)
-            if self.received:
-                print(f"{PROG}: stopped by {self.received[0]} before restart {restarts}; nothing running, nothing "
+            if self.stopped_by:
+                print(f"{PROG}: stopped by {self.stopped_by} before restart {restarts}; nothing running, nothing "
                       f"more to save (continue with --resume auto)", file=sys.stderr, flush=True)
                 return 0
 
-    def _restartable(self, code: int, status: RunStatus | None, output: StderrFilter, trained: bool) -> str | None:
+    def _restartable(self, launch: Launch) -> str | None:
         """Why this launch's end deserves a restart (what went wrong, in words), or None: it finished or
-        stopped cleanly, it was stopped by a signal (never retried), it failed on a setting or input (exit 2)
-        or before its first training step (a restart would fail the same way), or restarts are off."""
-        if not self.max_restarts or code == 0 or self.received:
+        stopped cleanly, it was stopped by a signal or lost its launcher script (never retried), it failed on a
+        setting or input (exit 2) or before its first training step (a restart would fail the same way), or
+        restarts are off."""
+        code, status, output = launch.code, launch.status, launch.output
+        if not self.max_restarts or code == 0 or self.stopped_by:
             return None
         if code == 2 or (status is not None and status.exit_code == 2):
             return None
-        if not trained:
+        if not launch.trained:
             print(f"{PROG}: not restarting: the run failed before its first training step (a setting, a missing "
                   f"file or the machine; a restart would fail the same way)", file=sys.stderr, flush=True)
             return None
@@ -410,11 +483,13 @@ class Supervisor:
             return f"rank {rank}{f' (pid {pid})' if pid else ''} was killed by {_signal_name(signum)}"
         if code < 0:
             return f"training was killed by {_signal_name(-code)}"
+        if launch.hung:
+            return f"the hang watchdog ended rank {launch.hung[0]} (exit status {HANG_EXIT})"
         return f"training failed (exit status {status.exit_code if status and status.exit_code else code})"
 
-    def _launch(self, restarts: int):
-        """One launch of the command (after a restart: with --resume auto). Returns (exit status, status
-        record, output filter, whether a step was trained), or an exit status when it could not start."""
+    def _launch(self, restarts: int) -> Launch | int:
+        """One launch of the command (after a restart: with --resume auto), or an exit status when it could not
+        start."""
         self.child, self.ranks, self.delivered = None, set(), set()
         self.child_done = threading.Event()
         fd, status_path = tempfile.mkstemp(prefix="neox-status-", suffix=".json")
@@ -435,45 +510,52 @@ class Supervisor:
             os.close(write_end)
         sink = (sys.stdout if merged else sys.stderr).buffer
         output = StderrFilter(sink)
-        pump = threading.Thread(target=output.pump, args=(read_end,), daemon=True)
-        pump.start()
+        pump = _start_thread(output.pump, read_end)
         code = self._wait_all()
         pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
-        status = RunStatus.read(status_path)
-        trained = os.path.exists(status_path + TRAINED_SUFFIX)
-        for path in (status_path, status_path + SIGNAL_SUFFIX, status_path + TRAINED_SUFFIX):
+        launch = Launch(code, RunStatus.read(status_path), output, os.path.exists(status_path + TRAINED_SUFFIX),
+                        hung_ranks(status_path))
+        for suffix in ("", SIGNAL_SUFFIX, TRAINED_SUFFIX, HUNG_SUFFIX):
             try:
-                os.unlink(path)
+                os.unlink(status_path + suffix)
             except OSError:
                 pass
-        return code, status, output, trained
+        return launch
 
     def _wait_all(self) -> int:
         """Reaps every child (ours and the orphans reparented to us) until none is left; returns the
-        command's exit status."""
-        code, child_done_at = None, None
+        command's exit status. Polled, never blocked in waitpid(): Python runs a signal's handler in the main
+        thread between two bytecodes, and a signal that came just before a blocking waitpid() (or that another
+        thread took) would wait for the next child to end, with the run training on; so a stop signal is acted
+        on within WAIT_POLL_S whenever it comes."""
+        code, child_done_at, reaped = None, None, True
         while True:
-            if self.child is not None and code is None:
+            if self.child is not None and code is None and reaped:
                 self.ranks.update(p for p in self.ranks_now() if p != self.child.pid)
             try:
-                pid, status = os.waitpid(-1, 0 if code is None else os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return code if code is not None else 1
+            reaped = pid != 0
+            if pid == 0 and code is None:
+                time.sleep(WAIT_POLL_S)
+                continue
             if pid == 0:  # children left, none finished yet: leftovers after the command ended
-                restart_may_follow = code != 0 and self.max_restarts and not self.received
+                restart_may_follow = code != 0 and self.max_restarts and not self.stopped_by
                 if restart_may_follow or not (self.ranks & set(_children_of(os.getpid()))) and \
                         time.monotonic() - child_done_at > LEFTOVER_GRACE_S:
                     for leftover in _children_of(os.getpid()):
                         os.kill(leftover, signal.SIGKILL)
-                time.sleep(0.2)
+                time.sleep(WAIT_POLL_S)
                 continue
             if pid == self.child.pid:
                 self.child_done.set()
                 code = os.waitstatus_to_exitcode(status)
                 child_done_at = time.monotonic()
 
-    def _report(self, code: int, status: RunStatus | None, output: StderrFilter, restarts: int = 0) -> int:
-        if code != 0 and self.received and status is not None and not status.exit_code and \
+    def _report(self, launch: Launch, restarts: int = 0) -> int:
+        code, status, output = launch.code, launch.status, launch.output
+        if code != 0 and self.stopped_by and status is not None and not status.exit_code and \
                 (status.stopped_by or status.final_model):
             # the stop signal reached accelerate/torchrun too (Slurm's scancel and preemption signal every process
             # of the step) and ended it, while the ranks stopped cleanly at a checkpoint, or had just finished and
@@ -489,6 +571,8 @@ class Supervisor:
                   f"the other ranks stopped with it; " + (f"last checkpoint {saved}; " if saved else "") +
                   "continue from the newest checkpoint with --resume auto", file=sys.stderr, flush=True)
             return 128 + signum
+        if code != 0 and launch.hung:
+            return HANG_EXIT  # the rank's watchdog said which and where; accelerate and torchrun exit 1 for it
         if code != 0 and output.peer_lost is not None:
             print(f"{PROG}: a rank lost its connection to the others: {output.peer_lost}", file=sys.stderr, flush=True)
         if status and status.exit_code:
@@ -518,7 +602,7 @@ def _signal_name(signum: int) -> str:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     options, argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
-    usage = (f"usage: python utils/{Path(__file__).name} [--max-restarts N] [--restart-delay S] -- COMMAND [ARGS...] "
+    usage = (f"usage: python utils/runtime/{Path(__file__).name} [--max-restarts N] [--restart-delay S] -- COMMAND [ARGS...] "
              f"(start_training.sh runs it for you)")
     if not argv:
         print(f"{Path(__file__).name}: error: no command to run; {usage}", file=sys.stderr)

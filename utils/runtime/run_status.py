@@ -2,8 +2,10 @@
 
 The launcher (utils/runtime/launch.py) names a file in `NEOX_STATUS_FILE`; rank 0 of train.py writes a RunStatus
 there as it exits (how it ended, what stopped it, the step, the last checkpoint, the exported model, or
-the error it said), and the launcher's last line reads it back. Standard library only: the launcher
-imports it without site-packages (`python -S`)."""
+the error it said), and the launcher's last line reads it back. Beside it, any rank marks that this launch
+trained a step (`mark_trained`: a failure from then on may be restarted) and that the hang watchdog ended a
+rank (`mark_hung`: the launcher exits 3). Standard library only: the launcher imports it without site-packages
+(`python -S`)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +16,8 @@ from pathlib import Path
 STATUS_FILE_ENV = "NEOX_STATUS_FILE"
 RESTARTS_ENV = "NEOX_RESTART_COUNT"  # set by the launcher: how many times it has restarted the ranks (--max-restarts)
 TRAINED_SUFFIX = ".trained"  # beside the status file: a rank finished a training step in this launch
+HANG_EXIT = 3  # the hang watchdog's exit status, and the launcher's after it (docs/contracts.md)
+HUNG_SUFFIX = ".hung"  # beside the status file: the hang watchdog ended a rank (its number) in this launch
 _trained_marked: list[bool] = []
 
 
@@ -35,6 +39,27 @@ def mark_trained() -> None:
             open(path + TRAINED_SUFFIX, "a").close()
         except OSError:
             pass
+
+
+def mark_hung(rank: int) -> None:
+    """The hang watchdog of `rank` is ending its process (exit 3): tells the launcher, which then exits 3
+    whichever rank fired and whatever accelerate or torchrun exit with (their status is 1). Any rank writes it;
+    nothing without the launcher."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if path:
+        try:
+            with open(path + HUNG_SUFFIX, "a") as f:
+                f.write(f"{rank}\n")
+        except OSError:
+            pass
+
+
+def hung_ranks(status_path) -> list[int]:
+    """The ranks `mark_hung` recorded beside `status_path`, in the order they fired."""
+    try:
+        return [int(line) for line in Path(str(status_path) + HUNG_SUFFIX).read_text().split() if line.isdigit()]
+    except OSError:
+        return []
 
 
 def rank_zero() -> bool:
