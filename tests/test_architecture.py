@@ -405,3 +405,15 @@ def test_only_configs_and_the_trainer_hold_the_whole_config_and_every_settings_f
             else:  # or one of the config's derived properties
                 assert isinstance(getattr(TrainingConfig, f.name, None), property), (cls.__name__, f.name)
         assert hints and cls.of(TrainingConfig()) is not None
+
+
+def test_paths_a_module_derives_from_its_own_file_point_into_the_repository():
+    """A module that moved into a layer folder finds the repository where it is: credentials/, the stack
+    dumps' repository-relative names, the Ray workers' package."""
+    from utils.data import executors
+    from utils.io import storage
+    from utils.observe import watchdog
+
+    assert storage.CREDENTIALS_DIR == REPO_ROOT / "credentials"
+    assert watchdog.REPO_ROOT == REPO_ROOT
+    assert executors.UTILS_PACKAGE == REPO_ROOT / "utils"
