@@ -15,9 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-
-from utils.errors import DiskFullError
 from utils.data.download import SyncOptions, sync_prefix
+from utils.errors import DiskFullError
 from utils.io.storage import CredentialsError, StorageError, make_client, parse_gs_url
 
 

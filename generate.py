@@ -31,7 +31,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from utils import layout
 from utils.errors import UserError
 

@@ -26,7 +26,6 @@ import math
 import os
 import sys
 
-
 from utils.data.partition import DEFAULT_PARTITION_BYTES, MIN_VAL_DOCUMENTS
 from utils.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from utils.errors import UserError
@@ -89,8 +88,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import signal
 
-    from utils.data.prepare import (BucketLock, PrepareOptions, check_upload_url, lock_output, prepare, report_line,
-                                    stderr_progress, upload)
+    from utils.data.prepare import (
+        BucketLock,
+        PrepareOptions,
+        check_upload_url,
+        lock_output,
+        prepare,
+        report_line,
+        stderr_progress,
+        upload,
+    )
 
     signal.signal(signal.SIGTERM, _interrupt)  # stop the pool and clean up, as for Ctrl-C
     progress = None if args.no_progress else stderr_progress()

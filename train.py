@@ -20,10 +20,9 @@ PROCESS_STARTED = time.perf_counter()  # time to first step counts from here
 REPO_ROOT = Path(__file__).resolve().parent
 
 from configs.settle import settle_config
-from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields,
-                                     to_yaml)
-from utils.io.console import survive_lost_console
+from configs.training_config import MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields, to_yaml
 from utils.errors import BackgroundFailure, UserError
+from utils.io.console import survive_lost_console
 from utils.runtime.run_status import RunStatus, rank_zero
 from utils.runtime.signals import StoppedInSetup, catch_early, watch_supervisor
 

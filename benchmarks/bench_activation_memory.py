@@ -21,7 +21,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-
 import torch
 
 from configs.model_config import MODELS, get_model_spec

@@ -33,9 +33,10 @@ import time
 from datetime import date
 from pathlib import Path
 
+from configs import get_model_spec
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-from configs import get_model_spec
 
 
 def make_shards(data_dir: Path, files: int, rows: int, seq_len: int, vocab: int) -> None:

@@ -14,7 +14,6 @@ import time
 
 import torch
 
-
 from utils.model.layers import ChunkedLMHeadLoss, chunked_loss_only
 
 

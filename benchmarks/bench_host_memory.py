@@ -3,8 +3,9 @@
 demo's: the real train.py on data prepared with a GPT-2-shaped tokenizer of 50,257 ids (50,304 embedding
 rows) and with one of 2,048 ids (the demo's), built here (no download).
 
-    python benchmarks/bench_host_memory.py                       # this checkout, 30 steps each
-    python benchmarks/bench_host_memory.py --repo /tmp/before    # another checkout's train.py (git archive)
+    python -m benchmarks.bench_host_memory                        # this checkout, 30 steps each (-m: from the
+                                                                  # repository root, which holds tests/)
+    python -m benchmarks.bench_host_memory --repo /tmp/before     # another checkout's train.py (git archive)
 
 Each dataset trains twice, for --warmup and for --warmup + --steps steps; the per-step figures are the
 differences (so start-up, the last checkpoint and the export cancel out): minor page faults
@@ -25,10 +26,11 @@ import time
 from datetime import date
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
 from tests.trainkit import gpt2_style_tokenizer
 from utils.data.prepare import PrepareOptions, prepare
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 
 BIG = 10**9  # eval_interval / save_steps / sample_every that never fire inside the run
 
@@ -63,8 +65,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-host-memory-"))
     text = corpus(tmp / "corpus.txt")
-    print(f"| data vocabulary | minor faults/step | s/step | user s/step | sys s/step | sys share |\n"
-          f"|---:|---:|---:|---:|---:|---:|")
+    print("| data vocabulary | minor faults/step | s/step | user s/step | sys s/step | sys share |\n"
+          "|---:|---:|---:|---:|---:|---:|")
     for vocab in args.vocab:
         data = tmp / f"data-{vocab}"
         prepare([str(text)], str(gpt2_style_tokenizer(tmp / f"tok-{vocab}.json", vocab)), data, PrepareOptions(shard_tokens=1 << 16))

@@ -20,9 +20,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-
 from utils.data.prepare import PrepareOptions, prepare
-
 
 
 def corpus(path: Path, megabytes: float, seed: int = 0) -> int:

@@ -26,7 +26,6 @@ import time
 from datetime import date
 from pathlib import Path
 
-
 import numpy as np
 
 
@@ -77,8 +76,8 @@ def fetch_alone(url: str, dest: Path, shards: list[int]) -> float:
     from concurrent.futures import ThreadPoolExecutor
 
     from utils.data.dataset_info import DatasetInfo
-    from utils.data.stream_source import description_dir
     from utils.data.source import Source
+    from utils.data.stream_source import description_dir
     from utils.io.storage import RemoteObject, download_verified, make_client
 
     entries = DatasetInfo.load(description_dir(Source("data", path=url), str(dest))).shards

@@ -609,8 +609,8 @@ def main(argv=None) -> int:
     import torch
 
     from configs import ConfigError, get_model_spec
-    from utils.observe.metrics import mfu, peak_flops
     from utils.model import build_model
+    from utils.observe.metrics import mfu, peak_flops
 
     cuda = torch.cuda.is_available()
     s = resolve_settings(args, cuda)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.index import CACHE_NAME, ShardIndex
 from utils.data.loader import Readers, ResumableLoader
@@ -102,7 +101,7 @@ def main() -> None:
         next(loader)
         print(f"restore at position 1e12 + first batch: {(time.perf_counter() - t0) * 1e3:.1f} ms")
 
-        print(f"\n| workers | micro-batch | tokens/s (M) | first batch (ms) |\n|---|---|---|---|")
+        print("\n| workers | micro-batch | tokens/s (M) | first batch (ms) |\n|---|---|---|---|")
         for workers in (int(w) for w in args.workers.split(",")):
             for micro in (int(m) for m in args.micro.split(",")):
                 rate, first = measure(dataset, micro, workers, args.seconds, args.seq_len)

@@ -17,10 +17,9 @@ import time
 
 import torch
 
-
 from configs import get_model_spec, get_training_config
-from utils.model import build_model
 from configs.training_config import ACTIVATION_CHECKPOINTING
+from utils.model import build_model
 from utils.model.activation_checkpointing import apply_activation_checkpointing
 from utils.training.optim import OptimizerSettings, build_optimizer
 

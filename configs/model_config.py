@@ -7,7 +7,6 @@ from dataclasses import dataclass, fields
 
 from utils.errors import UserError
 
-
 # Rows of the flattened [tokens, hidden] activations per chunk of the native model's LM-head loss
 # (utils/model/lm_loss.py): bounds the logits alive at once to LOSS_CHUNK_ROWS x vocab (8192 x 50304 fp32 =
 # 1.6 GB, instead of 3.3 GB for a 8 x 2048 batch). Here because the memory plan (configs/profiles.py) counts it.

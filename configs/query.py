@@ -7,12 +7,17 @@ assignments, so each list has one home (here, beside the fields)."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
-import shlex
-
-from configs.training_config import MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, ConfigError, get_training_config
-from configs.training_config import parse_overrides
+from configs.training_config import (
+    MIXED_PRECISION_MODES,
+    PRESETS,
+    RESUME_FORMS,
+    ConfigError,
+    get_training_config,
+    parse_overrides,
+)
 
 
 def resolve_field(field: str, config: str, sets: list[str], mixed_precision: str | None = None):

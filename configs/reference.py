@@ -72,8 +72,8 @@ def markdown() -> str:
                          f"{_cell(f.metadata.get('help', ''))} |")
         lines.append("")
     lines += ["## Presets", "",
-              f"`--config NAME` starts from `configs/presets/NAME.yaml`; each sets these fields over the defaults "
-              f"above:", ""]
+              "`--config NAME` starts from `configs/presets/NAME.yaml`; each sets these fields over the defaults "
+              "above:", ""]
     for name in PRESETS:
         set_here = load_settings_text((PRESET_DIR / f"{name}.yaml").read_text()) or {}
         values = ", ".join(f"`{key}={getattr(PRESETS[name], key)!r}`" for key in set_here)

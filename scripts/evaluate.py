@@ -22,7 +22,6 @@ import re
 import sys
 from pathlib import Path
 
-
 from utils.errors import UserError
 
 

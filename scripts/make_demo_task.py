@@ -13,7 +13,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 from utils.errors import UserError
 
 
@@ -23,8 +22,8 @@ def main(argv=None) -> int:
     p.add_argument("--examples", type=int, default=500, help="how many examples (default 500)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from utils.io import files
     from utils.evals.demo_task import build_next_line_task
+    from utils.io import files
 
     out = Path(args.out)
     try:

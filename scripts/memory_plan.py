@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 from configs.model_config import MODELS, ConfigError, get_model_spec
 from configs.profiles import USABLE_FRACTION, RunShape, memory_plan
 from configs.training_config import ACTIVATION_CHECKPOINTING, OPTIMIZER_STATE_DTYPES, STRATEGIES, default_seq_len

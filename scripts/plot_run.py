@@ -18,7 +18,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 from utils import layout
 from utils.errors import UserError
 

@@ -17,8 +17,12 @@ from configs import get_model_spec
 from configs.training_config import ACTIVATION_CHECKPOINTING
 from tests.conftest import REPO_ROOT, free_port, make_subprocess_env
 from utils.model import build_model
-from utils.model.activation_checkpointing import (apply_activation_checkpointing, parameter_fqn,
-                                                  CheckpointingSettings, saved_activation_bytes)
+from utils.model.activation_checkpointing import (
+    CheckpointingSettings,
+    apply_activation_checkpointing,
+    parameter_fqn,
+    saved_activation_bytes,
+)
 
 SPEC = replace(get_model_spec("tiny"), num_hidden_layers=4)
 

@@ -5,12 +5,12 @@ import collections
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import re
 import threading
 import time
 import warnings
@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 
-from utils.io import files
 from utils.checkpoint.format import (
     MANIFEST,
     CheckpointError,
@@ -37,6 +36,7 @@ from utils.checkpoint.format import (
 )
 from utils.checkpoint.resume import resolve_resume
 from utils.checkpoint.writer import AsyncCheckpointWriter
+from utils.io import files
 
 
 def small_payload(step: int, numel: int = 1024) -> CheckpointPayload:
@@ -544,13 +544,10 @@ def test_a_crafted_trainer_state_json_is_one_line_naming_the_field(tmp_path, sub
     """trainer_state.json (a checkpoint may come from a bucket) with a string step, a negative one, and a model
     shape far beyond the weights saved: --resume and generate.py stop in one line naming the file and field
     (they were a traceback, "Resumed at step -5", and a traceback allocating the shape)."""
-    import shutil
     import sys
 
-    from tests.trainkit import REPO_ROOT
+    from tests.trainkit import REPO_ROOT, make_shards, run, train_cmd
     from utils.io.storage import file_crc32c
-
-    from tests.trainkit import make_shards, run, train_cmd
 
     data, out = make_shards(tmp_path / "data", n_files=3, rows=16), tmp_path / "out"
     run(train_cmd(out, data, "max_steps=2", "save_steps=2"), subprocess_env)

@@ -127,11 +127,11 @@ def test_stop_signal_stops_at_the_step_boundary():
 
 
 def _objects(seed: int):
+    from configs import get_training_config
     from utils.model import build_model
     from utils.training.lr_scheduler import build_scheduler
     from utils.training.optim import OptimizerSettings, build_optimizer
     from utils.training.schedules import ScheduleSettings
-    from configs import get_training_config
 
     cfg = get_training_config("demo", {"model": "tiny", "warmup_steps": 2})
     model = build_model(get_model_spec("tiny"), seed=seed)
@@ -140,7 +140,7 @@ def _objects(seed: int):
 
 
 def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
-    from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer
+    from utils.checkpoint.checkpointer import Checkpointer, CheckpointPolicy
     from utils.checkpoint.run_record import RunRecord
 
     cfg, model, optimizer, scheduler = _objects(seed=1)

@@ -5,7 +5,7 @@ import sys
 import pytest
 import yaml
 
-from configs import ConfigError, PRESETS, get_model_spec, get_training_config, parse_overrides
+from configs import PRESETS, ConfigError, get_model_spec, get_training_config, parse_overrides
 
 
 def test_presets_exist_and_validate():

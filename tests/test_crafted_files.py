@@ -235,9 +235,9 @@ def write_dataset(folder: Path, train: list[str], val: list[str], tokenizer_file
 
 
 def test_dataset_json_paths_stay_in_the_data_dir(tmp_path):
+    from tests.trainkit import gpt2_style_tokenizer
     from utils.data.dataset_info import DatasetInfo, DatasetInfoError
     from utils.model.hf import ExportTokenizer
-    from tests.trainkit import gpt2_style_tokenizer
 
     outside = gpt2_style_tokenizer(tmp_path / "elsewhere" / "tokenizer.json")
     data = make_shards(tmp_path / "data", n_files=2, rows=8)
@@ -274,8 +274,8 @@ def test_a_symlink_loop_in_the_data_dir_adds_nothing(tmp_path):
 
 
 def test_a_symlinked_shard_folder_is_followed_once(tmp_path):
-    from utils.data.index import ShardIndex
     from utils.data.corpus import list_inputs
+    from utils.data.index import ShardIndex
 
     data = make_shards(tmp_path / "data", n_files=2, rows=8)
     make_shards(tmp_path / "more", n_files=2, rows=8, seed=1)

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from utils.io import files
 from utils.data import dataset as data_dataset
 from utils.data import index as data_index
 from utils.data.dataset import TokenSequenceDataset
@@ -20,6 +19,7 @@ from utils.data.index import DataDirError, ShardIndex
 from utils.data.loader import Readers, ResumableLoader, build_eval_batches
 from utils.data.mixture import DEFAULT_SOURCE, EpochOrder, source_key
 from utils.data.shards import ShardError
+from utils.io import files
 
 SEQ = 8
 VOCAB = 10_000

@@ -57,12 +57,10 @@ def test_demo_command_learns_within_ten_minutes(tmp_path, subprocess_env, capsys
     assert [e.value for e in scalars] == pytest.approx([untrained, trained], rel=1e-6)
 
     # scripts/evaluate.py scores the exported model and the untrained one (the run's seeded init) as the loop did
-    from configs import get_model_spec
+    from configs import get_model_spec, get_training_config
     from scripts import evaluate
     from utils.model import build_model
     from utils.model.hf import export_hf
-
-    from configs import get_training_config
 
     spec, demo = get_model_spec("demo"), get_training_config("demo")
     untrained_model = build_model(spec, seed=demo.seed, init=demo.init)  # the run's own starting weights

@@ -208,8 +208,14 @@ def test_every_page_s_commands_run_as_written_after_the_quick_start(tmp_path):
     """README.md and docs/ walked in reading order in a fresh copy of the repository (tests/docs_walk.py):
     every command a CPU can run exits 0 at toy size (the paths it names exist by then, no run is refused
     over another's folder), and nothing is left in the repository outside the folders git ignores."""
-    from tests.docs_walk import DEFAULT_MAX_STEPS, MAX_STEPS_ENV, fresh_clone, left_in_the_repository, reader_files
-    from tests.docs_walk import walk
+    from tests.docs_walk import (
+        DEFAULT_MAX_STEPS,
+        MAX_STEPS_ENV,
+        fresh_clone,
+        left_in_the_repository,
+        reader_files,
+        walk,
+    )
 
     (tmp_path / "clone").mkdir()
     clone = fresh_clone(tmp_path / "clone")

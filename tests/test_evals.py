@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path

@@ -16,8 +16,8 @@ from utils.data.dataset import TokenSequenceDataset
 from utils.data.dataset_info import DatasetInfo
 from utils.data.index import ShardIndex
 from utils.data.loader import EvalBatches, Readers, ResumableLoader
-from utils.data.source import Source
 from utils.data.mixture import DEFAULT_SOURCE, MixtureError, MixturePlan, check_tokenizers
+from utils.data.source import Source
 from utils.errors import UserError
 
 SEQ = 4

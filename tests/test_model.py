@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from configs import get_model_spec
-from utils.model import build_model
-from utils.model import lm_loss
+from utils.model import build_model, lm_loss
 from utils.model.hf import to_transformers
 
 

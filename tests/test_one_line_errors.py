@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tests.trainkit import REPO_ROOT, make_shards, train_cmd
-from utils.io import files
 from utils.checkpoint.format import CheckpointPayload, checkpoint_name, write_checkpoint
 from utils.errors import DiskFullError, UserError
+from utils.io import files
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
@@ -342,10 +342,10 @@ def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_with
     from accelerate import Accelerator
 
     from configs.model_config import get_model_spec
-    from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer
+    from utils.checkpoint.checkpointer import Checkpointer, CheckpointPolicy
     from utils.checkpoint.run_record import RunRecord
-    from utils.observe.metrics import RunLogger
     from utils.model import build_model
+    from utils.observe.metrics import RunLogger
     from utils.training.state import TrainState
 
     accelerator = Accelerator(cpu=True)

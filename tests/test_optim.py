@@ -4,11 +4,10 @@ import math
 import pytest
 import torch
 
-from configs import get_training_config, training_config
+from configs import get_model_spec, get_training_config, training_config
 from configs.model_config import ConfigError
-from utils.training import schedules
 from utils.model import build_model
-from configs import get_model_spec
+from utils.training import schedules
 from utils.training.lr_scheduler import build_scheduler
 from utils.training.optim import OptimizerSettings, build_optimizer
 from utils.training.schedules import ScheduleSettings, lr_at

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from tests.trainkit import REPO_ROOT, run, train_cmd, train_rows
-from utils.io import files
 from utils.data.dataset_info import DatasetInfo
 from utils.data.index import ShardIndex
+from utils.io import files
 
 WORDS = ("the quick brown fox jumps over the lazy dog; café naïve façade 日本語 ünïcödé 🙂 tokens model data "
          "train shard loader engine").split()

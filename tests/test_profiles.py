@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from configs import ConfigError, get_model_spec, get_training_config
+from configs.profiles import PROFILES, apply_profile, choose_profile, resolve_profile
 from utils.model import build_model
 from utils.model.preflight import preflight_problem
 from utils.training.optim.adamw import BF16MomentAdamW
-from configs.profiles import PROFILES, apply_profile, choose_profile, resolve_profile
 
 
 @pytest.mark.parametrize("gib, name", [(23.6, "conservative"), (39.4, "balanced"), (79.1, "aggressive"),

@@ -321,8 +321,8 @@ def test_what_counts_as_another_run_s_files(tmp_path):
     """Any checkpoint (complete or not), final_model/, or rows in logs/metrics.jsonl (a run that trained and
     never saved): a fresh run is refused there. An empty folder, or logs without rows (a run stopped during
     setup), is free."""
-    from utils.run.output_dir import refuse_another_run
     from utils.errors import UserError
+    from utils.run.output_dir import refuse_another_run
 
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
@@ -347,8 +347,8 @@ def test_what_counts_as_another_run_s_files(tmp_path):
 def test_each_run_has_its_own_folder_under_runs_by_default(tmp_path, subprocess_env):
     """Without --output-dir a run writes runs/<run name>/ in the repository (git-ignored): the demo's and an
     own-data run's (`cpu`) folders differ, a config file's run is named by its file."""
-    from utils.run.output_dir import default_output_dir
     from configs.settle import settle_config
+    from utils.run.output_dir import default_output_dir
 
     name = f"pytest-{uuid.uuid4().hex[:8]}"
     folders = {preset: default_output_dir(settle_config(preset, [], {})[0].effective_run_name, REPO_ROOT)
@@ -380,8 +380,8 @@ def test_each_run_has_its_own_folder_under_runs_by_default(tmp_path, subprocess_
 def test_readme_commands_put_each_run_in_its_own_folder():
     """The docs' (README.md's and docs/'s) demo and own-data commands train into different folders, and the
     generate and plot commands name those folders (final_model is runs/<name>/final_model)."""
-    from utils.run.output_dir import default_output_dir
     from configs.settle import settle_config
+    from utils.run.output_dir import default_output_dir
 
     text = "".join(page.read_text() for page in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))])
     commands = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)

@@ -52,7 +52,7 @@ def prepared(tmp_path_factory) -> Path:
 
 
 def upload(local: Path, url: str) -> str:
-    from utils.io.storage import make_client, upload_verified, parse_gs_url
+    from utils.io.storage import make_client, parse_gs_url, upload_verified
 
     bucket, prefix = parse_gs_url(url)
     client = make_client()

@@ -12,7 +12,6 @@ import torch
 
 from tests.trainkit import REPO_ROOT
 
-
 EOS = "<|endoftext|>"
 CONTEXT = 64  # the tiny model's positions
 
@@ -217,9 +216,9 @@ def test_a_gpt2_style_tokenizer_directory_is_read_by_prepare_export_and_generate
     converted tokenizer.json (the same ids as the original), export_hf.py and generate.py take it too."""
     import shutil
 
-    from scripts import export_hf
     from tokenizers import Tokenizer
 
+    from scripts import export_hf
     from utils.data.prepare import PrepareOptions, prepare
 
     root, checkpoint = tools

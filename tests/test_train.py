@@ -9,8 +9,8 @@ import torch
 
 from configs import get_model_spec, get_training_config, parse_overrides
 from tests.trainkit import TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
-from utils.observe.metrics import METRIC_KEYS
 from utils.model import build_model
+from utils.observe.metrics import METRIC_KEYS
 from utils.training.schedules import ScheduleSettings
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from utils.io.storage import file_crc32c, make_client
 from utils.checkpoint.upload import BackgroundUploader
+from utils.io.storage import file_crc32c, make_client
 
 
 def make_checkpoint(root: Path, name: str, seed: int = 0) -> Path:

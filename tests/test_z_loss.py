@@ -4,8 +4,7 @@ import torch
 
 from configs import get_model_spec, get_training_config
 from configs.model_config import ConfigError
-from utils.model import build_model
-from utils.model import lm_loss
+from utils.model import build_model, lm_loss
 from utils.model.lm_loss import ChunkedLMHeadLoss, set_z_loss
 
 

@@ -39,9 +39,9 @@ import torch
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 
-from utils.io import files
 from utils.debug import checkpoint_write_delay_s
 from utils.errors import UserError
+from utils.io import files
 from utils.io.storage import file_crc32c
 
 MANIFEST = "manifest.json"

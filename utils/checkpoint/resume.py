@@ -4,11 +4,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from utils import layout
-
+from utils.checkpoint.format import (
+    MANIFEST,
+    MODEL_FILE,
+    CheckpointError,
+    NoCheckpointFound,
+    PartialCheckpoint,
+    find_latest_local,
+    list_checkpoints,
+    parse_checkpoint_name,
+    verify_checkpoint,
+)
 from utils.io import files, storage
-from utils.checkpoint.format import (MANIFEST, MODEL_FILE, CheckpointError, NoCheckpointFound, PartialCheckpoint,
-                                     find_latest_local, list_checkpoints, parse_checkpoint_name,
-                                     verify_checkpoint)
 
 
 def _join_url(base: str, name: str) -> str:

@@ -49,9 +49,9 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
-from utils.io import files
 from utils.checkpoint.format import SHARDED_DIR, CheckpointError
 from utils.errors import UserError
+from utils.io import files
 
 METADATA = ".metadata"
 # The saver's gloo group also waits for the nodes' uploads (NodeUploads): far longer than a collective.

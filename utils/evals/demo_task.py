@@ -18,8 +18,8 @@ import random
 import sys
 from pathlib import Path
 
-from utils.io import files
 from utils.data.demo import CORPUS_BYTES, read_stdlib_corpus
+from utils.io import files
 
 CHOICES = 4
 CONTEXT_LINES = 6

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils.errors import UserError
-from utils.settings import Settings
 from utils.evals.scoring import Placement, RequestEncoder, loglikelihoods, task_metrics
 from utils.evals.tasks import Task, load_task
+from utils.settings import Settings
 
 
 def load_encoder(source, max_length: int, advice: str) -> RequestEncoder:

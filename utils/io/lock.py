@@ -21,8 +21,8 @@ import socket
 import time
 from pathlib import Path
 
-from utils.io import files
 from utils.errors import UserError
+from utils.io import files
 
 LOCK_FILE = ".run.lock"
 FULL_DISK_ADVICE = ("free space there, then run again (a training run: --resume auto continues from its newest "

@@ -23,8 +23,8 @@ from typing import Callable, Iterable
 
 import google_crc32c
 
-from utils.io import files
 from utils.errors import DiskFullError, UserError
+from utils.io import files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CREDENTIALS_DIR = REPO_ROOT / "credentials"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from configs.model_config import ConfigError, ModelSpec
 from utils.model.family import Family
+from utils.model.gemma3 import FAMILY as GEMMA3
 from utils.model.gpt_neox import FAMILY as GPT_NEOX
 from utils.model.llama import FAMILY as LLAMA
 from utils.model.qwen3 import FAMILY as QWEN3
-from utils.model.gemma3 import FAMILY as GEMMA3
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     GPT_NEOX,

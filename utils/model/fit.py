@@ -11,7 +11,6 @@ what cannot fit; what fits on paper may still run out, and the profiles stay the
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 
 from configs.profiles import GB, RunShape, memory_plan

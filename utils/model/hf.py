@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from configs.model_config import ConfigError, ModelSpec
-from utils.io import files
 from utils.data.tokenizer import TokenizerError
+from utils.io import files
 
 EXPORT_SHARD_SIZE = "5GB"  # larger exports are sharded safetensors with an index json, as transformers writes them
 # What an export's tokenizer_config.json names: the tokenizer that reads tokenizer.json as it is, in transformers 4

@@ -27,7 +27,6 @@ from torch import nn
 from utils.model.common.norms import NORMS
 
 
-
 def small_init_std(hidden: int) -> float:
     return math.sqrt(2.0 / (5.0 * hidden))
 

@@ -3,10 +3,10 @@ so a precision that cannot train (a non-finite loss or gradient) stops the run b
 which precision to try instead."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
-
-from dataclasses import dataclass
 
 from configs.training_config import precision_name
 from utils.errors import UserError

@@ -24,8 +24,8 @@ def make_accelerator(settings: AcceleratorSettings, log_dir: Path):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-    from utils.runtime.host_memory import keep_freed_host_memory
     from utils.observe.trackers import make_trackers
+    from utils.runtime.host_memory import keep_freed_host_memory
 
     if settings.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise UserError("mixed_precision=fp16 needs a CUDA GPU; use --mixed-precision bf16 or no on the CPU")

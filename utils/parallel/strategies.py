@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from configs.training_config import STRATEGIES as STRATEGY_NAMES
-from utils.runtime.distributed import local_tensor
 from utils.errors import UserError
 from utils.model.activation_checkpointing import CheckpointingSettings, apply_activation_checkpointing
+from utils.runtime.distributed import local_tensor
 
 
 @dataclass(frozen=True)

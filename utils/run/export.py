@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from utils import layout
-
-from utils.io import files
+from utils.checkpoint.format import parse_checkpoint_name
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
-from utils.checkpoint.format import parse_checkpoint_name
+from utils.io import files
 from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
 from utils.runtime.run_status import RunStatus
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from utils import layout
 from utils.checkpoint.format import parse_checkpoint_name
-from utils.runtime.distributed import main_process_only
 from utils.errors import UserError
 from utils.io.lock import OutputDirLock
+from utils.runtime.distributed import main_process_only
 
 
 def default_output_dir(run_name: str, repo_root: Path) -> Path:

@@ -73,10 +73,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from utils.io.console import survive_lost_console
-from utils.runtime.run_status import (HANG_EXIT, HUNG_SUFFIX, RESTARTS_ENV, STATUS_FILE_ENV, TRAINED_SUFFIX,
-                              RunStatus, hung_ranks)
+from utils.runtime.run_status import (
+    HANG_EXIT,
+    HUNG_SUFFIX,
+    RESTARTS_ENV,
+    STATUS_FILE_ENV,
+    TRAINED_SUFFIX,
+    RunStatus,
+    hung_ranks,
+)
 from utils.runtime.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid
 
 PROG = "start_training.sh"

@@ -63,15 +63,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dataclasses import dataclass
-
 from utils.errors import UserError
 from utils.settings import Settings
-
 
 MIN_SPREAD = np.array([0.01, 0.15])  # of the mean: the least spread (loss, gradient norm) a window is taken to have
 

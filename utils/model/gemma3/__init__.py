@@ -8,8 +8,15 @@ model.py, its transformers side hf.py.
 Layer: configs (a torch-free description the config layer reads: presets, counts, the registry).
 """
 from configs.model_config import ModelSpec
-from utils.model.family import (DECODER_RESIDUAL_OUTPUTS, Family, Sizes, decoder_activations, decoder_block_parameters,
-                                decoder_muon_matrices, qk_norm_and_full_rotary)
+from utils.model.family import (
+    DECODER_RESIDUAL_OUTPUTS,
+    Family,
+    Sizes,
+    decoder_activations,
+    decoder_block_parameters,
+    decoder_muon_matrices,
+    qk_norm_and_full_rotary,
+)
 
 
 def check(spec: ModelSpec) -> None:

@@ -7,8 +7,14 @@ utils/model/common/decoder.py's; its transformers side (LlamaForCausalLM / Qwen2
 Layer: configs (a torch-free description the config layer reads: presets, counts, the registry).
 """
 from configs.model_config import ConfigError, ModelSpec
-from utils.model.family import (DECODER_RESIDUAL_OUTPUTS, Family, Sizes, decoder_activations, decoder_block_parameters,
-                                decoder_muon_matrices)
+from utils.model.family import (
+    DECODER_RESIDUAL_OUTPUTS,
+    Family,
+    Sizes,
+    decoder_activations,
+    decoder_block_parameters,
+    decoder_muon_matrices,
+)
 
 
 def check(spec: ModelSpec) -> None:

@@ -9,8 +9,14 @@ model (biases on q/k/v, none on o), any other a Llama one.
 from __future__ import annotations
 
 from configs.model_config import ConfigError, ModelSpec
-from utils.model.adapter import (HFAdapter, config_sizes, decoder_config_fields, llama3_scaling, rope_parameters,
-                                 rope_type)
+from utils.model.adapter import (
+    HFAdapter,
+    config_sizes,
+    decoder_config_fields,
+    llama3_scaling,
+    rope_parameters,
+    rope_type,
+)
 
 
 class LlamaAdapter(HFAdapter):

@@ -7,8 +7,15 @@ turns them on. Its native model is utils/model/common/decoder.py's; its transfor
 Layer: configs (a torch-free description the config layer reads: presets, counts, the registry).
 """
 from configs.model_config import ModelSpec
-from utils.model.family import (DECODER_RESIDUAL_OUTPUTS, Family, Sizes, decoder_activations, decoder_block_parameters,
-                                decoder_muon_matrices, qk_norm_and_full_rotary)
+from utils.model.family import (
+    DECODER_RESIDUAL_OUTPUTS,
+    Family,
+    Sizes,
+    decoder_activations,
+    decoder_block_parameters,
+    decoder_muon_matrices,
+    qk_norm_and_full_rotary,
+)
 
 
 def check(spec: ModelSpec) -> None:

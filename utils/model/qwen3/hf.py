@@ -3,8 +3,14 @@ are transformers' own (`model.layers.N.self_attn.q_norm.weight`, ...), so the ke
 from __future__ import annotations
 
 from configs.model_config import ConfigError, ModelSpec
-from utils.model.adapter import (HFAdapter, config_sizes, decoder_config_fields, llama3_scaling, rope_parameters,
-                                 rope_type)
+from utils.model.adapter import (
+    HFAdapter,
+    config_sizes,
+    decoder_config_fields,
+    llama3_scaling,
+    rope_parameters,
+    rope_type,
+)
 from utils.model.common.mlp import ACTIVATIONS
 
 _KINDS = {"full": "full_attention", "sliding": "sliding_attention"}
