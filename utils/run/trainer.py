@@ -21,8 +21,18 @@ from pathlib import Path
 
 from configs.training_config import precision_name
 from utils import layout
-from utils.run.callbacks import (BatchTracing, Callbacks, CheckpointPolicy, Evaluation, ProgressBar, SpikeGuarding,
-                                 StepProfiler, StepReport, StepTiming, WatchdogBeat)
+from utils.run.callbacks import (
+    BatchTracing,
+    Callbacks,
+    CheckpointPolicy,
+    Evaluation,
+    ProgressBar,
+    SpikeGuarding,
+    StepProfiler,
+    StepReport,
+    StepTiming,
+    WatchdogBeat,
+)
 from utils.runtime.run_status import RunStatus
 
 
@@ -153,7 +163,7 @@ class Trainer:
     def _make_checkpointer(self):
         """The Checkpointer of every stateful thing: the policy, the run's record (what a resume must match),
         each checkpoint's name from the data cursor and the step."""
-        from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer
+        from utils.checkpoint.checkpointer import Checkpointer, CheckpointPolicy
         from utils.checkpoint.format import checkpoint_name
         from utils.checkpoint.run_record import RunRecord
 
@@ -171,7 +181,6 @@ class Trainer:
         """The trackers, the lines that describe the run, and the callbacks that observe the loop."""
         from utils.io.console import progress_bar
         from utils.observe.metrics import MetricsWindow, peak_flops
-
         from utils.run.report import ReportSettings, describe_run
 
         cfg = self.config
@@ -228,6 +237,10 @@ class Trainer:
         run's step-0 evaluation, the watchdog armed)."""
         from utils.model.preflight import PreflightSettings, preflight
 
+        # the parameters clipping sees, taken before any forward: FSDP2 leaves the root module's parameters
+        # unsharded after a forward without a backward (the preflight's, the step-0 evaluation's), and a list
+        # taken then holds tensors that never get a gradient (their norm left out of the clip)
+        self.params = list(self.model.parameters())
         self.bar.set_description_str("setup: preflight (compiles the blocks)" if self.config.compile_model
                                      else "setup: preflight")
         preflight(self.model, self.val_batches, PreflightSettings.of(self.config), self.accelerator, self.log,
@@ -241,7 +254,7 @@ class Trainer:
         import torch
 
         cfg, state = self.config, self.state
-        self.params, self.max_grad_norm = list(self.model.parameters()), cfg.max_grad_norm or math.inf
+        self.max_grad_norm = cfg.max_grad_norm or math.inf  # 0: not clipped, still logged
         self.grad_norm = torch.zeros((), device=self.device)
         data = iter(self.loader)
         while state.step < cfg.max_steps:
