@@ -244,5 +244,5 @@ def reader_files(clone: Path) -> None:
                    max_position_embeddings=131072, rope_scaling=(32.0, 1.0, 4.0, 8192))
     fam = family("llama")
     with quiet_progress():
-        fam.causal_lm_class(spec)(fam.hf_config(spec)).save_pretrained(model)
+        fam.hf().causal_lm_class(spec)(fam.hf().hf_config(spec)).save_pretrained(model)
     tokenizer.save(str(model / "tokenizer.json"))

@@ -790,12 +790,12 @@ def test_a_crafted_dataset_json_or_a_changed_tokenizer_is_one_line_before_step_1
     from tests.test_prepare_data import bpe_tokenizer
     from tests.test_streaming import upload
     from utils.data.dataset_info import DatasetInfo, DatasetInfoError
-    from utils.data.prepare import prepare
+    from utils.data.prepare import PrepareOptions, prepare
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(60)))
     data = tmp_path / "data"
-    prepare([str(corpus)], str(bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)), data, shard_tokens=1024)
+    prepare([str(corpus)], str(bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)), data, PrepareOptions(shard_tokens=1024))
     good = (data / "dataset.json").read_text()
     nested = tmp_path / "nested"
     shutil.copytree(data, nested)

@@ -305,7 +305,7 @@ def test_a_qwen2_model_trained_with_the_demo_s_tokenizer_exports_a_tokenizer_tha
 
     spec = replace(get_model_spec("llama-tiny"), vocab_size=2048, max_position_embeddings=128, qkv_bias=True)
     fam = family("llama")
-    fam.causal_lm_class(spec)(fam.hf_config(spec)).save_pretrained(tmp_path / "qwen2-toy")
+    fam.hf().causal_lm_class(spec)(fam.hf().hf_config(spec)).save_pretrained(tmp_path / "qwen2-toy")
     assert json.loads((tmp_path / "qwen2-toy" / "config.json").read_text())["model_type"] == "qwen2"
     out = tmp_path / "run"
     proc = run(train_cmd(out, tmp_path / "data", "max_steps=2", "save_steps=2", "demo_data=true",

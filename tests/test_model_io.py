@@ -291,7 +291,7 @@ def test_init_from_a_131072_position_llama_trains_at_its_original_context_and_ex
     spec = replace(get_model_spec("llama-tiny"), max_position_embeddings=131072,
                    rope_scaling=(32.0, 1.0, 4.0, 8192))
     fam = family("llama")
-    fam.causal_lm_class(spec)(fam.hf_config(spec)).save_pretrained(tmp_path / "llama-131k")
+    fam.hf().causal_lm_class(spec)(fam.hf().hf_config(spec)).save_pretrained(tmp_path / "llama-131k")
     rng = np.random.default_rng(0)
     for i in range(3):  # two for training, the last held out: streams as prepare_data.py writes them
         (tmp_path / "data").mkdir(exist_ok=True)

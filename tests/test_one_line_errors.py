@@ -597,14 +597,14 @@ def resume_cases(root: Path, run_out: Path) -> list[tuple[str, Path]]:
 def prepare_cases(root: Path) -> list[tuple[str, list]]:
     """prepare_data.py with --partition-mb 1e308, on a staging area whose completion record names a symlinked
     shard, and on a finished output whose dataset.json lists a shard that is not there."""
-    from utils.data.prepare import prepare
+    from utils.data.prepare import PrepareOptions, prepare
 
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(40)))
     args = ["--input", str(corpus), "--tokenizer", str(root / "bpe.json"), "--shard-tokens", "1024", "--val-fraction",
             "0"]
     done = root / "prepared"
-    prepare([str(corpus)], str(root / "bpe.json"), done, shard_tokens=1024, val_fraction=0.0)  # as the CLI's
+    prepare([str(corpus)], str(root / "bpe.json"), done, PrepareOptions(shard_tokens=1024, val_fraction=0.0))  # as the CLI's
     described = json.loads((done / "dataset.json").read_text())
     staging = root / ".linked.staging"
     (staging / "p00000").mkdir(parents=True)
