@@ -151,6 +151,9 @@ class TrainingConfig:
     muon_momentum: float = _field(0.95, "optimizer=muon: Muon's (Nesterov) momentum", "[0, 1)")
     muon_ns_dtype: str = _field("auto", "optimizer=muon: Newton-Schulz's precision, bf16 (torch's) | fp32 | auto "
                                         "(fp32 when mixed_precision=no, else bf16)")
+    cautious_weight_decay: bool = _field(False, "optimizer=muon: decay a block matrix's entries only where the "
+                                                "update moves them towards zero too (modded-nanogpt)")
+    weight_average: str = _field("none", "none | tail (the uniform mean of the weights over the decay tail) | ema")
     init: str = _field("hf", "fresh weights: hf (normal, std initializer_range) | neox (GPT-NeoX small_init + "
                              "wang_init, as Pythia); init_from and resumes are unaffected")
     z_loss: float = _field(0.0, "auxiliary z-loss coefficient (z_loss * logsumexp^2, OLMo uses 1e-4); 0: off",

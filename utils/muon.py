@@ -96,13 +96,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, muon_params: list[torch.Tensor], adamw: torch.optim.Optimizer, lr: float,
                  weight_decay: float, momentum: float = 0.95, nesterov: bool = True,
-                 state_dtype: torch.dtype = torch.float32, ns_dtype: torch.dtype = torch.bfloat16):
+                 state_dtype: torch.dtype = torch.float32, ns_dtype: torch.dtype = torch.bfloat16,
+                 cautious: bool = False):
         self.adamw = adamw
         self.state_dtype = state_dtype
         self.ns_dtype = ns_dtype  # Newton-Schulz's (module docstring); not in the state dict: a run's setting
         muon_group = dict(params=list(muon_params), lr=lr, weight_decay=weight_decay, momentum=momentum,
                           nesterov=nesterov, ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=NS_STEPS,
-                          adjust_lr_fn=ADJUST_LR_FN, muon=True)
+                          adjust_lr_fn=ADJUST_LR_FN, cautious=cautious, muon=True)
         super().__init__([muon_group], dict(lr=lr))
         self.param_groups = list(adamw.param_groups) + self.param_groups
         self._link()
@@ -171,7 +172,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
             update = grad.lerp(blended, momentum) if group["nesterov"] else blended
             update = _orthogonalise(update, group, self.ns_dtype)
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
-            p.mul_(1 - lr * wd)
+            if group.get("cautious"):  # decay only where the step moves the weight towards zero as well
+                p.mul_(1 - (lr * wd) * (update * p >= 0).to(p.dtype))
+            else:
+                p.mul_(1 - lr * wd)
             p.add_(update, alpha=-adjusted_lr)
 
 

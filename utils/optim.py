@@ -83,7 +83,8 @@ def build_optimizer(model: torch.nn.Module, cfg, fused: bool) -> torch.optim.Opt
         return MuonWithAdamW(muon, adamw, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                              momentum=cfg.muon_momentum, state_dtype=_state_dtype(cfg),
                              ns_dtype=ns_dtype_for(getattr(cfg, "muon_ns_dtype", "auto"),
-                                                   getattr(cfg, "mixed_precision", "bf16")))
+                                                   getattr(cfg, "mixed_precision", "bf16")),
+                             cautious=getattr(cfg, "cautious_weight_decay", False))
     return _adamw(model, cfg, fused)
 
 
