@@ -15,11 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from utils.errors import DiskFullError  # noqa: E402
-from utils.data.download import sync_prefix  # noqa: E402
-from utils.storage import CredentialsError, StorageError, make_client, parse_gs_url  # noqa: E402
+from utils.errors import DiskFullError
+from utils.data.download import sync_prefix
+from utils.io.storage import CredentialsError, StorageError, make_client, parse_gs_url
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -30,10 +30,9 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from utils import layout  # noqa: E402
-from utils.errors import UserError  # noqa: E402
+from utils import layout
+from utils.errors import UserError
 
 
 class GenerateError(UserError):

@@ -25,13 +25,11 @@ import argparse
 import math
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from utils.data.partition import DEFAULT_PARTITION_BYTES, MIN_VAL_DOCUMENTS  # noqa: E402
-from utils.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION  # noqa: E402
-from utils.errors import UserError  # noqa: E402
+from utils.data.partition import DEFAULT_PARTITION_BYTES, MIN_VAL_DOCUMENTS
+from utils.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
+from utils.errors import UserError
 
 
 def parse_args(argv=None) -> argparse.Namespace:

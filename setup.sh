@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
-TORCH_VERSION="2.13.0"
+TORCH_VERSION="$(sed -n 's/^torch==\([^ #]*\).*/\1/p' requirements.txt)"  # the one pin, in requirements.txt
 VENV=".venv"
 STAMP="$VENV/.setup-stamp"                # hash of what was installed; equal hash -> skip pip
 COMPILE_RESULT="$VENV/.setup-compile-check"
@@ -89,7 +89,7 @@ fi
 # --- dependencies ------------------------------------------------------------------------------------
 requirement_files=(requirements.txt)
 [[ "$dev" -eq 1 ]] && requirement_files+=(requirements-dev.txt)
-stamp_key="$("$VPY" - "$TORCH_VERSION" "$torch_build" "$dev" "${TORCH_INDEX_URL:-}" "${requirement_files[@]}" <<'EOF'
+stamp_key="$("$VPY" - "$TORCH_VERSION" "$torch_build" "$dev" "${TORCH_INDEX_URL:-}" pyproject.toml "${requirement_files[@]}" <<'EOF'
 import hashlib, sys
 torch_version, build, dev, index, *files = sys.argv[1:]
 h = hashlib.sha256(f"torch=={torch_version} build={build} dev={dev} index={index} python={sys.version}".encode())
@@ -139,6 +139,13 @@ else
         pip_install -r "$file" || die "pip install -r $file failed (see the pip output above)"
     done
     installed_now=1
+fi
+
+# The project itself, editable: `utils`, `configs` and the entry points import from this checkout wherever
+# they run (pyproject.toml; its dependencies are the requirement files above, already installed).
+if [[ "$installed_now" -eq 1 ]] || ! "$VPY" -m pip list --editable 2>/dev/null | grep -q "^neox-pretrain .* $PWD\$"; then
+    step "installing this project (editable)"
+    pip_install --no-deps --no-build-isolation -q -e . || die "pip install -e . failed (see the pip output above)"
 fi
 
 # Every Python in the venv leaves out torchao's harmless import warnings on machines without its CUDA

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch train.py through `accelerate launch` on 1..N GPUs, N CPU processes, or several nodes, under a
-# supervisor (utils/launch.py) that delivers a scheduler's SIGTERM to the training ranks however it is sent
+# supervisor (utils/runtime/launch.py) that delivers a scheduler's SIGTERM to the training ranks however it is sent
 # (to this PID, as a container's PID 1, to the process group, by timeout or SLURM) and waits for their
 # checkpoint. Run with --help for the options. Everything accelerate needs is passed on its command line;
 # no `accelerate config` file is required.
@@ -289,7 +289,9 @@ catches_stops() {  # whether process $1 has its handlers for SIGTERM and SIGINT 
     [[ -n "$mask" ]] && (( (16#$mask >> 14) & 1 )) && (( (16#$mask >> 1) & 1 ))
 }
 set +e
-export NEOX_LAUNCHER_PID=$$  # the ranks stop with a checkpoint if this script is SIGKILLed (utils/launch.py)
+export NEOX_LAUNCHER_PID=$$  # the ranks stop with a checkpoint if this script is SIGKILLed (utils/runtime/launch.py)
+# The supervisor runs with -S (no site hooks, so no installed project either): the repo's packages by path.
+export PYTHONPATH="$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH}"
 if command -v setsid >/dev/null 2>&1; then
     setsid "$python" -S "$SCRIPT_DIR/utils/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
         -- "${cmd[@]}" &  # -S: no site hooks, it catches sooner

@@ -4,11 +4,11 @@
 `main()` settles the config and catches the errors a user fixes; `train()` assembles the run (each part
 one call) and then runs the loop, every step of it visible: accumulate, backward, on the sync step clip /
 optimizer step / schedule / zero; then, each deciding for itself whether it is due, the step line
-(utils/run_report.py), the evaluations (utils/evals/evaluator.py) and the checkpoint (`Checkpointer.due`).
-The parts live in utils/ (see docs/ARCHITECTURE.md): the parallelism seam (utils/parallel.py) builds and wraps
+(utils/run/report.py), the evaluations (utils/evals/evaluator.py) and the checkpoint (`Checkpointer.due`).
+The parts live in utils/ (see docs/ARCHITECTURE.md): the parallelism seam (utils/parallel/strategies.py) builds and wraps
 the model, the data package (utils/data/build.py) the loader, the Checkpointer (utils/checkpoint/checkpointer.py)
-saves and restores every stateful thing, the spike guard (utils/spike_guard.py) judges each step before its
-update, the metrics window (utils/metrics.py) times the steps and nothing between them, and TrainState, the
+saves and restores every stateful thing, the spike guard (utils/training/spike_guard.py) judges each step before its
+update, the metrics window (utils/observe/metrics.py) times the steps and nothing between them, and TrainState, the
 stop signal and the output folder are small objects beside them. The engine's imports wait for train() on
 purpose: `--help`, `--print-config` and a config error answer without loading torch, and a stop signal during
 those imports is already caught (main's catch_early).
@@ -23,16 +23,15 @@ from pathlib import Path
 
 PROCESS_STARTED = time.perf_counter()  # time to first step counts from here
 REPO_ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from configs.settle import settle_config  # noqa: E402
-from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields,  # noqa: E402
+from configs.settle import settle_config
+from configs.training_config import (MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields,
                                      precision_name, to_yaml)
-from utils import layout  # noqa: E402
-from utils.console import progress_bar, survive_lost_console  # noqa: E402
-from utils.errors import BackgroundFailure, UserError  # noqa: E402
-from utils.run_status import RunStatus, rank_zero  # noqa: E402
-from utils.signals import StoppedInSetup, catch_early, watch_supervisor  # noqa: E402
+from utils import layout
+from utils.io.console import progress_bar, survive_lost_console
+from utils.errors import BackgroundFailure, UserError
+from utils.runtime.run_status import RunStatus, rank_zero
+from utils.runtime.signals import StoppedInSetup, catch_early, watch_supervisor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -97,24 +96,24 @@ def main(argv=None) -> int:
 def train(cfg, profile, args) -> int:
     import torch  # the engine's imports wait for train(): --help and a config error answer without torch
 
-    from utils.accelerator import make_accelerator
+    from utils.parallel.accelerator import make_accelerator
     from utils.checkpoint.checkpointer import find_checkpoint, remote_checkpoint_root
     from utils.data.build import build_data, description_dir
     from utils.debug import BatchTrace
     from utils.evals.runner import DownstreamEvals
-    from utils.export import finished_run
-    from utils.metrics import MetricsWindow, peak_flops
+    from utils.run.export import finished_run
+    from utils.observe.metrics import MetricsWindow, peak_flops
     from utils.model.fit import check_batch_fits
     from utils.model.lm_loss import set_z_loss
     from utils.model.spec import resolve_model_spec
-    from utils.optim import schedule_from_config
-    from utils.parallel import make_parallelism
-    from utils.run_dir import default_output_dir, shared_output_dir
-    from utils.run_report import StepReporter, describe_run
-    from utils.signals import StopSignal
-    from utils.spike_guard import SpikeGuard
-    from utils.state import RngState, TrainState
-    from utils.watchdog import HangWatchdog, nccl_flight_recorder_env
+    from utils.training.schedules import ScheduleSettings
+    from utils.parallel.strategies import make_parallelism
+    from utils.run.output_dir import default_output_dir, shared_output_dir
+    from utils.run.report import StepReporter, describe_run
+    from utils.runtime.signals import StopSignal
+    from utils.training.spike_guard import SpikeGuard
+    from utils.training.state import RngState, TrainState
+    from utils.observe.watchdog import HangWatchdog, nccl_flight_recorder_env
 
     output_dir = Path(args.output_dir or default_output_dir(cfg, REPO_ROOT)).resolve()
     nccl_flight_recorder_env(output_dir / layout.LOGS)  # CUDA: before the process group exists
@@ -155,7 +154,7 @@ def train(cfg, profile, args) -> int:
     log.start_trackers(accelerator, cfg.effective_run_name, cfg.to_dict(), state.step if resume_path else None)
     describe_run(cfg, parallel, log, profile, spec, core, loader, len(val_batches), state, remote_root)
     bar = progress_bar(cfg.max_steps, state.step, accelerator.is_main_process)
-    reporter = StepReporter(cfg.logging_steps, log, window, schedule_from_config(cfg), loader, guard, bar)
+    reporter = StepReporter(cfg.logging_steps, log, window, ScheduleSettings.of(cfg).lr, loader, guard, bar)
     evaluator = make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len, described, log)
     grad_norm = torch.zeros((), device=device)
     trace = BatchTrace(output_dir, accelerator)  # NEOX_TRACE_BATCHES, NEOX_DEBUG_STEP_DELAY_S
@@ -165,7 +164,7 @@ def train(cfg, profile, args) -> int:
         start_run(model, val_batches, cfg, accelerator, log, stop, evaluator, state, bar)
         window.restart(state.step + 1)
         data_iter = iter(loader)
-        watchdog.start(state.step)  # from here, no progress for hang_timeout_s ends the run (utils/watchdog.py)
+        watchdog.start(state.step)  # from here, no progress for hang_timeout_s ends the run (utils/observe/watchdog.py)
         while state.step < cfg.max_steps:
             window.begin_step()  # the step's time, and the loader's waits, are what tokens/s and MFU count
             step_loss = torch.zeros((), device=device)
@@ -231,8 +230,8 @@ def end_run(model, spec, described, state, output_dir, parallel, log, bar, ckpt,
             exit_code: int, last_checkpoint):
     """After the loop: the checkpoint writer drained, final_model/ exported unless the run stopped early (every
     rank: the export checks the ranks agree), and the closing summary. Returns (export dir or None, exit code)."""
-    from utils.export import export_final_model
-    from utils.metrics import closing_summary
+    from utils.run.export import export_final_model
+    from utils.observe.metrics import closing_summary
 
     bar.close()
     ckpt.wait()
@@ -265,9 +264,9 @@ def close_run(exit_code: int, stopped_by, state, last_checkpoint, export_dir, ba
 def open_output_dir(output_dir: Path, args, accelerator):
     """The run's folder, locked (one live run per folder), refused when a fresh run would write over another
     run's files; and its logger. Returns (lock, log)."""
-    from utils.distributed import main_process_only
-    from utils.metrics import RunLogger
-    from utils.run_dir import lock_output_dir, refuse_another_run
+    from utils.runtime.distributed import main_process_only
+    from utils.observe.metrics import RunLogger
+    from utils.run.output_dir import lock_output_dir, refuse_another_run
 
     lock = lock_output_dir(output_dir, accelerator)
     if not args.resume:
@@ -297,7 +296,7 @@ def make_checkpointer(cfg, parallel, states, spec, seq_len: int, output_dir: Pat
 def make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len: int, described: Path, log):
     """Validation, the downstream evals and the samples, each on its own schedule (utils/evals/evaluator.py)."""
     from utils.evals.evaluator import Evaluator
-    from utils.sampling import Sampler
+    from utils.evals.sampling import Sampler
 
     sampler = Sampler(cfg.sample_every, cfg.sample_prompts, cfg.sample_max_new_tokens, described, seq_len,
                       cfg.seed, parallel.accelerator, log, sharded=parallel.sharded)
@@ -306,14 +305,16 @@ def make_evaluator(cfg, parallel, model, core, val_batches, evals, seq_len: int,
 
 def build_training(parallel, cfg, spec, init_weights, log):
     """Model (from `init_weights` when given, built and wrapped by the parallelism seam), AdamW and the LR
-    schedule. The scheduler is deliberately never prepared (see utils/optim.py)."""
+    schedule. The scheduler is deliberately never prepared (see utils/training/lr_scheduler.py)."""
     from utils.data.build import end_of_document
-    from utils.optim import build_optimizer, build_scheduler
+    from utils.training.lr_scheduler import build_scheduler
+    from utils.training.optim import OptimizerSettings, build_optimizer
+    from utils.training.schedules import ScheduleSettings
 
     eos = end_of_document(cfg, spec.vocab_size) if cfg.attention == "document" else None
     model = parallel.build_model(spec, init_weights, log, eos)
-    optimizer = build_optimizer(model, cfg, fused=parallel.device.type == "cuda")
-    scheduler = build_scheduler(optimizer, cfg)
+    optimizer = build_optimizer(model, OptimizerSettings.of(cfg), fused=parallel.device.type == "cuda")
+    scheduler = build_scheduler(optimizer, ScheduleSettings.of(cfg))
     model, optimizer = parallel.prepare(model, optimizer)
     return model, optimizer, scheduler
 

@@ -21,15 +21,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from configs.model_config import MODELS, get_model_spec  # noqa: E402
-from configs.profiles import memory_plan  # noqa: E402
-from configs.training_config import ACTIVATION_CHECKPOINTING  # noqa: E402
-from utils.model import build_model  # noqa: E402
-from utils.model.activation_checkpointing import apply_activation_checkpointing, saved_activation_bytes  # noqa: E402
+from configs.model_config import MODELS, get_model_spec
+from configs.profiles import memory_plan
+from configs.training_config import ACTIVATION_CHECKPOINTING
+from utils.model import build_model
+from utils.model.activation_checkpointing import apply_activation_checkpointing, saved_activation_bytes
 
 
 def measure(spec, policy: str, every: int, ids: torch.Tensor, device: torch.device, repeats: int) -> dict:

@@ -34,9 +34,8 @@ from datetime import date
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from configs import get_model_spec  # noqa: E402
+from configs import get_model_spec
 
 
 def make_shards(data_dir: Path, files: int, rows: int, seq_len: int, vocab: int) -> None:

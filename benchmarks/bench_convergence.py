@@ -13,10 +13,10 @@ levers is swept over its optimizer's rates (`--adamw-lrs`, `--muon-lrs`); one wi
 rate of the same recipe without them (a lever is measured at its optimizer's best rate), or is swept itself
 with `:sweep`; `@F` runs it with max_steps (and so its schedule) F times the budget's, at the best rate of
 the same recipe at the full budget unless swept. `--averages tail ema` also evaluates, in every recipe's runs,
-an average of the weights over the decay tail (utils/weight_average.py; from max_steps - the wsd decay's
+an average of the weights over the decay tail (utils/training/weight_average.py; from max_steps - the wsd decay's
 length on, for every schedule): each is a contender of its own, `RECIPE [tail]`.
 
-Every run uses the engine's parts (utils.model.build_model, utils.optim.build_optimizer / build_scheduler),
+Every run uses the engine's parts (utils.model.build_model, utils.training's optimizer and scheduler),
 in this process, with the preset's settings (default `demo`): the data is the preset's corpus cut into rows
 of seq_len tokens, a prepared dataset's val/ split or else the last `val_files` shards held out (a fixed
 `--val-batches` x batch rows); the seed sets the initial weights and the data order, shared by every
@@ -45,13 +45,12 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from configs import get_model_spec, get_training_config  # noqa: E402
-from configs.training_config import parse_overrides  # noqa: E402
+from configs import get_model_spec, get_training_config
+from configs.training_config import parse_overrides
 
 BASELINE = "adamw+hf"
 LEVERS = {"wsd": {"lr_schedule": "wsd"}, "cautious": {"cautious_weight_decay": True}}
@@ -130,17 +129,20 @@ def train_one(recipe: Recipe, lr: float, seed: int, cfg, spec, data, eval_every:
     """One run: the validation curve [(tokens, loss)], the training seconds at each of its points, and for
     each average in `averages` its own curve (the trained weights' until the average starts)."""
     from utils.model import build_model
-    from utils.optim import build_optimizer, build_scheduler, wsd_decay_steps
-    from utils.weight_average import WeightAverage
+    from utils.training.lr_scheduler import build_scheduler
+    from utils.training.optim import OptimizerSettings, build_optimizer
+    from utils.training.schedules import ScheduleSettings
+    from utils.training.weight_average import WeightAverage
 
     train, val = data
     cfg = dataclasses.replace(cfg, **recipe.settings(), seed=seed, learning_rate=lr,
                               max_steps=max(1, round(cfg.max_steps * recipe.fraction)))
     model = build_model(spec, seed=seed, impl="native", init=recipe.init)
-    optimizer = build_optimizer(model, cfg, fused=False)
-    scheduler = build_scheduler(optimizer, cfg)
+    schedule = ScheduleSettings.of(cfg)
+    optimizer = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
+    scheduler = build_scheduler(optimizer, schedule)
     params = list(model.parameters())
-    tail_start = cfg.max_steps - wsd_decay_steps(cfg)
+    tail_start = cfg.max_steps - schedule.wsd_decay_steps
     averaged = {kind: WeightAverage(params, kind, tail_start) for kind in averages}
     batch, steps = cfg.per_device_train_batch_size, cfg.max_steps
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(seed))

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils.model.layers import ChunkedLMHeadLoss, chunked_loss_only  # noqa: E402
+from utils.model.layers import ChunkedLMHeadLoss, chunked_loss_only
 
 
 def main() -> None:

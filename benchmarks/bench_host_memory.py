@@ -9,7 +9,7 @@ rows) and with one of 2,048 ids (the demo's), built here (no download).
 Each dataset trains twice, for --warmup and for --warmup + --steps steps; the per-step figures are the
 differences (so start-up, the last checkpoint and the export cancel out): minor page faults
 (getrusage of the finished child and its workers), wall seconds, user and system CPU seconds. A step that
-page-faults its vocabulary-sized buffers in again shows as system time (utils/host_memory.py).
+page-faults its vocabulary-sized buffers in again shows as system time (utils/runtime/host_memory.py).
 """
 from __future__ import annotations
 
@@ -26,10 +26,9 @@ from datetime import date
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from tests.trainkit import gpt2_style_tokenizer  # noqa: E402
-from utils.data.prepare import prepare  # noqa: E402
+from tests.trainkit import gpt2_style_tokenizer
+from utils.data.prepare import prepare
 
 BIG = 10**9  # eval_interval / save_steps / sample_every that never fire inside the run
 

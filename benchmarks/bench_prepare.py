@@ -20,9 +20,8 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils.data.prepare import prepare  # noqa: E402
+from utils.data.prepare import prepare
 
 
 

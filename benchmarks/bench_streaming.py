@@ -26,9 +26,8 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def free_port() -> int:
@@ -80,7 +79,7 @@ def fetch_alone(url: str, dest: Path, shards: list[int]) -> float:
     from utils.data.dataset_info import DatasetInfo
     from utils.data.stream_source import description_dir
     from utils.data.source import Source
-    from utils.storage import RemoteObject, download_verified, make_client
+    from utils.io.storage import RemoteObject, download_verified, make_client
 
     entries = DatasetInfo.load(description_dir(Source("data", path=url), str(dest))).shards
     started = time.perf_counter()
@@ -95,7 +94,7 @@ def first_batch_downloaded(url: str, dest: Path, order, seq_len: int, micro: int
     from utils.data.download import sync_prefix
     from utils.data.loader import ResumableLoader
     from utils.data.source import OpenRequest, Source
-    from utils.storage import make_client
+    from utils.io.storage import make_client
 
     started = time.perf_counter()
     report = sync_prefix(make_client, url, dest, workers=8, progress=False)
@@ -121,7 +120,7 @@ def main() -> int:
     from gcp_storage_emulator.server import create_server
 
     from utils.data.mixture import Shuffle
-    from utils.storage import make_client, upload_verified
+    from utils.io.storage import make_client, upload_verified
 
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # a missing tokenizer.json is fine here
     port = free_port()

@@ -22,7 +22,7 @@ tokens/s and step time; per contender the median over `--repeats` rounds is prin
            documents end with id 0 after ~DOC_TOKENS tokens on average): what document masking costs,
            `document/engine` (FlexAttention's block mask on CUDA, SDPA with a dense mask on the CPU). Only
            with `--only`, e.g. `--only engine,document`.
-- bare:    utils.model.build_model + utils.optim.build_optimizer/build_scheduler, batches already in
+- bare:    utils.model.build_model + utils.training.optim.build_optimizer, lr_scheduler.build_scheduler, batches already in
            device memory, forward/backward/clip/step/zero_grad, one `.item()` at the end: the ceiling.
 
 Schedules. `rounds` (default on CUDA) runs the contenders one after another, order rotated each round.
@@ -53,7 +53,6 @@ import numpy as np
 
 WORKER_STARTED = time.perf_counter()  # a worker's time to first step counts from its start
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
 CONTENDERS = ("engine", "trainer", "naive", "bare", "fsdp", "document")
 ENGINES = ("engine", "fsdp", "candidate", "document")  # train.py processes
@@ -65,12 +64,11 @@ ENGINE_SHIM = """
 import os, runpy, sys, time
 path = sys.argv[1]
 sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(path))
-import utils.metrics
-write_row = utils.metrics.RunLogger.write_row
+import utils.observe.metrics
+write_row = utils.observe.metrics.RunLogger.write_row
 def write_row_with_cpu(self, row):
     write_row(self, dict(row, bench_cpu_s=time.process_time()) if "loss" in row else row)
-utils.metrics.RunLogger.write_row = write_row_with_cpu
+utils.observe.metrics.RunLogger.write_row = write_row_with_cpu
 runpy.run_path(path, run_name="__main__")
 """
 
@@ -399,7 +397,9 @@ def worker_bare(s: dict) -> dict:
     from configs import get_model_spec
     from utils.model import build_model
     from utils.model.activation_checkpointing import apply_activation_checkpointing
-    from utils.optim import build_optimizer, build_scheduler
+    from utils.training.lr_scheduler import build_scheduler
+    from utils.training.optim import OptimizerSettings, build_optimizer
+    from utils.training.schedules import ScheduleSettings
 
     cfg = training_config(s)
     device = torch.device(s["device"])
@@ -416,8 +416,8 @@ def worker_bare(s: dict) -> dict:
         from utils.model.fp8 import enable_fp8
 
         enable_fp8(model)
-    optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
-    scheduler = build_scheduler(optimizer, cfg)
+    optimizer = build_optimizer(model, OptimizerSettings.of(cfg), fused=device.type == "cuda")
+    scheduler = build_scheduler(optimizer, ScheduleSettings.of(cfg))
     if s["compile"]:
         model.compile_blocks()  # as the engine does: regional compile
     forward = model
@@ -609,7 +609,7 @@ def main(argv=None) -> int:
     import torch
 
     from configs import ConfigError, get_model_spec
-    from utils.metrics import mfu, peak_flops
+    from utils.observe.metrics import mfu, peak_flops
     from utils.model import build_model
 
     cuda = torch.cuda.is_available()

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils.data.dataset import TokenSequenceDataset  # noqa: E402
-from utils.data.index import CACHE_NAME, ShardIndex  # noqa: E402
-from utils.data.loader import ResumableLoader  # noqa: E402
+from utils.data.dataset import TokenSequenceDataset
+from utils.data.index import CACHE_NAME, ShardIndex
+from utils.data.loader import ResumableLoader
 
 
 def write_shard(path: Path, tokens: int, vocab: int, seed: int, rows: int = 0) -> None:

@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs import get_model_spec, get_training_config  # noqa: E402
-from utils.model import build_model  # noqa: E402
-from configs.training_config import ACTIVATION_CHECKPOINTING  # noqa: E402
-from utils.model.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
-from utils.optim import build_optimizer  # noqa: E402
+from configs import get_model_spec, get_training_config
+from utils.model import build_model
+from configs.training_config import ACTIVATION_CHECKPOINTING
+from utils.model.activation_checkpointing import apply_activation_checkpointing
+from utils.training.optim import OptimizerSettings, build_optimizer
 
 
 def main(argv=None) -> int:
@@ -55,7 +53,7 @@ def main(argv=None) -> int:
         enable_fp8(model)
     if cuda and not args.no_compile:
         model.compile_blocks()
-    optimizer = build_optimizer(model, get_training_config("production"), fused=cuda)
+    optimizer = build_optimizer(model, OptimizerSettings.of(get_training_config("production")), fused=cuda)
     params = list(model.parameters())
     batch = torch.randint(0, spec.vocab_size, (args.micro_batch, seq_len), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision != "no")

@@ -1,3 +1,14 @@
+"""The user-facing configuration: one flat set of fields (YAML files, `--set`, `--help`), its presets, the
+model architectures by name, and the memory plan.
+
+- `training_config`: the fields with their types, ranges and help, presets and config files, `--set`;
+- `model_config`: model architectures by name (ModelSpec);
+- `profiles`: memory profiles and the memory plan;
+- `settle`: the one place a run's config is settled; `query`: what the launcher asks; `reference`: the
+  generated configuration page.
+
+May import: utils, utils.observe, utils.training (their registries: the config's choices are their keys).
+"""
 from configs.model_config import MODELS, ConfigError, ModelSpec, get_model_spec
 from configs.training_config import PRESETS, TrainingConfig, get_training_config, parse_overrides
 

@@ -97,7 +97,7 @@ def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, 
     block = spec.block_parameters  # the family's formula (configs/model_config.py)
     params = layers * block + 2 * h + embed * (1 if spec.tie_word_embeddings else 2)
     shards = world_size if strategy == "fsdp" else 1
-    # optimizer state: AdamW two moments per parameter; Muon (utils/muon.py) one momentum buffer per block matrix
+    # optimizer state: AdamW two moments per parameter; Muon (utils/training/optim/muon.py) one momentum buffer per block matrix
     matrices = layers * (4 * h * h + 2 * h * spec.intermediate_size) if optimizer == "muon" else 0
     state_values = 2 * params - matrices
     activations = activation_bytes(checkpointing, layers, s * micro_batch, h, checkpointing_every)

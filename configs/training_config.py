@@ -15,24 +15,25 @@ from pathlib import Path
 import yaml
 
 from configs.model_config import ConfigError, get_model_spec
-from utils.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
-from utils.schedules import SCHEDULES
-from utils.trackers import TRACKERS
+from utils.training.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
+from utils.training.optim import OPTIMIZERS as OPTIMIZER_REGISTRY
+from utils.training.schedules import SCHEDULES
+from utils.observe.trackers import TRACKERS
 
 MIXED_PRECISION_MODES = ("bf16", "fp16", "fp8", "no")
 MODEL_IMPLS = ("native", "hf")
-REPORT_TO = (*TRACKERS, "none")  # utils/trackers.py: the registry
+REPORT_TO = (*TRACKERS, "none")  # utils/observe/trackers.py: the registry
 MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
-OPTIMIZERS = ("adamw", "muon")  # utils/optim.py: build_optimizer
-MUON_NS_DTYPES = ("auto", "bf16", "fp32")  # utils/muon.py: ns_dtype_for
+OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # utils/training/optim/: the registry
+MUON_NS_DTYPES = ("auto", "bf16", "fp32")  # utils/training/optim/muon.py: ns_dtype_for
 INITS = ("hf", "neox")  # utils/model/init.py: init_weights
-STRATEGIES = ("ddp", "fsdp")  # utils/parallel.py: one class each
+STRATEGIES = ("ddp", "fsdp")  # utils/parallel/strategies.py: one class each
 # utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "selective")
 ATTENTION = ("causal", "document")  # utils/model/layers.py: use_document_masking
-SPIKE_GUARDS = ("off", "warn", "skip", "rollback")  # utils/spike_guard.py says what each does
-LR_SCHEDULES = tuple(SCHEDULES)  # utils/schedules.py: the registry
+SPIKE_GUARDS = ("off", "warn", "skip", "rollback")  # utils/training/spike_guard.py says what each does
+LR_SCHEDULES = tuple(SCHEDULES)  # utils/training/schedules.py: the registry
 DECAY_SHAPES = tuple(SCHEDULE_DECAY_SHAPES)
 SHUFFLES = ("global", "blocks")  # utils/data/mixture.py: Shuffle
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -183,7 +184,7 @@ class TrainingConfig:
     logging_steps: int = _field(100, "optimizer steps per log line and metrics row", "[1, inf)")
     eval_interval: int = _field(500, "optimizer steps between validation runs", "[1, inf)")
     eval_batches: int = _field(20, "validation batches per evaluation", "[1, inf)")
-    # samples during training (utils/sampling.py)
+    # samples during training (utils/evals/sampling.py)
     sample_every: int = _field(0, "every N optimizer steps, continue sample_prompts into logs/samples.jsonl, the log "
                                   "and TensorBoard's text tab; 0: off", "[0, inf)")
     sample_prompts: list[str] = field(default_factory=list, metadata={
@@ -211,7 +212,7 @@ class TrainingConfig:
     eval_tasks_every: int = _field(0, "optimizer steps between downstream evals; 0: with validation "
                                       "(eval_interval)", "[0, inf)")
     eval_tasks_limit: int = _field(0, "score the first N examples of each task; 0: all", "[0, inf)")
-    # loss-spike guard (utils/spike_guard.py)
+    # loss-spike guard (utils/training/spike_guard.py)
     spike_guard: str = _field("warn", "a step whose loss or gradient norm is more than spike_threshold standard "
                                       "deviations above the mean of the last spike_window steps is a spike: off | "
                                       "warn (a line and a metrics row) | skip (its update is not applied) | rollback "

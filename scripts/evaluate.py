@@ -22,9 +22,8 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils.errors import UserError  # noqa: E402
+from utils.errors import UserError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +70,7 @@ def table(results: dict) -> str:
 
 
 def write_samples(path: Path, tasks, scored) -> None:
-    from utils import files
+    from utils.io import files
 
     lines = []
     for task in tasks:

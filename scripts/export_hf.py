@@ -18,9 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils.errors import UserError  # noqa: E402
+from utils.errors import UserError
 
 
 def main(argv=None) -> int:
@@ -30,7 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", help="a prepared data directory (dataset.json), an HF tokenizer directory or a "
                                        "tokenizer.json (default: the checkpoint's tokenizer.json)")
     args = p.parse_args(argv)
-    from utils import files
+    from utils.io import files
     from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
 
     out = Path(args.out_dir)

@@ -13,9 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils.errors import UserError  # noqa: E402
+from utils.errors import UserError
 
 
 def main(argv=None) -> int:
@@ -24,7 +23,7 @@ def main(argv=None) -> int:
     p.add_argument("--examples", type=int, default=500, help="how many examples (default 500)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from utils import files
+    from utils.io import files
     from utils.evals.demo_task import build_next_line_task
 
     out = Path(args.out)

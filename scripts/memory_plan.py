@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs.model_config import MODELS, ConfigError, get_model_spec  # noqa: E402
-from configs.profiles import USABLE_FRACTION, memory_plan  # noqa: E402
-from configs.training_config import ACTIVATION_CHECKPOINTING, OPTIMIZER_STATE_DTYPES, STRATEGIES  # noqa: E402
+from configs.model_config import MODELS, ConfigError, get_model_spec
+from configs.profiles import USABLE_FRACTION, memory_plan
+from configs.training_config import ACTIVATION_CHECKPOINTING, OPTIMIZER_STATE_DTYPES, STRATEGIES
 
 
 def main(argv=None) -> int:

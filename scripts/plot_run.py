@@ -16,10 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils import layout  # noqa: E402
-from utils.errors import UserError  # noqa: E402
+from utils import layout
+from utils.errors import UserError
 
 DEFAULT_OUTPUT = "runs.png"
 PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
@@ -58,7 +57,7 @@ def plot(runs: list[str], out: Path) -> int:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    from utils.metrics import read_metrics, rows_with
+    from utils.observe.metrics import read_metrics, rows_with
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
     drawn = 0

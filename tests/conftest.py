@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
 
 def free_port() -> int:
@@ -100,9 +99,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _no_stop_signal_left_over():
     """Each test starts with no stop signal on record in this process: a test that signals the pytest
-    process itself (a StopSignal, catch_early) must not make a later in-process wait (utils/signals.py's
+    process itself (a StopSignal, catch_early) must not make a later in-process wait (utils/runtime/signals.py's
     stop_requested, looked at by the streaming loader) think a stop came."""
-    signals = sys.modules.get("utils.signals")
+    signals = sys.modules.get("utils.runtime.signals")
     if signals is not None:
         for name in ("_REQUESTED", "_EARLY", "_SUPERVISOR_LOST"):
             getattr(signals, name, []).clear()

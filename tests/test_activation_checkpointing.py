@@ -90,8 +90,8 @@ WORKER = textwrap.dedent('''
     from configs.model_config import get_model_spec
     from dataclasses import replace
     from utils.model.activation_checkpointing import parameter_fqn
-    from utils.optim import build_optimizer
-    from utils.parallel import make_parallelism
+    from utils.training.optim import OptimizerSettings, build_optimizer
+    from utils.parallel.strategies import make_parallelism
 
     class Log:
         def info(self, msg): pass
@@ -106,7 +106,7 @@ WORKER = textwrap.dedent('''
                                            "compile_model": False, "activation_checkpointing": policy})
         parallel = make_parallelism(cfg, accelerator)
         model = parallel.build_model(spec, None, Log())
-        model, _ = parallel.prepare(model, build_optimizer(model, cfg, fused=False))
+        model, _ = parallel.prepare(model, build_optimizer(model, OptimizerSettings.of(cfg), fused=False))
         x = torch.randint(0, spec.vocab_size, (2, 32), generator=torch.Generator().manual_seed(10 + rank))
         accelerator.backward(model(x))
         grads = {}

@@ -4,41 +4,45 @@ stays the loop and its assembly, and each registry is where the config's choices
 from __future__ import annotations
 
 import ast
-import os
 import inspect
+import os
 import re
+from pathlib import Path
 
 import pytest
 
 from tests.trainkit import REPO_ROOT
 
-# Lowest first: a module may import from its own layer and the ones before it, never from a later one.
-LAYERS = [
-    ("base", ["utils", "utils.errors", "utils.files", "utils.layout", "utils.debug", "utils.distributed",
-              "utils.storage", "utils.lock", "utils.console", "utils.signals", "utils.state", "utils.run_status",
-              "utils.schedules", "utils.trackers", "utils.quiet_imports", "utils.host_memory", "utils.launch",
-              "utils.accelerator"]),
-    ("configs", ["configs"]),
-    ("data", ["utils.data"]),
-    ("checkpoint", ["utils.checkpoint"]),
-    ("model", ["utils.model"]),
-    ("engine", ["utils.parallel", "utils.optim", "utils.muon", "utils.metrics", "utils.sampling", "utils.evals", "utils.spike_guard"]),
-    ("run", ["utils.export", "utils.run_dir", "utils.run_report"]),
-]
+PACKAGE_ROOTS = ("utils", "configs")
 
 
-def layer_of(module: str) -> int:
-    best = None
-    for number, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if module == prefix or module.startswith(prefix + "."):
-                if best is None or len(prefix) > best[1]:
-                    best = (number, len(prefix))
-    assert best is not None, f"{module} is in no layer of tests/test_architecture.py: add it"
-    return best[0]
+def packages(root=REPO_ROOT) -> dict[str, Path]:
+    """Every layer folder: `utils` (its loose modules), each folder under utils/ and configs/."""
+    found = {"utils": root / "utils", "configs": root / "configs"}
+    for init in sorted((root / "utils").glob("*/__init__.py")):
+        found[f"utils.{init.parent.name}"] = init.parent
+    return found
 
 
-def project_imports(path) -> set[str]:
+def package_of(module: str, known) -> str:
+    """The layer folder a module belongs to: the longest known package it starts with."""
+    best = max((p for p in known if module == p or module.startswith(p + ".")), key=len, default=None)
+    assert best is not None, f"{module} is in no layer folder"
+    return best
+
+
+def may_import(folder: Path) -> set[str]:
+    """The layers a folder's package docstring allows after "May import:" (its own is always allowed)."""
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    match = re.search(r"^May import:(.*?)(?:\.\s*$|\n\n)", doc, re.S | re.M)
+    assert match, f"{folder}/__init__.py: its docstring has no 'May import:' line"
+    text = re.sub(r"\([^)]*\)", "", match[1]).strip()  # a reason in parentheses is prose
+    if text.startswith("nothing"):
+        return set()
+    return {name.strip() for name in re.split(r"[,\s]+", text) if name.strip()}
+
+
+def project_imports(path, root=REPO_ROOT) -> set[str]:
     """Every module of the project `path` imports, at its top or inside a function."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -49,30 +53,87 @@ def project_imports(path) -> set[str]:
         else:
             continue
         for name in names:
-            if name.split(".")[0] in ("utils", "configs") and _is_module(name):
+            if name.split(".")[0] in PACKAGE_ROOTS and _is_module(name, root):
                 found.add(name)
     return found
 
 
-def _is_module(name: str) -> bool:
+def _is_module(name: str, root=REPO_ROOT) -> bool:
     parts = name.split(".")
-    return (REPO_ROOT.joinpath(*parts).with_suffix(".py").is_file()
-            or REPO_ROOT.joinpath(*parts, "__init__.py").is_file())
+    return (root.joinpath(*parts).with_suffix(".py").is_file()
+            or root.joinpath(*parts, "__init__.py").is_file())
 
 
-def module_name(path) -> str:
-    name = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+def module_name(path, root=REPO_ROOT) -> str:
+    name = ".".join(path.relative_to(root).with_suffix("").parts)
     return name[: -len(".__init__")] if name.endswith(".__init__") else name
 
 
-def test_no_layer_imports_from_a_layer_above_it():
-    wrong = []
-    for path in sorted([*REPO_ROOT.glob("utils/**/*.py"), *REPO_ROOT.glob("configs/*.py")]):
-        me = module_name(path)
-        for other in project_imports(path):
-            if layer_of(other) > layer_of(me):
-                wrong.append(f"{me} ({LAYERS[layer_of(me)][0]}) imports {other} ({LAYERS[layer_of(other)][0]})")
-    assert not wrong, "\n".join(wrong)
+def layer_violations(root=REPO_ROOT) -> list[str]:
+    """'module (layer) imports other (layer)' for every import its folder's docstring does not allow, and
+    'circle: ...' when the allowed imports of the folders form a circle."""
+    known = packages(root)
+    allowed = {name: may_import(folder) for name, folder in known.items()}
+    wrong = [f"{name}'s 'May import:' names {sorted(deps - set(known))}, not layer folders"
+             for name, deps in allowed.items() if deps - set(known)]
+    for path in sorted([*root.glob("utils/**/*.py"), *root.glob("configs/*.py")]):
+        me = module_name(path, root)
+        mine = package_of(me, known)
+        for other in project_imports(path, root):
+            theirs = package_of(other, known)
+            if theirs != mine and theirs not in allowed[mine]:
+                wrong.append(f"{me} ({mine}) imports {other} ({theirs}): not in {mine}'s 'May import:'")
+    order = layer_order(allowed)
+    if order is None:
+        wrong.append(f"circle: the folders' 'May import:' lines form a circle: {allowed}")
+    return wrong
+
+
+def layer_order(allowed: dict[str, set[str]]) -> list[str] | None:
+    """The layers lowest first (each after everything it may import), or None when they form a circle."""
+    order, left = [], dict(allowed)
+    while left:
+        ready = sorted(name for name, deps in left.items() if deps <= set(order))
+        if not ready:
+            return None
+        order += ready
+        for name in ready:
+            del left[name]
+    return order
+
+
+def test_no_module_imports_from_a_layer_its_folder_does_not_allow():
+    assert layer_violations() == []
+
+
+def test_the_layers_come_from_the_folders_and_a_new_violation_is_caught(tmp_path):
+    """On a copy of the package in a temporary folder: the layers read from the folders' docstrings are in
+    order, a module importing from a layer above it is caught, and a circle is caught."""
+    import shutil
+
+    for name in PACKAGE_ROOTS:
+        shutil.copytree(REPO_ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    allowed = {name: may_import(folder) for name, folder in packages(tmp_path).items()}
+    order = layer_order(allowed)
+    assert order is not None and order[0] == "utils" and order[-1] == "utils.run", order
+    assert order.index("configs") < order.index("utils.model") < order.index("utils.parallel"), order
+    assert layer_violations(tmp_path) == []
+    (tmp_path / "utils" / "io" / "intruder.py").write_text("from utils.run.export import export_final_model\n")
+    found = layer_violations(tmp_path)
+    assert len(found) == 1 and "utils.io.intruder (utils.io) imports utils.run.export" in found[0], found
+    init = tmp_path / "utils" / "runtime" / "__init__.py"  # runtime allowed to import run: a circle with run's
+    init.write_text(init.read_text().replace("May import: utils, utils.io.", "May import: utils, utils.io, utils.run."))
+    assert any(line.startswith("circle:") for line in layer_violations(tmp_path))
+
+
+def test_each_layer_folder_names_its_modules_and_utils_keeps_few_loose_ones():
+    for name, folder in packages().items():
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+        files = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+        unnamed = [stem for stem in files if not re.search(rf"\b{stem}\b", doc)]
+        assert not unnamed, f"{name}'s package docstring does not name {unnamed}"
+    loose = [p.stem for p in (REPO_ROOT / "utils").glob("*.py") if p.stem != "__init__"]
+    assert len(loose) <= 6, loose
 
 
 def test_the_loop_passes_the_strategy_on_and_never_tests_it():
@@ -86,13 +147,14 @@ def test_the_checkpointer_takes_at_most_8_parameters_and_nothing_from_metrics():
 
     assert len(inspect.signature(Checkpointer.__init__).parameters) - 1 <= 8  # self aside
     imported = project_imports(REPO_ROOT / "utils" / "checkpoint" / "checkpointer.py")
-    assert not any(m.startswith(("utils.metrics", "utils.model", "utils.parallel")) for m in imported), imported
+    assert not any(m.startswith(("utils.observe.metrics", "utils.model", "utils.parallel.strategies")) for m in imported), imported
 
 
 @pytest.mark.parametrize("field, registry", [
-    ("lr_schedule", "utils.schedules:SCHEDULES"),
-    ("decay_shape", "utils.schedules:DECAY_SHAPES"),
-    ("strategy", "utils.parallel:STRATEGIES"),
+    ("lr_schedule", "utils.training.schedules:SCHEDULES"),
+    ("decay_shape", "utils.training.schedules:DECAY_SHAPES"),
+    ("strategy", "utils.parallel.strategies:STRATEGIES"),
+    ("report_to", "utils.observe.trackers:TRACKERS"),
 ])
 def test_a_config_choice_is_accepted_exactly_when_its_registry_implements_it(field, registry):
     """The config accepts every name its registry implements, names them all when it refuses one, and
@@ -129,13 +191,6 @@ def test_every_model_impl_and_shuffle_the_config_accepts_is_implemented():
         Shuffle("not-a-choice")
 
 
-def test_trackers_and_the_report_to_choices_are_one_registry():
-    from configs.training_config import REPORT_TO
-    from utils.trackers import TRACKERS
-
-    assert REPORT_TO == (*TRACKERS, "none")
-
-
 # Each model family's module attributes (utils/model/<family>/): only its own folder may name them; the rest
 # of the engine goes through the model's interface (utils/model/layers.py CausalLM) and the family registry.
 FAMILY_ATTRIBUTES = {
@@ -146,11 +201,11 @@ FAMILY_ATTRIBUTES = {
 }
 
 
-def family_attribute_uses(paths) -> list[str]:
+def family_attribute_uses(paths, root=REPO_ROOT) -> list[str]:
     """'file:line: family' for every line outside a family's folder that names that family's attributes."""
     found = []
     for path in paths:
-        rel = path.relative_to(REPO_ROOT).as_posix()
+        rel = path.relative_to(root).as_posix()
         for family, pattern in FAMILY_ATTRIBUTES.items():
             if rel.startswith(f"utils/model/{family}/"):
                 continue
@@ -169,11 +224,9 @@ def engine_sources():
 
 def test_no_code_outside_a_family_folder_names_its_attributes(tmp_path):
     assert family_attribute_uses(engine_sources()) == []
-    # the check catches one: a file outside the folders reaching into each family
-    intruder = REPO_ROOT / "utils" / f"_intruder_{os.getpid()}.py"
+    # the check catches one: a file outside the folders reaching into each family (in a temporary folder)
+    intruder = tmp_path / "utils" / "intruder.py"
+    intruder.parent.mkdir()
     intruder.write_text("def f(model):\n    return model.gpt_neox.embed_in, model.model.embed_tokens\n")
-    try:
-        found = family_attribute_uses([intruder])
-    finally:
-        intruder.unlink()
+    found = family_attribute_uses([intruder], root=tmp_path)
     assert len(found) == 2 and "gpt_neox" in found[0] and "llama" in found[1], found

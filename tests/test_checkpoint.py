@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils import files
+from utils.io import files
 from utils.checkpoint.format import (
     MANIFEST,
     CheckpointError,
@@ -462,7 +462,7 @@ def test_resolve_resume_local(tmp_path):
 
 
 def test_resolve_resume_from_gcs(tmp_path, gcs_emulator):
-    from utils import storage
+    from utils.io import storage
 
     client = gcs_emulator.client()
     remote = f"gs://{gcs_emulator.bucket}/proj/checkpoints/run1"
@@ -548,7 +548,7 @@ def test_a_crafted_trainer_state_json_is_one_line_naming_the_field(tmp_path, sub
     import sys
 
     from tests.trainkit import REPO_ROOT
-    from utils.storage import file_crc32c
+    from utils.io.storage import file_crc32c
 
     from tests.trainkit import make_shards, run, train_cmd
 

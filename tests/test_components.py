@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from configs import get_model_spec
-from utils.state import RngState, TrainState
+from utils.training.state import RngState, TrainState
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_rng_state_round_trip():
 
 
 def test_metrics_window_excludes_eval_and_checkpoint_time(accelerator):
-    from utils.metrics import MetricsWindow, NonFiniteLoss
+    from utils.observe.metrics import MetricsWindow, NonFiniteLoss
 
     waited = [0.0]  # the loader's own count of its waits
     window = MetricsWindow(accelerator, tokens_per_step=1000, flops_per_token=6e6, peak=1e12, precision="no",
@@ -84,7 +84,7 @@ def test_metrics_window_excludes_eval_and_checkpoint_time(accelerator):
 
 
 def test_a_skipped_step_counts_for_time_but_not_for_the_loss_or_the_finite_check(accelerator):
-    from utils.metrics import MetricsWindow, format_step_line
+    from utils.observe.metrics import MetricsWindow, format_step_line
 
     window = MetricsWindow(accelerator, tokens_per_step=1000, flops_per_token=6e6, peak=None, precision="no")
     window.add(torch.tensor(2.0))
@@ -113,7 +113,7 @@ def test_evaluate_is_the_mean_batch_loss(accelerator):
 
 
 def test_stop_signal_stops_at_the_step_boundary():
-    from utils.signals import StopSignal
+    from utils.runtime.signals import StopSignal
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
@@ -128,13 +128,15 @@ def test_stop_signal_stops_at_the_step_boundary():
 
 def _objects(seed: int):
     from utils.model import build_model
-    from utils.optim import build_optimizer, build_scheduler
+    from utils.training.lr_scheduler import build_scheduler
+    from utils.training.optim import OptimizerSettings, build_optimizer
+    from utils.training.schedules import ScheduleSettings
     from configs import get_training_config
 
     cfg = get_training_config("demo", {"model": "tiny", "warmup_steps": 2})
     model = build_model(get_model_spec("tiny"), seed=seed)
-    optimizer = build_optimizer(model, cfg, fused=False)
-    return cfg, model, optimizer, build_scheduler(optimizer, cfg)
+    optimizer = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
+    return cfg, model, optimizer, build_scheduler(optimizer, ScheduleSettings.of(cfg))
 
 
 def test_checkpointer_round_trip_reuses_host_buffers(accelerator, tmp_path):
@@ -193,7 +195,7 @@ def test_closing_summary_reads_the_whole_run_from_metrics_jsonl(tmp_path, accele
     the step reached do not count; a torn last line is skipped), the checkpoint and the model."""
     import json
 
-    from utils.metrics import MetricsWindow, closing_summary
+    from utils.observe.metrics import MetricsWindow, closing_summary
 
     rows = [{"step": 0, "tokens": 0, "val_loss": 8.0},
             {"step": 10, "tokens": 1000, "loss": 7.0, "tokens_per_sec": 100.0, "mfu": 0.2},

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.trainkit import REPO_ROOT, TINY, make_shards, run, train_cmd
-from utils.storage import file_crc32c
+from utils.io.storage import file_crc32c
 
 
 def env_for_runs() -> dict:
@@ -111,7 +111,7 @@ def crafted_copy(sharded_run, tmp_path: Path, craft) -> tuple[Path, Path]:
 def test_a_crafted_dcp_metadata_is_refused_by_resume_from_gcs_generate_and_export(sharded_run, tmp_path,
                                                                                  gcs_emulator):
     """`--resume gs://...` downloads the checkpoint, then reads it as a local one does."""
-    from utils.storage import make_client, upload_directory
+    from utils.io.storage import make_client, upload_directory
 
     checkpoint, marker = crafted_copy(sharded_run, tmp_path, craft_metadata)
     url = f"gs://{gcs_emulator.bucket}/checkpoints/crafted/{checkpoint.name}"
@@ -330,7 +330,7 @@ def test_a_folder_with_dataset_json_holds_exactly_the_shards_it_lists(tmp_path):
 
 def test_a_key_other_users_can_read_is_said_once_never_its_contents(tmp_path, monkeypatch, capsys):
     from tests.test_storage import fake_service_account
-    from utils import storage
+    from utils.io import storage
 
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     key = fake_service_account(tmp_path / "key.json")  # a new path: nothing was said about it yet

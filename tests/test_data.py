@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils import files
+from utils.io import files
 from utils.data import dataset as data_dataset
 from utils.data import index as data_index
 from utils.data.dataset import TokenSequenceDataset

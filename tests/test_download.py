@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from utils.storage import file_crc32c, list_objects, local_matches, make_client
+from utils.io.storage import file_crc32c, list_objects, local_matches, make_client
 
 PREFIX = "datasets/tokenized"
 SECRET = "SECRET-KEY-MATERIAL-d41d8cd9"

@@ -16,9 +16,9 @@ import pytest
 
 from benchmarks.bench_checkpoint import BlackHole  # a GCS that accepts connections and never answers
 from tests.trainkit import make_shards, metrics, run, train_cmd, train_rows
-from utils import files
+from utils.io import files
 from utils.checkpoint.format import list_checkpoints, verify_checkpoint
-from utils.lock import LOCK_FILE, OutputDirLock
+from utils.io.lock import LOCK_FILE, OutputDirLock
 
 
 def one_error_line(proc) -> str:

@@ -186,8 +186,7 @@ def test_transformers_loads_the_model_without_torchao_noise(first_day, tmp_path)
 def test_plot_run_draws_every_run_s_curves_against_tokens(tmp_path, capsys):
     """scripts/plot_run.py on two runs: a PNG with every training, eval, lr and tokens/s point drawn; a
     folder without metrics is one error line."""
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    import plot_run
+    from scripts import plot_run
 
     for name, scale in (("a", 1.0), ("b", 0.9)):
         logs = tmp_path / name / "logs"

@@ -328,7 +328,7 @@ def test_an_error_after_launch_is_one_line_and_train_py_s_exit_status(launcher, 
 def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition():
     import io
 
-    from utils.launch import StderrFilter
+    from utils.runtime.launch import StderrFilter
 
     sink = io.BytesIO()
     f = StderrFilter(sink)

@@ -279,7 +279,7 @@ def test_train_py_mixture_resume_rows_and_changed_weights(tmp_path, subprocess_e
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from tests.trainkit import REPO_ROOT, load_weights, make_shards, metrics, run, train_cmd, train_rows
-    from utils.optim import lr_at
+    from utils.training.schedules import lr_at
 
     web = make_shards(tmp_path / "web", ids=(0, 256))
     code = make_shards(tmp_path / "code", ids=(256, 512), seed=1)

@@ -40,5 +40,5 @@ def test_flops_per_token_1p2b(impl):
     assert fpt == 6 * matmul + 12 * 24 * 16 * 128 * 2048
     assert 9.0e9 < fpt < 9.2e9
     # The target: ~54,500 tokens/s on one H100 (989 TFLOP/s dense bf16) is 50% MFU.
-    from utils.metrics import mfu
+    from utils.observe.metrics import mfu
     assert math.isclose(mfu(54_500, fpt, 989e12, 1), 0.50, abs_tol=0.005)

@@ -13,8 +13,9 @@ from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, trai
 from utils.model import build_model
 from configs.training_config import ConfigError
 from torch.optim._muon import _zeropower_via_newtonschulz
-from utils.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonWithAdamW, muon_parameters, newton_schulz
-from utils.optim import BF16MomentAdamW, build_optimizer
+from utils.training.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonWithAdamW, muon_parameters, newton_schulz
+from utils.training.optim import OptimizerSettings, build_optimizer
+from utils.training.optim.adamw import BF16MomentAdamW
 
 SPEC = get_model_spec("tiny")
 
@@ -34,7 +35,7 @@ def _train(model, opt, batches):
 def test_muon_is_torchs_muon_for_block_matrices_and_adamw_for_the_rest():
     cfg = get_training_config("demo", {"model": "tiny", "optimizer": "muon", "muon_ns_dtype": "bf16"})
     model = build_model(SPEC, seed=0)
-    opt = build_optimizer(model, cfg, fused=False)
+    opt = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
     assert isinstance(opt, MuonWithAdamW) and opt.ns_dtype == torch.bfloat16
     muon = {id(p) for g in opt.param_groups if g.get("muon") for p in g["params"]}
     names = {n for n, p in model.named_parameters() if id(p) in muon}
@@ -63,8 +64,8 @@ def test_muon_is_torchs_muon_for_block_matrices_and_adamw_for_the_rest():
 
 def test_newton_schulz_precision_follows_the_run_and_fp32_does_not_amplify_last_bit_differences():
     def ns_dtype(**sets):
-        return build_optimizer(build_model(SPEC, seed=0), get_training_config(
-            "demo", {"model": "tiny", "optimizer": "muon", **sets}), fused=False).ns_dtype
+        return build_optimizer(build_model(SPEC, seed=0), OptimizerSettings.of(get_training_config(
+            "demo", {"model": "tiny", "optimizer": "muon", **sets})), fused=False).ns_dtype
     assert ns_dtype(mixed_precision="no") == torch.float32  # auto: fp32 runs
     assert ns_dtype(mixed_precision="bf16") == torch.bfloat16  # auto: mixed precision, torch's bf16
     assert ns_dtype(mixed_precision="bf16", muon_ns_dtype="fp32") == torch.float32
@@ -93,16 +94,16 @@ def test_state_dict_round_trip_continues_bitwise(state_dtype):
     cfg = get_training_config("demo", {"model": "tiny", "optimizer": "muon", "optimizer_state_dtype": state_dtype})
     batches = _batches(6)
     straight = build_model(SPEC, seed=1)
-    opt = build_optimizer(straight, cfg, fused=False)
+    opt = build_optimizer(straight, OptimizerSettings.of(cfg), fused=False)
     _train(straight, opt, batches)
 
     first = build_model(SPEC, seed=1)
-    opt1 = build_optimizer(first, cfg, fused=False)
+    opt1 = build_optimizer(first, OptimizerSettings.of(cfg), fused=False)
     _train(first, opt1, batches[:3])
     saved_model, saved_opt = first.state_dict(), opt1.state_dict()
     second = build_model(SPEC, seed=99)
     second.load_state_dict(saved_model)
-    opt2 = build_optimizer(second, cfg, fused=False)
+    opt2 = build_optimizer(second, OptimizerSettings.of(cfg), fused=False)
     opt2.load_state_dict(saved_opt)
     assert isinstance(opt2.adamw, BF16MomentAdamW) == (state_dtype == "bf16")
     want = torch.bfloat16 if state_dtype == "bf16" else torch.float32
@@ -119,14 +120,14 @@ def test_memory_plan_and_describe_count_muon_state():
     adamw, muon = memory_plan(spec), memory_plan(spec, optimizer="muon")
     h, i, L = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers
     assert math.isclose(adamw.optimizer - muon.optimizer, 4 * L * (4 * h * h + 2 * h * i))  # one buffer, not two
-    from utils.run_report import optimizer_state_bytes
+    from utils.run.report import optimizer_state_bytes
 
     cfg = get_training_config("demo", {"model": "tiny", "optimizer": "muon"})
     model = build_model(SPEC, seed=0)
     weights = sum(p.numel() * 4 for p in model.parameters())
     matrices = sum(p.numel() * 4 for p in muon_parameters(model))
     assert optimizer_state_bytes(model, cfg, weights)[0] == 2 * weights - matrices
-    opt = build_optimizer(model, cfg, fused=False)
+    opt = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
     assert opt.muon_state_bytes() == matrices
 
 

@@ -190,7 +190,7 @@ def test_a_checkpoint_of_the_hf_backed_engine_resumes_on_the_native_model(tmp_pa
     """A checkpoint written by the engine before the native model (commit 1674d40, transformers' class
     inside) resumes on today's default, the native model, weights and AdamW state included, and continues
     the old engine's uninterrupted run (also across the max_steps change: the restored schedule is this
-    run's, see utils/optim.py StepSchedule)."""
+    run's, see utils/training/lr_scheduler.py StepSchedule)."""
     old = engine_at("1674d40", tmp_path / "old-engine")
     data = make_shards(tmp_path / "data")
     out = tmp_path / "out"

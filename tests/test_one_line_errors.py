@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.trainkit import REPO_ROOT, make_shards
-from utils import files
+from utils.io import files
 from utils.checkpoint.format import CheckpointPayload, checkpoint_name, write_checkpoint
 from utils.errors import DiskFullError, UserError
 
@@ -95,7 +95,7 @@ def test_a_cyclic_exception_chain_is_walked_in_bounded_time(tmp_path):
 
 def test_log_line_on_a_full_disk_is_one_line(tmp_path):
     """logs/metrics.jsonl linked to /dev/full: the promised DiskFullError, not a TypeError."""
-    from utils.metrics import RunLogger
+    from utils.observe.metrics import RunLogger
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "metrics.jsonl").symlink_to("/dev/full")
@@ -112,7 +112,7 @@ def test_tensorboard_on_a_full_disk_is_one_line(tmp_path, capfd):
     from accelerate import Accelerator
     from accelerate.tracking import TensorBoardTracker
 
-    from utils.metrics import RunLogger
+    from utils.observe.metrics import RunLogger
 
     mount = tmp_path / "small"
     mount.mkdir()
@@ -195,7 +195,7 @@ def test_warmup_longer_than_the_run_warns(capsys):
 def test_a_tracker_without_its_package_is_one_line_and_others_keep_working(monkeypatch):
     import importlib.util
 
-    from utils.trackers import usable_trackers
+    from utils.observe.trackers import usable_trackers
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
@@ -311,9 +311,9 @@ def test_processes_forked_under_the_lock_do_not_hold_it(tmp_path):
     import signal
     import time
 
-    from utils.lock import OutputDirLock
+    from utils.io.lock import OutputDirLock
 
-    code = ("import os, sys, time; from utils.lock import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(); "
+    code = ("import os, sys, time; from utils.io.lock import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(); "
             "pid = os.fork()\nif pid == 0: print(os.getpid(), flush=True); time.sleep(60); os._exit(0)\n"
             "time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
@@ -337,7 +337,7 @@ def test_an_output_dir_this_user_may_not_write_is_one_line(open_tmp):
         pytest.skip("needs root and setpriv to run as an unprivileged user")
     out = open_tmp / "out"
     out.mkdir()  # owned by root, 0755
-    code = ("import sys; from utils.errors import UserError; from utils.lock import OutputDirLock\n"
+    code = ("import sys; from utils.errors import UserError; from utils.io.lock import OutputDirLock\n"
             f"try: OutputDirLock({str(out)!r}).acquire()\nexcept UserError as e: print('error:', e)")
     proc = run_py(["-c", code], user=NOBODY)
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -355,9 +355,9 @@ def test_a_tokenizer_made_after_setup_is_in_the_checkpoint_and_export_warns_with
     from configs.model_config import get_model_spec
     from utils.checkpoint.checkpointer import CheckpointPolicy, Checkpointer
     from utils.checkpoint.run_record import RunRecord
-    from utils.metrics import RunLogger
+    from utils.observe.metrics import RunLogger
     from utils.model import build_model
-    from utils.state import TrainState
+    from utils.training.state import TrainState
 
     accelerator = Accelerator(cpu=True)
     log = RunLogger(tmp_path / "logs", is_main=True)
@@ -414,7 +414,7 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
         ("start_training.sh: --gpus 0", ["bash", "start_training.sh", "--config", "demo", "--gpus", "0"]),
         ("start_training.sh: unknown option", ["bash", "start_training.sh", "--config", "demo", "--bogus"]),
         ("start_training.sh: no --config", ["bash", "start_training.sh", "--cpu"]),
-        ("launch.py: no command", [py, "utils/launch.py"]),
+        ("launch.py: no command", [py, "utils/runtime/launch.py"]),
         ("train: a fresh run into another run's folder", train[:6] + [str(tmp / "other_run")] + train[7:]),
         ("prepare: missing input", prepare + ["--input", str(tmp / "nope"), "--tokenizer", "t", "--output",
                                                    str(tmp / "o")]),
@@ -607,7 +607,7 @@ def test_download_refuses_max_files_zero_and_negative(capsys):
 @pytest.fixture
 def two_sources(gcs_emulator):
     from tests.test_download import shard_bytes
-    from utils.storage import make_client
+    from utils.io.storage import make_client
 
     bucket = make_client().bucket(gcs_emulator.bucket)
     for source in ("web", "code"):
@@ -714,7 +714,7 @@ def test_resume_from_an_output_dir_or_its_checkpoints_folder_says_what_it_is(tmp
 def test_resume_gs_folder_missing_name_and_missing_bucket_are_told_apart(gcs_emulator, tmp_path):
     from utils.checkpoint.format import CheckpointError
     from utils.checkpoint.resume import resolve_resume
-    from utils.storage import make_client, upload_directory
+    from utils.io.storage import make_client, upload_directory
 
     client = make_client()
     run_url = f"gs://{gcs_emulator.bucket}/checkpoints/run1"
@@ -761,7 +761,7 @@ def test_repeated_upload_failures_keep_only_the_newest_failed_checkpoint(gcs_emu
 def test_a_missing_bucket_is_one_line_at_start_and_unreachable_gcs_only_warns(gcs_emulator, tmp_path):
     from benchmarks.bench_checkpoint import BlackHole
     from utils.checkpoint.upload import BackgroundUploader
-    from utils.storage import StorageError
+    from utils.io.storage import StorageError
 
     lines = []
     uploader = BackgroundUploader(synchronous=True, log=lines.append)
@@ -775,7 +775,7 @@ def test_a_missing_bucket_is_one_line_at_start_and_unreachable_gcs_only_warns(gc
         import time
 
         started = time.monotonic()
-        from utils.storage import check_writable, make_client
+        from utils.io.storage import check_writable, make_client
 
         warning = check_writable(make_client(), "gs://some-bucket/ck/run", timeout=1.0)
         assert time.monotonic() - started < 10
@@ -787,7 +787,7 @@ def test_a_missing_bucket_is_one_line_at_start_and_unreachable_gcs_only_warns(gc
 def test_a_slow_gcs_call_says_what_it_waits_for(monkeypatch, capfd):
     import time
 
-    from utils import storage
+    from utils.io import storage
 
     monkeypatch.setattr(storage, "SLOW_NOTICE_S", 0.2)
     storage.retry_call(lambda: time.sleep(0.6), what="listing gs://b/x", retries=2)
@@ -805,7 +805,7 @@ def test_log_files_owned_by_another_user_are_one_line(open_tmp):
     logs.mkdir(parents=True)
     (logs / "training.log").write_text("root's run\n")  # 0644, owned by root
     os.chmod(logs, 0o777)
-    code = ("from utils.errors import UserError; from utils.metrics import RunLogger\n"
+    code = ("from utils.errors import UserError; from utils.observe.metrics import RunLogger\n"
             f"try: RunLogger({str(logs)!r}, True)\nexcept UserError as e: print('error:', e)")
     proc = run_py(["-c", code], user=NOBODY)
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -818,9 +818,9 @@ def test_a_lock_held_by_a_dead_runs_child_says_so(tmp_path):
     refusal says the run is dead and who to look for, rather than naming the dead pid as the live run."""
     import signal
 
-    from utils.lock import OutputDirBusy, OutputDirLock
+    from utils.io.lock import OutputDirBusy, OutputDirLock
 
-    code = ("import os, sys, time, fcntl; from utils.lock import OutputDirLock; l = OutputDirLock(sys.argv[1]); "
+    code = ("import os, sys, time, fcntl; from utils.io.lock import OutputDirLock; l = OutputDirLock(sys.argv[1]); "
             "l.acquire(); fd = os.dup(l._fd)\npid = os.fork()\n"
             "if pid == 0: print(os.getpid(), flush=True); time.sleep(60); os._exit(0)\ntime.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,

@@ -6,10 +6,12 @@ import torch
 
 from configs import get_training_config, training_config
 from configs.model_config import ConfigError
-from utils import schedules
+from utils.training import schedules
 from utils.model import build_model
 from configs import get_model_spec
-from utils.optim import build_optimizer, build_scheduler, lr_at, schedule_from_config
+from utils.training.lr_scheduler import build_scheduler
+from utils.training.optim import OptimizerSettings, build_optimizer
+from utils.training.schedules import ScheduleSettings, lr_at
 
 
 def test_lr_at_shape():
@@ -24,9 +26,9 @@ def test_lr_at_shape():
 def test_scheduler_follows_lr_at_one_step_per_optimizer_step():
     cfg = get_training_config("demo", {"model": "tiny", "warmup_steps": 3, "max_steps": 12})
     model = torch.nn.Linear(4, 4)
-    opt = build_optimizer(model, cfg, fused=False)
-    sched = build_scheduler(opt, cfg)
-    schedule = schedule_from_config(cfg)
+    opt = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
+    sched = build_scheduler(opt, ScheduleSettings.of(cfg))
+    schedule = ScheduleSettings.of(cfg).lr
     for step in range(1, 13):
         assert math.isclose(opt.param_groups[0]["lr"], schedule(step), rel_tol=1e-12)
         opt.step()
@@ -36,7 +38,7 @@ def test_scheduler_follows_lr_at_one_step_per_optimizer_step():
 def test_weight_decay_only_on_matrices():
     cfg = get_training_config("demo", {"model": "tiny"})
     model = build_model(get_model_spec("tiny"), seed=0)
-    opt = build_optimizer(model, cfg, fused=False)
+    opt = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == cfg.weight_decay and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
@@ -78,7 +80,7 @@ def test_linear_and_constant_schedules():
 def test_wsd_decay_fraction_and_config_checks():
     cfg = get_training_config("demo", {"model": "tiny", "lr_schedule": "wsd", "warmup_steps": 5, "max_steps": 200,
                                        "decay_fraction": 0.25})
-    schedule = schedule_from_config(cfg)
+    schedule = ScheduleSettings.of(cfg).lr
     assert schedule(150) == cfg.learning_rate and schedule(151) < cfg.learning_rate  # decay: the last 50 steps
     assert math.isclose(schedule(200), cfg.learning_rate * cfg.min_lr_ratio)
     with pytest.raises(ConfigError, match="lr_schedule='wsdd' is not valid"):
@@ -94,16 +96,16 @@ def test_wsd_resume_with_more_steps_extends_the_stable_phase():
     base = {"model": "tiny", "lr_schedule": "wsd", "warmup_steps": 5, "decay_steps": 30}
     short = get_training_config("demo", dict(base, max_steps=100))
     long = get_training_config("demo", dict(base, max_steps=300))
-    opt = build_optimizer(torch.nn.Linear(4, 4), short, fused=False)
-    sched = build_scheduler(opt, short)
+    opt = build_optimizer(torch.nn.Linear(4, 4), OptimizerSettings.of(short), fused=False)
+    sched = build_scheduler(opt, ScheduleSettings.of(short))
     for _ in range(60):
         opt.step()
         sched.step()
     saved = sched.state_dict()
 
-    opt2 = build_optimizer(torch.nn.Linear(4, 4), long, fused=False)
+    opt2 = build_optimizer(torch.nn.Linear(4, 4), OptimizerSettings.of(long), fused=False)
     opt2.load_state_dict(opt.state_dict())
-    sched2 = build_scheduler(opt2, long)
+    sched2 = build_scheduler(opt2, ScheduleSettings.of(long))
     sched2.load_state_dict(saved)
     peak, seen = long.learning_rate, {}
     for step in range(61, 301):

@@ -263,7 +263,7 @@ def test_sigterm_before_the_ranks_can_catch_it_still_ends_the_run_cleanly(tmp_pa
 
 
 def test_sigterm_as_the_supervisor_starts_ends_the_run_cleanly(tmp_path, subprocess_env):
-    """SIGTERM to start_training.sh at the moment its supervisor (utils/launch.py) is starting, before the
+    """SIGTERM to start_training.sh at the moment its supervisor (utils/runtime/launch.py) is starting, before the
     interpreter has run its first line, with the CPU saturated: it was exec'd and died of the signal (exit
     -15); now the script holds the signal until the supervisor catches it: exit 0, nothing left running."""
     import sys
@@ -279,7 +279,7 @@ def test_sigterm_as_the_supervisor_starts_ends_the_run_cleanly(tmp_path, subproc
                                     env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)
             deadline = time.monotonic() + 120
-            while not any(b"utils/launch.py" in _cmdline(pid) for pid in [proc.pid, *_children(proc.pid)]):
+            while not any(b"utils/runtime/launch.py" in _cmdline(pid) for pid in [proc.pid, *_children(proc.pid)]):
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
                 time.sleep(0.001)
             os.kill(proc.pid, signal.SIGTERM)

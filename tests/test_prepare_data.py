@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.trainkit import REPO_ROOT, run, train_cmd, train_rows
-from utils import files
+from utils.io import files
 from utils.data.dataset_info import DatasetInfo
 from utils.data.index import ShardIndex
 
@@ -118,7 +118,7 @@ def test_counts_order_and_byte_identical_whatever_the_workers(corpus, tokenizer,
     assert {p.name for p in outs[1].rglob("*") if p.is_file() and p.suffix != ".npz"} == \
         {"tokenizer.json", "dataset.json", "plan.json"}
     assert not (tmp_path / ".w1.staging").exists()  # the staging area goes once the dataset is published
-    from utils.storage import file_crc32c
+    from utils.io.storage import file_crc32c
 
     assert all(file_crc32c(outs[1] / s["path"]) == s["crc32c"] for s in info.shards)
     ShardIndex.build(outs[1], seq_len=64, vocab_size=info.vocab_size, log=lambda *_: None)
@@ -334,7 +334,7 @@ def test_a_gs_output_is_locked_as_a_local_one_is(corpus, tokenizer, tmp_path, su
     import os
     import socket
 
-    from utils.storage import make_client
+    from utils.io.storage import make_client
 
     env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
     bucket = make_client().bucket(gcs_emulator.bucket)

@@ -97,7 +97,7 @@ def test_merge_refuses_a_missing_completion_record_naming_it_and_a_rerun_redoes_
 def test_output_straight_to_a_bucket_holds_the_same_bytes_and_inputs_can_come_from_one(
         corpus, tokenizer, tmp_path, subprocess_env, gcs_emulator):
     from utils.data.prepare import prepare as prepare_in_process
-    from utils.storage import upload_directory
+    from utils.io.storage import upload_directory
 
     root, _, _ = corpus
     settings = dict(shard_tokens=1024, partition_bytes=4000)

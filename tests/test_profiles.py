@@ -5,7 +5,7 @@ import torch
 from configs import ConfigError, get_model_spec, get_training_config
 from utils.model import build_model
 from utils.model.preflight import preflight_problem
-from utils.optim import BF16MomentAdamW
+from utils.training.optim.adamw import BF16MomentAdamW
 from configs.profiles import PROFILES, apply_profile, choose_profile, resolve_profile
 
 

@@ -83,7 +83,7 @@ def test_upload_to_emulator_and_resume_from_gcs(tmp_path, subprocess_env, gcs_em
     names = {b.name for b in client.list_blobs(gcs_emulator.bucket, prefix="runs/checkpoints/r1/")}
     prefix = "runs/checkpoints/r1/checkpoint-epoch0-step2-files0/"
     assert prefix + "manifest.json" in names and prefix + "model.safetensors" in names
-    from utils.storage import file_crc32c
+    from utils.io.storage import file_crc32c
 
     local = out / "checkpoints" / "checkpoint-epoch0-step2-files0"
     for f in local.iterdir():

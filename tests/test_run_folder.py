@@ -21,7 +21,7 @@ import torch
 from tests.test_preemption import launcher_cmd, leftovers, wait_for_steps
 from tests.trainkit import REPO_ROOT, TINY, make_shards, run, train_cmd, train_rows
 from utils.checkpoint.format import list_checkpoints, verify_checkpoint
-from utils.signals import parent_pid
+from utils.runtime.signals import parent_pid
 
 
 def _children(pid: int) -> list[int]:
@@ -66,7 +66,7 @@ def test_sigkill_of_the_launcher_stops_every_rank_with_a_checkpoint(tmp_path, su
     """`kill -9` of the launcher of 2 CPU ranks: the ranks notice, stop at one step with a checkpoint that
     verifies, free the lock and leave no process. The run then resumes from it on 2 ranks with another
     global batch and a tracker whose package is missing: each warning is printed once, not once a rank."""
-    from utils.lock import OutputDirLock
+    from utils.io.lock import OutputDirLock
 
     data, out = make_shards(tmp_path / "data"), tmp_path / "out"
     console = tmp_path / "console.log"
@@ -127,7 +127,7 @@ def test_stderr_filter_names_the_killed_rank_from_torchruns_report():
     `[rank0]:` traceback about the lost peer and torchrun's report are not shown; the root cause is read."""
     import io
 
-    from utils.launch import StderrFilter
+    from utils.runtime.launch import StderrFilter
 
     recorded = b"""[rank0]: Traceback (most recent call last):
 [rank0]:   File "/repo/train.py", line 670, in <module>
@@ -218,9 +218,9 @@ def test_ctrl_c_with_tee_whose_reader_died_still_stops_with_a_checkpoint(tmp_pat
 
 
 def test_a_console_write_that_fails_drops_the_console_and_tells_once(tmp_path):
-    """utils/console.py on a pipe whose reader is gone: writes and flushes succeed from then on, the
+    """utils/io/console.py on a pipe whose reader is gone: writes and flushes succeed from then on, the
     descriptor points at /dev/null, and the listeners hear of it once."""
-    from utils import console
+    from utils.io import console
 
     read_end, write_end = os.pipe()
     os.close(read_end)
@@ -245,7 +245,7 @@ def test_the_summary_s_tok_s_is_tokens_over_training_time_not_a_mean_of_window_r
     mean of the two rows' rates would be ~2.8x that."""
     from accelerate import Accelerator
 
-    from utils.metrics import MetricsWindow, closing_summary
+    from utils.observe.metrics import MetricsWindow, closing_summary
 
     os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     window = MetricsWindow(Accelerator(cpu=True), tokens_per_step=1000, flops_per_token=1.0, peak=None,
@@ -275,7 +275,7 @@ def test_a_mixture_s_summary_compares_each_source_s_own_val_loss():
 
     from accelerate import Accelerator
 
-    from utils.metrics import MetricsWindow, closing_summary
+    from utils.observe.metrics import MetricsWindow, closing_summary
 
     rows = [{"step": 0, "tokens": 0, "val_loss": 8.0, "val_loss/web": 8.0, "val_loss/code": 8.0},  # 0.5/0.5
             {"step": 10, "tokens": 640, "val_loss": 5.0, "val_loss/web": 4.0, "val_loss/code": 6.0},
@@ -321,7 +321,7 @@ def test_what_counts_as_another_run_s_files(tmp_path):
     """Any checkpoint (complete or not), final_model/, or rows in logs/metrics.jsonl (a run that trained and
     never saved): a fresh run is refused there. An empty folder, or logs without rows (a run stopped during
     setup), is free."""
-    from utils.run_dir import refuse_another_run
+    from utils.run.output_dir import refuse_another_run
     from utils.errors import UserError
 
     out = tmp_path / "out"
@@ -347,7 +347,7 @@ def test_what_counts_as_another_run_s_files(tmp_path):
 def test_each_run_has_its_own_folder_under_runs_by_default(tmp_path, subprocess_env):
     """Without --output-dir a run writes runs/<run name>/ in the repository (git-ignored): the demo's and an
     own-data run's (`cpu`) folders differ, a config file's run is named by its file."""
-    from utils.run_dir import default_output_dir
+    from utils.run.output_dir import default_output_dir
     from configs.settle import settle_config
 
     name = f"pytest-{uuid.uuid4().hex[:8]}"
@@ -379,7 +379,7 @@ def test_each_run_has_its_own_folder_under_runs_by_default(tmp_path, subprocess_
 def test_readme_commands_put_each_run_in_its_own_folder():
     """The docs' (README.md's and docs/'s) demo and own-data commands train into different folders, and the
     generate and plot commands name those folders (final_model is runs/<name>/final_model)."""
-    from utils.run_dir import default_output_dir
+    from utils.run.output_dir import default_output_dir
     from configs.settle import settle_config
 
     text = "".join(page.read_text() for page in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))])
@@ -443,8 +443,8 @@ def test_a_stop_signal_that_ends_the_launcher_layer_after_the_run_finished_is_ex
     exported (their status record says so) when accelerate/torchrun dies of the SIGTERM. The run finished: exit
     0 and the finished line, not "training was killed by SIGTERM" (143, which a batch script counts a failure)."""
     ready = tmp_path / "ready"
-    finished_rank = ("import pathlib, sys, time\nsys.path.insert(0, sys.argv[1])\n"
-                     "from utils.run_status import RunStatus\n"
+    finished_rank = ("import pathlib, sys, time\n"
+                     "from utils.runtime.run_status import RunStatus\n"
                      "RunStatus(0, step=5, checkpoint='ckpt-5', final_model='out/final_model').write()\n"
                      "import os\npathlib.Path(sys.argv[2]).write_text(str(os.getpid()))\ntime.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-S", str(REPO_ROOT / "utils" / "launch.py"), "--",

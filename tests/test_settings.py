@@ -106,33 +106,36 @@ def test_a_non_finite_loss_in_fp32_says_fp32_and_does_not_advise_fp32(tmp_path, 
 def test_a_restored_scheduler_and_optimizer_follow_this_runs_config():
     """The schedule is rebuilt from the config at the restored step (not the checkpoint's base LR), AdamW's
     hyperparameters are the config's, and bf16 moments stay bf16 through a restore."""
-    from utils.optim import BF16MomentAdamW, build_optimizer, build_scheduler, schedule_from_config
+    from utils.training.lr_scheduler import build_scheduler
+    from utils.training.optim import OptimizerSettings, build_optimizer
+    from utils.training.optim.adamw import BF16MomentAdamW
+    from utils.training.schedules import ScheduleSettings
 
     old = get_training_config("demo", {"model": "tiny", "warmup_steps": 2, "max_steps": 10})
     new = get_training_config("demo", {"model": "tiny", "warmup_steps": 2, "max_steps": 10, "learning_rate": 1e-9})
     model = torch.nn.Linear(4, 4)
-    opt = build_optimizer(model, old, fused=False)
-    sched = build_scheduler(opt, old)
+    opt = build_optimizer(model, OptimizerSettings.of(old), fused=False)
+    sched = build_scheduler(opt, ScheduleSettings.of(old))
     for _ in range(3):
         model(torch.ones(1, 4)).sum().backward()
         opt.step()
         sched.step()
-    opt2 = build_optimizer(torch.nn.Linear(4, 4), new, fused=False)
-    sched2 = build_scheduler(opt2, new)
+    opt2 = build_optimizer(torch.nn.Linear(4, 4), OptimizerSettings.of(new), fused=False)
+    sched2 = build_scheduler(opt2, ScheduleSettings.of(new))
     opt2.load_state_dict(opt.state_dict())
     sched2.load_state_dict(sched.state_dict())
-    new_lr, old_lr = schedule_from_config(new), schedule_from_config(old)
+    new_lr, old_lr = ScheduleSettings.of(new).lr, ScheduleSettings.of(old).lr
     assert [g["lr"] for g in opt2.param_groups] == [new_lr(4)] * 2 and new_lr(4) < old_lr(4) * 1e-5
     opt2.step()
     sched2.step()
     assert [g["lr"] for g in opt2.param_groups] == sched2.get_last_lr() == [new_lr(5)] * 2
 
     half = get_training_config("demo", {"model": "tiny", "optimizer_state_dtype": "bf16"})
-    bf16 = build_optimizer(torch.nn.Linear(4, 4), half, fused=False)
+    bf16 = build_optimizer(torch.nn.Linear(4, 4), OptimizerSettings.of(half), fused=False)
     assert isinstance(bf16, BF16MomentAdamW)
     bf16.load_state_dict(opt.state_dict())  # torch's AdamW (fp32 moments) -> bf16 moments
     assert {s["exp_avg"].dtype for s in bf16.state.values()} == {torch.bfloat16}
-    again = build_optimizer(torch.nn.Linear(4, 4), half, fused=False)
+    again = build_optimizer(torch.nn.Linear(4, 4), OptimizerSettings.of(half), fused=False)
     again.load_state_dict(bf16.state_dict())
     assert {s["exp_avg_sq"].dtype for s in again.state.values()} == {torch.bfloat16}
 
@@ -144,7 +147,7 @@ def test_a_resume_applies_a_changed_learning_rate_and_refuses_another_seed(tmp_p
     and nothing else changed. Another seed is refused in one line (13 s)."""
     from safetensors.torch import load_file
 
-    from utils.optim import schedule_from_config
+    from utils.training.schedules import ScheduleSettings
 
     out = tmp_path / "out"
     sets = ("max_steps=4", "save_steps=100")
@@ -158,7 +161,7 @@ def test_a_resume_applies_a_changed_learning_rate_and_refuses_another_seed(tmp_p
         in proc.stdout
     assert "resume: adam_beta2 changed 0.95 -> 0.9: AdamW follows the new value from step 3" in proc.stdout
     assert proc.stdout.count("resume: ") == 2
-    schedule = schedule_from_config(get_training_config("demo", parse_overrides(TINY + list(sets + changed))))
+    schedule = ScheduleSettings.of(get_training_config("demo", parse_overrides(TINY + list(sets + changed)))).lr
     rows = train_rows(out)
     assert [rows[s]["lr"] for s in (3, 4)] == [schedule(3), schedule(4)]
     final = next((out / "checkpoints").glob("checkpoint-*-step4-*"))

@@ -1,4 +1,4 @@
-"""The loss-spike guard (utils/spike_guard.py): its statistic and state in-process; then through train.py, with
+"""The loss-spike guard (utils/training/spike_guard.py): its statistic and state in-process; then through train.py, with
 a batch poisoned on purpose (NEOX_DEBUG_POISON_SEQUENCES: each sequence its first token repeated, a gradient
 norm about 7x the usual on the tiny model), skip (the weights after the step bitwise those before it),
 rollback (back to the newest checkpoint, the data since skipped, the run finishes, and a resume from a
@@ -15,8 +15,8 @@ import torch
 
 from configs.training_config import TrainingConfig
 from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
-from utils.metrics import RunLogger, read_metrics
-from utils.spike_guard import MIN_SPREAD
+from utils.observe.metrics import RunLogger, read_metrics
+from utils.training.spike_guard import MIN_SPREAD
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def accelerator():
 
 
 def make_guard(tmp_path, accelerator, mode="skip", window=4, threshold=3.0, patience=2, max_rollbacks=3):
-    from utils.spike_guard import SpikeGuard
+    from utils.training.spike_guard import SpikeGuard
 
     cfg = TrainingConfig(spike_guard=mode, spike_window=window, spike_threshold=threshold, spike_patience=patience,
                          spike_max_rollbacks=max_rollbacks)

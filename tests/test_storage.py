@@ -1,4 +1,4 @@
-"""utils/storage.py against a real in-process GCS emulator: checksums, verified transfers, listing, retries,
+"""utils/io/storage.py against a real in-process GCS emulator: checksums, verified transfers, listing, retries,
 credentials."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from google.api_core import exceptions as api_exceptions
 
-from utils import files, storage
-from utils.storage import (
+from utils.io import files, storage
+from utils.io.storage import (
     CredentialsError,
     RemoteObject,
     StorageError,
@@ -418,7 +418,7 @@ def test_an_outage_line_names_the_host_and_the_reason_not_a_cut_off_client_messa
     reason, without urllib3's object reprs or a message cut mid-word; a long other message is cut at a word."""
     import requests
 
-    from utils.storage import short_error
+    from utils.io.storage import short_error
 
     with pytest.raises(requests.exceptions.ConnectionError) as refused:
         requests.get("http://127.0.0.1:9/storage/v1/b/bucket/o/shard?alt=media", timeout=5)

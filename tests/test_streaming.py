@@ -52,7 +52,7 @@ def prepared(tmp_path_factory) -> Path:
 
 
 def upload(local: Path, url: str) -> str:
-    from utils.storage import make_client, upload_verified, parse_gs_url
+    from utils.io.storage import make_client, upload_verified, parse_gs_url
 
     bucket, prefix = parse_gs_url(url)
     client = make_client()
@@ -228,7 +228,7 @@ def test_a_stale_cache_entry_is_fetched_again_and_said_once(gcs_emulator, bucket
     """The dataset prepared again under the same prefix (same shard names and sizes, new contents and crc32c):
     a reader with the old cache reads the new shards, as a fresh copy does, and says once that it refetched."""
     from utils.data import stream_source
-    from utils.storage import file_crc32c
+    from utils.io.storage import file_crc32c
 
     cache, shuffle = tmp_path / "cache", Shuffle()
 

@@ -4,7 +4,6 @@ A tiny model, exported and checkpointed for real, with byte-level BPE tokenizers
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import torch
 
 from tests.trainkit import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 EOS = "<|endoftext|>"
 CONTEXT = 64  # the tiny model's positions
@@ -201,7 +199,7 @@ def test_a_bad_hf_directory_is_one_line_and_runs_no_code(tools, tmp_path, capsys
 
 
 def test_a_tokenizer_bigger_than_the_model_is_refused_by_generate_and_export(tools, tmp_path, capsys):
-    import export_hf
+    from scripts import export_hf
 
     root, checkpoint = tools
     for model in (root / "hf", checkpoint):
@@ -219,7 +217,7 @@ def test_a_gpt2_style_tokenizer_directory_is_read_by_prepare_export_and_generate
     converted tokenizer.json (the same ids as the original), export_hf.py and generate.py take it too."""
     import shutil
 
-    import export_hf
+    from scripts import export_hf
     from tokenizers import Tokenizer
 
     from utils.data.prepare import prepare
@@ -280,7 +278,7 @@ def one_run(tmp_path):
 
 
 def test_plot_run_into_a_directory_writes_a_named_file_inside_it(one_run, tmp_path, capsys):
-    import plot_run
+    from scripts import plot_run
 
     (tmp_path / "plots").mkdir()
     assert plot_run.main([str(one_run), "-o", str(tmp_path / "plots")]) == 0
@@ -292,7 +290,7 @@ def test_plot_run_into_a_directory_writes_a_named_file_inside_it(one_run, tmp_pa
 
 
 def test_plot_run_with_an_extension_matplotlib_cannot_write_is_one_line(one_run, tmp_path, capsys):
-    import plot_run
+    from scripts import plot_run
 
     assert plot_run.main([str(one_run), "-o", str(tmp_path / "plot.txt")]) == 2
     err = capsys.readouterr().err

@@ -9,9 +9,9 @@ import torch
 
 from configs import get_model_spec, get_training_config, parse_overrides
 from tests.trainkit import TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
-from utils.metrics import METRIC_KEYS
+from utils.observe.metrics import METRIC_KEYS
 from utils.model import build_model
-from utils.optim import schedule_from_config
+from utils.training.schedules import ScheduleSettings
 
 
 def _without_key_bias(name: str, tensor: torch.Tensor, heads: int) -> torch.Tensor:
@@ -62,7 +62,7 @@ def test_logged_lr_equals_lr_at(tmp_path, subprocess_env, accum):
     out = tmp_path / "out"
     run(train_cmd(out, data, *sets), subprocess_env)
     cfg = get_training_config("demo", parse_overrides(TINY + sets))
-    schedule = schedule_from_config(cfg)
+    schedule = ScheduleSettings.of(cfg).lr
     rows = train_rows(out)
     assert sorted(rows) == list(range(1, 9))
     for step, row in rows.items():

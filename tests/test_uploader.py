@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from utils.storage import file_crc32c, make_client
+from utils.io.storage import file_crc32c, make_client
 from utils.checkpoint.upload import BackgroundUploader
 
 
@@ -122,7 +122,7 @@ def test_other_nodes_files_of_a_superseded_checkpoint_are_removed(gcs_emulator, 
     0's upload of one is superseded, its manifest never goes up, and node 1's files there are deleted; a
     checkpoint whose manifest is in GCS is never touched."""
     from utils.checkpoint.upload import remove_incomplete_upload
-    from utils.storage import upload_verified
+    from utils.io.storage import upload_verified
 
     factory, lines = GatedFactory(), []
     uploader = BackgroundUploader(client_factory=factory, log=lines.append, clean_superseded=True)

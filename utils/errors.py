@@ -3,7 +3,7 @@
 Each module raises its own subclass (ConfigError, ShardError, CheckpointError, StorageError, ...), whose
 message reads as one line: what is wrong, which file or option, what to do. `train.py`'s `main()` catches
 `UserError` once, prints `error: <message>` and exits 2; anything else is a bug of ours and keeps its
-traceback. (The barriers that carry a UserError across ranks are in utils/distributed.py.)
+traceback. (The barriers that carry a UserError across ranks are in utils/runtime/distributed.py.)
 """
 from __future__ import annotations
 

@@ -8,4 +8,6 @@
 - `writer`: the background thread that writes checkpoints while training goes on;
 - `upload`: the background thread that sends finished checkpoints to GCS;
 - `resume`: a `--resume` value -> a verified local checkpoint (downloading one from GCS if need be).
+
+May import: utils, utils.io, utils.runtime, utils.training, utils.data.
 """

@@ -40,7 +40,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from utils import files, layout
+from utils import layout
+
+from utils.io import files
 from utils.checkpoint.format import (SHARDED_DIR, CheckpointError, CheckpointPayload, HostBuffers, NoCheckpointFound,
                                      ShardedPart, apply_retention, read_checkpoint, snapshot_to_cpu)
 from utils.checkpoint.resume import resolve_resume
@@ -48,10 +50,10 @@ from utils.checkpoint.run_record import RunRecord
 from utils.checkpoint.upload import BackgroundUploader
 from utils.checkpoint.writer import AsyncCheckpointWriter
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
-from utils.distributed import local_tensor, main_process_first, main_process_only
+from utils.runtime.distributed import local_tensor, main_process_first, main_process_only
 from utils.errors import DiskFullError, UserError
-from utils.state import RngState
-from utils.storage import make_client
+from utils.training.state import RngState
+from utils.io.storage import make_client
 
 # The model record and run facts a checkpoint must share with the run that resumes it.
 _MUST_MATCH = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "padded_vocab_size")

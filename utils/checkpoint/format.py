@@ -17,7 +17,7 @@ On several nodes without a shared filesystem, rank 0's copy holds only its node'
 lists the other nodes' files too, marked `remote` (they went to GCS from their nodes), and names the GCS
 copy, which alone is complete (`complete_at`). Such a local copy is partial: resume downloads the whole one.
 
-It is written under a temporary name (utils/files.py) and renamed into place only after every file, the
+It is written under a temporary name (utils/io/files.py) and renamed into place only after every file, the
 manifest included, is on disk. So a directory with a checkpoint's name is complete unless something outside this
 module damaged it, and `verify_checkpoint` catches that too. Uploads send the manifest last, so a remote
 checkpoint without one is an incomplete upload.
@@ -39,10 +39,10 @@ import torch
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 
-from utils import files
+from utils.io import files
 from utils.debug import checkpoint_write_delay_s
 from utils.errors import UserError
-from utils.storage import file_crc32c
+from utils.io.storage import file_crc32c
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from utils import files, layout, storage
+from utils import layout
+
+from utils.io import files, storage
 from utils.checkpoint.format import (MANIFEST, MODEL_FILE, CheckpointError, NoCheckpointFound, PartialCheckpoint,
                                      find_latest_local, list_checkpoints, parse_checkpoint_name,
                                      verify_checkpoint)

@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
-from utils import files
+from utils.io import files
 from utils.checkpoint.format import SHARDED_DIR, CheckpointError
 from utils.errors import UserError
 
@@ -86,8 +86,8 @@ class NodeUploads:
     def upload(self, directory: Path, name: str) -> dict:
         """This node's files of checkpoint `name` (in `directory`, its temporary dir) -> GCS, then deleted
         here. Returns {"files": {rel: {size, crc32c, remote}}} or {"error": why}; never raises."""
-        from utils import files
-        from utils.storage import parse_gs_url, upload_verified
+        from utils.io import files
+        from utils.io.storage import parse_gs_url, upload_verified
 
         url = f"{self.remote_root}/{name}"
         try:
@@ -350,7 +350,7 @@ class ShardedSaver:
 
 def _tensor_bytes(state) -> int:
     """Bytes of this rank's tensors in a (nested) state dict: what its shards of a save take on disk."""
-    from utils.distributed import local_tensor
+    from utils.runtime.distributed import local_tensor
 
     if isinstance(state, torch.Tensor):
         return local_tensor(state).numel() * local_tensor(state).element_size()

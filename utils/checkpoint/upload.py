@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from utils.checkpoint.format import MANIFEST
-from utils.storage import (StorageError, check_writable, list_objects, make_client, parse_gs_url, retry_call,
+from utils.io.storage import (StorageError, check_writable, list_objects, make_client, parse_gs_url, retry_call,
                            upload_directory)
 
 UPLOAD_COMMAND = "python -m utils.checkpoint.upload"

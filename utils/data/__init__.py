@@ -7,7 +7,8 @@ Making shards (`prepare_data.py`, `download_training_data.py`):
 - `executors`: who runs the partitions, a local process pool or Ray;
 - `output_store`: where prepare writes, a folder or a `gs://` prefix;
 - `prepare`: the whole prepare run; `dataset_info`: the `dataset.json` it writes beside the shards;
-- `download`: mirroring a prepared dataset from GCS; `demo`: the demo corpus, built with no network.
+- `download`: mirroring a prepared dataset from GCS; `demo`: the demo corpus, built with no network;
+- `ray_reaper`: a local Ray's processes go with their driver.
 
 Reading them (`train.py`), in the order the loop meets them:
 - `shards`: one file's format, read and checked; `index`: every shard under a folder, validated once, cached;
@@ -17,4 +18,6 @@ Reading them (`train.py`), in the order the loop meets them:
   weighted mixture comes from;
 - `loader`: the deterministic per-rank order, the resumable stream, eval batches; `build`: a run's sources
   opened by type and this rank's loader over them.
+
+May import: utils, utils.io, utils.runtime.
 """

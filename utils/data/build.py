@@ -18,7 +18,7 @@ from utils.data.shard_source import SHARDS
 from utils.data.source import (DEFAULT_SOURCE, CacheBudget, OpenRequest, SequenceSource, Source, SourceType, location,
                                sources_from_config)
 from utils.data.stream_source import STREAM
-from utils.distributed import main_process_first
+from utils.runtime.distributed import main_process_first
 from utils.errors import UserError
 
 SOURCE_TYPES: list[SourceType] = [STREAM, SHARDS]

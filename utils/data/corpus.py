@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from utils import files
+from utils.io import files
 from utils.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".txt.gz")
@@ -94,7 +94,7 @@ def _local_inputs(given: str) -> list[InputFile]:
 
 
 def _bucket_inputs(url: str) -> list[InputFile]:
-    from utils.storage import StorageError, gs_url, list_objects, make_client, parse_gs_url, stat_object
+    from utils.io.storage import StorageError, gs_url, list_objects, make_client, parse_gs_url, stat_object
 
     try:
         bucket, prefix = parse_gs_url(url)
@@ -120,7 +120,7 @@ def _bucket_inputs(url: str) -> list[InputFile]:
 def open_binary(path: str):
     """A seekable binary reader of a local file or a gs:// object."""
     if path.startswith("gs://"):
-        from utils.storage import make_client, open_object
+        from utils.io.storage import make_client, open_object
 
         return open_object(make_client(), path)
     return open(path, "rb")
@@ -166,7 +166,7 @@ def _read_failure(shown: str, path: str, exc: Exception) -> Exception | None:
         return PrepareError(f"{shown}: cannot be read ({exc})") if isinstance(exc, OSError) else None
     from google.api_core.exceptions import GoogleAPIError
 
-    from utils.storage import StorageError, is_transient
+    from utils.io.storage import StorageError, is_transient
 
     if not isinstance(exc, (OSError, GoogleAPIError)):
         return None

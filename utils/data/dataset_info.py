@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from utils import files
+from utils.io import files
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import UserError
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from utils import files
+from utils.io import files
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import UserError
 

@@ -1,7 +1,7 @@
 """The download workflow of `download_training_data.py`: mirror a dataset's shards (and its dataset.json and
 tokenizer.json) from GCS into a local folder, skipping files whose size and crc32c already match, in
-parallel threads, each file verified and renamed into place (utils/storage.py's `download_verified`).
-The GCS primitives stay in utils/storage.py; this is what a user's download does with them."""
+parallel threads, each file verified and renamed into place (utils/io/storage.py's `download_verified`).
+The GCS primitives stay in utils/io/storage.py; this is what a user's download does with them."""
 from __future__ import annotations
 
 import sys
@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from utils import files
+from utils.io import files
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.partition import PLAN_FILE
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import DiskFullError
-from utils.storage import (RemoteObject, StorageError, clean_stale_partials, download_verified, folder_prefix, gs_url,
+from utils.io.storage import (RemoteObject, StorageError, clean_stale_partials, download_verified, folder_prefix, gs_url,
                            join_name, list_objects, local_matches, parse_gs_url, short_error, thread_client)
 
 

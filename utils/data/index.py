@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from utils import files
+from utils.io import files
 from utils.errors import UserError
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.dataset_info import DatasetInfo

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from utils import debug, signals
+from utils import debug
+
+from utils.runtime import signals
 from utils.data.mixture import MixtureError, MixturePlan, Shuffle, describe_change, epoch_permutation
 from utils.data.source import DEFAULT_SOURCE, DataUnavailable, ReadAhead, SequenceSource, Source
 from utils.errors import THREAD_FAILED, BackgroundFailure

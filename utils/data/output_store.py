@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from utils import files
+from utils.io import files
 
 
 
@@ -88,7 +88,7 @@ class LocalOutput:
 
 class BucketOutput:
     def __init__(self, url: str):
-        from utils.storage import parse_gs_url
+        from utils.io.storage import parse_gs_url
 
         from utils.data.corpus import PrepareError
 
@@ -106,13 +106,13 @@ class BucketOutput:
         self.disk = Path(tempfile.gettempdir())  # where shards wait for their upload
 
     def url(self, name: str) -> str:
-        from utils.storage import gs_url
+        from utils.io.storage import gs_url
 
         return gs_url(self.bucket, f"{self.base}/{name}" if self.base else name)
 
     @staticmethod
     def _client():
-        from utils.storage import thread_client
+        from utils.io.storage import thread_client
 
         return thread_client()  # one per thread of each process (a client is not pickled with a store)
 
@@ -122,39 +122,39 @@ class BucketOutput:
             yield Path(tmp)
 
     def publish(self, local: Path, name: str) -> None:
-        from utils.storage import parse_gs_url, upload_verified
+        from utils.io.storage import parse_gs_url, upload_verified
 
         upload_verified(self._client(), self.bucket, local, parse_gs_url(self.url(name))[1])
         Path(local).unlink()
 
     def read_bytes(self, name: str) -> bytes | None:
-        from utils.storage import read_object
+        from utils.io.storage import read_object
 
         return read_object(self._client(), self.url(name))
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        from utils.storage import upload_bytes
+        from utils.io.storage import upload_bytes
 
         upload_bytes(self._client(), self.url(name), data)
 
     def size(self, name: str) -> int | None:
-        from utils.storage import stat_object
+        from utils.io.storage import stat_object
 
         found = stat_object(self._client(), self.url(name))
         return None if found is None else found.size
 
     def move(self, source: str, dest: str) -> None:
-        from utils.storage import move_object
+        from utils.io.storage import move_object
 
         move_object(self._client(), self.url(source), self.url(dest))
 
     def remove(self, folder: str) -> None:
-        from utils.storage import delete_prefix
+        from utils.io.storage import delete_prefix
 
         delete_prefix(self._client(), self.url(folder))
 
     def holds_anything(self, folder: str) -> bool:
-        from utils.storage import list_objects, parse_gs_url
+        from utils.io.storage import list_objects, parse_gs_url
 
         return bool(list_objects(self._client(), self.bucket, parse_gs_url(self.url(folder))[1], suffix=None))
 

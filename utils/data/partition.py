@@ -201,7 +201,7 @@ class ShardWriter:
 
 def save_shard(root: Path, name: str, ids: np.ndarray) -> dict:
     """One 1-D shard file -> its entry: path (`name`), tokens, bytes, crc32c."""
-    from utils.storage import file_crc32c
+    from utils.io.storage import file_crc32c
 
     path = root / name
     path.parent.mkdir(parents=True, exist_ok=True)

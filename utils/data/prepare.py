@@ -35,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from utils import files
+from utils.io import files
 from utils.data.corpus import InputFile, PrepareError, list_inputs
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.dataset_info import FORMAT, VERSION
@@ -319,7 +319,7 @@ def _move_shard(store, partition: int, source: str, dest: str, size: int) -> Non
 
 
 def _validation_piece(store, partition: int, record: dict) -> np.ndarray:
-    from utils.storage import bytes_match
+    from utils.io.storage import bytes_match
 
     name = f"{partition_folder(store, partition)}/{VAL_PIECE}"
     raw = store.read_bytes(name)
@@ -351,7 +351,7 @@ def _finished(store, plan: Plan) -> dict | None:
 
 def upload(output: Path, url: str) -> int:
     """Uploads a prepared dataset with the verified upload path, dataset.json last. Returns the file count."""
-    from utils.storage import make_client, upload_directory
+    from utils.io.storage import make_client, upload_directory
 
     check_upload_url(url)
     return len(upload_directory(make_client(), output, url.rstrip("/"), last=(DATASET_FILE,)))
@@ -401,7 +401,7 @@ DISK_FULL_ADVICE = ("free space there and run the same command again: nothing wa
 
 def check_upload_url(url: str | None) -> None:
     """`--upload` must be a gs:// URL: checked before tokenizing, not after."""
-    from utils.storage import parse_gs_url
+    from utils.io.storage import parse_gs_url
 
     if url is None:
         return
@@ -414,7 +414,7 @@ def check_upload_url(url: str | None) -> None:
 def lock_output(output) -> "OutputDirLock":
     """Holds `--output` for this run (a hidden `.NAME.lock` beside it) so that a second prepare_data on the
     same output is refused at start instead of both reporting success; `release()` it at the end."""
-    from utils.lock import OutputDirLock
+    from utils.io.lock import OutputDirLock
 
     output = Path(output)
     if output.exists() and not output.is_dir():
@@ -432,7 +432,7 @@ class BucketLock:
 
     def __init__(self, url: str):
         from utils.data.output_store import BucketOutput
-        from utils.storage import parse_gs_url
+        from utils.io.storage import parse_gs_url
 
         store = BucketOutput(url)
         self.output, self.url = store.output, store.url(f".{store.name}.lock")
@@ -443,7 +443,7 @@ class BucketLock:
         import os
         import socket
 
-        from utils.storage import make_client, retry_call, short_error
+        from utils.io.storage import make_client, retry_call, short_error
 
         record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started_unix": time.time()})
         try:
@@ -477,7 +477,7 @@ class BucketLock:
             return {}
 
     def release(self) -> None:
-        from utils.storage import make_client, retry_call
+        from utils.io.storage import make_client, retry_call
 
         if self.generation is None:
             return

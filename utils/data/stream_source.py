@@ -44,7 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from utils import files, signals
+from utils.io import files
+
+from utils.runtime import signals
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.dataset_info import DatasetInfo, DatasetInfoError
@@ -53,8 +55,8 @@ from utils.data.shards import INPUT_KEY, ShardError, ShardInfo, ShardLayout, che
 from utils.data.source import GB, CacheBudget, DataUnavailable, OpenRequest, Source, SourceType
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.errors import THREAD_FAILED, BackgroundFailure, UserError
-from utils.lock import OutputDirLock
-from utils.storage import (RemoteObject, StorageError, bytes_match, download_verified, file_crc32c, gs_url, join_name,
+from utils.io.lock import OutputDirLock
+from utils.io.storage import (RemoteObject, StorageError, bytes_match, download_verified, file_crc32c, gs_url, join_name,
                            make_client, parse_gs_url, read_object, short_error, thread_client)
 
 FETCH_THREADS = 4  # downloads in flight per source and process

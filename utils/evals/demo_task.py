@@ -18,7 +18,7 @@ import random
 import sys
 from pathlib import Path
 
-from utils import files
+from utils.io import files
 from utils.data.demo import CORPUS_BYTES, read_stdlib_corpus
 
 CHOICES = 4

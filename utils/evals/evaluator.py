@@ -1,7 +1,7 @@
 """What the loop evaluates between optimizer steps, each part on its own schedule: the validation loss (at
 step 0, every `eval_interval` steps and at the last step), the downstream evals (`DownstreamEvals.due`: with
 validation or every `eval_tasks_every` steps) and the samples (`Sampler.due`: every `sample_every` steps).
-Their time falls between steps, which MetricsWindow never counts as training (utils/metrics.py)."""
+Their time falls between steps, which MetricsWindow never counts as training (utils/observe/metrics.py)."""
 from __future__ import annotations
 
 from utils.evals.validation import run_eval

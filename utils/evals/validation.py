@@ -36,7 +36,7 @@ def run_eval(model, batches, accelerator, state, log, final: bool = False) -> fl
         log.write_row({"step": state.step, "tokens": state.tokens, **fields, "eval_s": seconds})
         broken = {k: v for k, v in fields.items() if not math.isfinite(v)}
         if final and broken:
-            from utils.metrics import NonFiniteLoss
+            from utils.observe.metrics import NonFiniteLoss
 
             name, value = next(iter(broken.items()))
             raise NonFiniteLoss(f"{name} at the last step ({state.step}) is {value} (not finite): the weights are broken, "

@@ -9,6 +9,14 @@ engine's interface (utils/model/layers.py CausalLM: `blocks()`, `input_embedding
 
 The loss is computed inside the module, not by the loop: under DDP, gradient-sync hooks fire only for the
 wrapped module's own forward.
+
+- `families`: the family registry; `layers`: the CausalLM interface, the chunked loss, document masking;
+- `spec`: a run's architecture (a preset or init_from's config.json); `hf`: HF in and out; `init`: fresh weights;
+- `lm_loss`: the LM head's chunked loss and the z-loss; `preflight`: the first passes checked before step 1;
+- `activation_checkpointing`: the policies; `fsdp`: FSDP2's unit layout; `fp8`: float8 training (torchao);
+- `fit`: whether a batch fits the memory the process has.
+
+May import: utils, utils.io, utils.runtime, configs, utils.data, utils.checkpoint.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Activation checkpointing as a policy applied to a model's transformer blocks from outside the model.
 
 `activation_checkpointing` (a training-config field) names the policy; the parallelism seam
-(utils/parallel.py) applies it first, before fp8, compile and sharding, as torchtitan does:
+(utils/parallel/strategies.py) applies it first, before fp8, compile and sharding, as torchtitan does:
 
     none       every activation is kept for the backward pass (fastest, most memory)
     full       each block keeps only its input and recomputes its whole forward in the backward pass

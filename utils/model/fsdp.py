@@ -2,7 +2,7 @@
 
 Units, as torchtitan lays them out: one per transformer block, the input embedding, the final norm together
 with the LM head (not resharded after forward: backward needs them at once), then the root (the rest: the
-rotary tables are buffers, not sharded). The parallelism seam (utils/parallel.py) calls these after
+rotary tables are buffers, not sharded). The parallelism seam (utils/parallel/strategies.py) calls these after
 activation checkpointing, fp8 and per-block compile, over the device mesh it built. In bf16 runs parameters are gathered and computed
 in bf16 and gradients reduce-scattered in fp32 (`MixedPrecisionPolicy`); fp32 runs keep fp32 throughout.
 

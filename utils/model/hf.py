@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from configs.model_config import ConfigError, ModelSpec
-from utils import files
+from utils.io import files
 from utils.data.tokenizer import TokenizerError
 
 EXPORT_SHARD_SIZE = "5GB"  # larger exports are sharded safetensors with an index json, as transformers writes them

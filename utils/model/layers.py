@@ -195,7 +195,7 @@ class CausalLM(FlopsMixin, nn.Module):
                 positions = positions_in_documents(docs)
                 cos, sin = self.rotary_cos[positions][:, None], self.rotary_sin[positions][:, None]
         x = self.input_embedding()(input_ids)
-        for block in self.blocks():  # activation checkpointing wraps blocks from outside (utils/parallel.py)
+        for block in self.blocks():  # activation checkpointing wraps blocks from outside (utils/parallel/strategies.py)
             x = block(x, cos, sin, mask)
         return self.final_norm()(x)
 

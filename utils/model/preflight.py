@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from configs.training_config import precision_name
-from utils.distributed import local_tensor
+from utils.runtime.distributed import local_tensor
 from utils.errors import UserError
 
 

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-SUPERVISOR_PID = "NEOX_SUPERVISOR_PID"  # set by utils/launch.py for the command it supervises
+SUPERVISOR_PID = "NEOX_SUPERVISOR_PID"  # set by utils/runtime/launch.py for the command it supervises
 _EARLY: list[str] = []  # signals received after catch_early() and before the StopSignal existed
 _SUPERVISOR_LOST: list[str] = []  # why the SIGTERM the watchdog sent came, once it has sent it
 _REQUESTED: list[str] = []  # every stop signal this process received (its reason), for waits outside the loop

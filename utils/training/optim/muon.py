@@ -41,6 +41,8 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from utils.training.optim import OptimizerSettings, adamw
+
 ADJUST_LR_FN = "match_rms_adamw"
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults
 NS_STEPS, NS_EPS = 5, 1e-7
@@ -72,6 +74,16 @@ def newton_schulz(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float
     if grad.size(0) > grad.size(1):
         x = x.T
     return x
+
+
+def build(model: nn.Module, settings: OptimizerSettings, fused: bool) -> MuonWithAdamW:
+    """Muon for the blocks' weight matrices, the AdamW `optimizer=adamw` would be for everything else."""
+    muon = muon_parameters(model)
+    rest = adamw.build(model, settings, fused, skip=frozenset(id(p) for p in muon))
+    return MuonWithAdamW(muon, rest, lr=settings.learning_rate, weight_decay=settings.weight_decay,
+                         momentum=settings.muon_momentum, state_dtype=adamw.state_dtype(settings),
+                         ns_dtype=ns_dtype_for(settings.muon_ns_dtype, settings.mixed_precision),
+                         cautious=settings.cautious_weight_decay)
 
 
 def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
@@ -117,9 +129,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # new group dicts and state table: linked again
         self._link()
-        from utils.optim import BF16MomentAdamW
-
-        if isinstance(self.adamw, BF16MomentAdamW):
+        if isinstance(self.adamw, adamw.BF16MomentAdamW):
             for group in self.adamw.param_groups:  # its moments back to bfloat16, as its own load does
                 for p in group["params"]:
                     for key in ("exp_avg", "exp_avg_sq"):
@@ -134,7 +144,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def muon_state_bytes(self) -> int:
         """Bytes of Muon's momentum buffers this rank holds (or will hold: one per matrix shard)."""
-        from utils.distributed import local_tensor
+        from utils.runtime.distributed import local_tensor
 
         size = torch.empty((), dtype=self.state_dtype).element_size()
         return sum(local_tensor(p).numel() * size for g in self.param_groups if g.get("muon") for p in g["params"])

@@ -7,7 +7,7 @@ and TensorBoard also gets each training scalar against tokens seen (`by_tokens/.
 
 `MetricsWindow` owns the per-step losses since the last log line, the non-finite check, the time they
 took (minus eval and checkpoint time, which are reported on their own rows) and the row they become. A step
-the spike guard skipped (utils/spike_guard.py) counts for time and tokens, but its loss is left out of the
+the spike guard skipped (utils/training/spike_guard.py) counts for time and tokens, but its loss is left out of the
 row's mean and of the non-finite check (its own spike row has it), and the row says how many were skipped.
 
 A full disk while writing logs is one line (DiskFullError) naming the file, not a chain of tracebacks.
@@ -26,7 +26,7 @@ import torch
 
 from utils import layout
 from utils.errors import DiskFullError, UserError
-from utils.files import disk_full_guard, owner_of
+from utils.io.files import disk_full_guard, owner_of
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s. Checked in order; first substring match wins.
 PEAK_BF16_FLOPS = (
@@ -106,12 +106,12 @@ class RunLogger:
                 self._drop_files()
                 raise UserError(f"cannot write {path} ({exc.strerror}){owner_of(path)}; use an --output-dir you "
                                 f"may write, or fix its permissions") from None
-            from utils.console import on_lost
+            from utils.io.console import on_lost
 
             on_lost(self._console_lost)
 
     def _console_lost(self, stream: str, why: str) -> None:
-        """utils/console.py dropped the console: the log files say so, and go on."""
+        """utils/io/console.py dropped the console: the log files say so, and go on."""
         try:
             self._append(layout.TRAINING_LOG, f"{time.strftime('%Y-%m-%d %H:%M:%S')} console: {stream} went away "
                                          f"({why}); the run goes on, its lines continue in this file only\n")
@@ -192,7 +192,7 @@ class RunLogger:
         return Path(getattr(self._tensorboard, "log_dir", None) or self.log_dir)
 
     def write_samples(self, step: int, tokens: int, samples: list[tuple[str, str]]) -> None:
-        """Samples of the model's text (utils/sampling.py): logs/samples.jsonl, the log, TensorBoard's text tab."""
+        """Samples of the model's text (utils/evals/sampling.py): logs/samples.jsonl, the log, TensorBoard's text tab."""
         if not self.is_main:
             return
         if layout.SAMPLES not in self._files:

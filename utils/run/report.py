@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from configs.profiles import GB
 from configs.training_config import precision_name
-from utils.metrics import format_step_line
+from utils.observe.metrics import format_step_line
 
 
 def describe_run(cfg, parallel, log, profile, spec, core, loader, eval_batches: int, state,
@@ -34,12 +34,12 @@ def describe_run(cfg, parallel, log, profile, spec, core, loader, eval_batches: 
 
 def optimizer_state_bytes(core, cfg, weights: int) -> tuple[int, str]:
     """(bytes of optimizer state this rank holds, what they are): AdamW's two moments per parameter, or with
-    optimizer=muon one momentum buffer per block matrix (utils/muon.py) and AdamW's moments for the rest."""
+    optimizer=muon one momentum buffer per block matrix (utils/training/optim/muon.py) and AdamW's moments for the rest."""
     half = 2 if cfg.optimizer_state_dtype == "bf16" else 1
     if cfg.optimizer != "muon":
         return 2 * weights // half, "AdamW moments"
-    from utils.distributed import local_tensor
-    from utils.muon import muon_parameters
+    from utils.runtime.distributed import local_tensor
+    from utils.training.optim.muon import muon_parameters
 
     matrices = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in muon_parameters(core))
     return (2 * (weights - matrices) + matrices) // half, f"optimizer state (Muon momentum for {matrices} bytes of " \

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from utils import files, layout
+from utils import layout
+
+from utils.io import files
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.checkpoint.format import parse_checkpoint_name
 from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
-from utils.run_status import RunStatus
+from utils.runtime.run_status import RunStatus
 
 
 def export_final_model(model, spec, described: Path, state, output_dir: Path, parallel, log) -> tuple[Path | None, bool]:

@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 
 import google_crc32c
 
-from utils import files
+from utils.io import files
 from utils.errors import DiskFullError, UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -462,7 +462,7 @@ def object_exists(client, gs_url_: str) -> bool:
 
 
 def clean_stale_partials(root) -> int:
-    """Remove temporary files/folders left under `root` by killed downloads (see utils/files.py).
+    """Remove temporary files/folders left under `root` by killed downloads (see utils/io/files.py).
     Returns how many were removed."""
     return len(files.remove_stale_temps(root, recursive=True))
 

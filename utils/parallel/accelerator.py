@@ -1,5 +1,5 @@
 """The run's `Accelerator`: its processes, precision and trackers, with the device settings the engine wants
-(TF32 and cuDNN autotune on CUDA; freed host memory kept in the process on the CPU: utils/host_memory.py)."""
+(TF32 and cuDNN autotune on CUDA; freed host memory kept in the process on the CPU: utils/runtime/host_memory.py)."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -13,8 +13,8 @@ def make_accelerator(cfg, log_dir: Path):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-    from utils.host_memory import keep_freed_host_memory
-    from utils.trackers import make_trackers
+    from utils.runtime.host_memory import keep_freed_host_memory
+    from utils.observe.trackers import make_trackers
 
     if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise UserError("mixed_precision=fp16 needs a CUDA GPU; use --mixed-precision bf16 or no on the CPU")

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from configs.training_config import STRATEGIES as STRATEGY_NAMES
-from utils.distributed import local_tensor
+from utils.runtime.distributed import local_tensor
 from utils.errors import UserError
 from utils.model.activation_checkpointing import apply_activation_checkpointing, policy_from_config
 

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from utils.settings import Settings
+
 DECAY_SHAPES: dict[str, Callable[[float], float]] = {  # progress in [0, 1] -> share of (peak - min) left
     "linear": lambda progress: 1.0 - progress,
     "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
@@ -71,3 +73,27 @@ def lr_at(step: int, *, peak_lr: float, warmup_steps: int, max_steps: int, min_l
         return peak_lr * step / max(1, warmup_steps)
     return SCHEDULES[schedule](step, Schedule(peak_lr, warmup_steps, max_steps, min_lr_ratio, decay_steps,
                                               decay_shape))
+
+
+@dataclass(frozen=True)
+class ScheduleSettings(Settings):
+    """A run's schedule: `lr(step)` is the learning rate of optimizer step `step`."""
+
+    learning_rate: float = 3e-4
+    warmup_steps: int = 500
+    max_steps: int = 10000
+    min_lr_ratio: float = 0.1
+    lr_schedule: str = "cosine"
+    decay_steps: int = 0
+    decay_fraction: float = 0.2
+    decay_shape: str = "linear"
+
+    @property
+    def wsd_decay_steps(self) -> int:
+        """The WSD decay's length: `decay_steps`, or `decay_fraction` of `max_steps` when that is 0."""
+        return self.decay_steps or round(self.decay_fraction * self.max_steps)
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, peak_lr=self.learning_rate, warmup_steps=self.warmup_steps, max_steps=self.max_steps,
+                     min_lr_ratio=self.min_lr_ratio, schedule=self.lr_schedule, decay_steps=self.wsd_decay_steps,
+                     decay_shape=self.decay_shape)

@@ -21,7 +21,7 @@ import socket
 import time
 from pathlib import Path
 
-from utils import files
+from utils.io import files
 from utils.errors import UserError
 
 LOCK_FILE = ".run.lock"

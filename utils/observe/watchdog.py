@@ -34,7 +34,7 @@ import time
 import traceback
 from pathlib import Path
 
-from utils.run_status import mark_trained
+from utils.runtime.run_status import mark_trained
 
 HANG_EXIT = 3
 REPO_ROOT = Path(__file__).resolve().parent.parent

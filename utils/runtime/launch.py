@@ -1,7 +1,7 @@
 """The launcher's supervisor: runs the training command and delivers a scheduler's stop signal to the
 training ranks, however the scheduler sends it, then waits for their checkpoint however long it takes.
 
-    python utils/launch.py -- accelerate launch ... train.py ...      (start_training.sh starts this)
+    python utils/runtime/launch.py -- accelerate launch ... train.py ...      (start_training.sh starts this)
 
 Why it exists. `accelerate launch` with one process only Popens train.py and forwards no signal; torchrun
 (accelerate's multi-process path) forwards SIGTERM but SIGKILLs the ranks 30 s later, before a 1.2B
@@ -17,7 +17,7 @@ workers and torchrun before train.py could act on it. So:
 - the supervisor is a child subreaper (PID 1 is one anyway): whatever the ranks leave behind is reparented
   here and waited for, so nothing outlives the launcher;
 - the last line says how the run ended and names the checkpoint, from the record rank 0 writes to
-  `NEOX_STATUS_FILE` (utils/run_status.py). Exit status: 0 for a finished run or a clean stop on a signal, train.py's own status
+  `NEOX_STATUS_FILE` (utils/runtime/run_status.py). Exit status: 0 for a finished run or a clean stop on a signal, train.py's own status
   otherwise (2: a problem the user fixes, already explained on stderr in one `error:` line), not the
   launcher's (accelerate exits 1 whatever its rank's status);
 - the command's stderr passes through `StderrFilter` (with its stdout, over a pseudo-terminal, when ours is
@@ -25,10 +25,10 @@ workers and torchrun before train.py could act on it. So:
   traceback accelerate or torchrun print after a rank failed: that rank has already said what went wrong.
 
 - the ranks get this supervisor's pid (`NEOX_SUPERVISOR_PID`): if it is SIGKILLed, so that it can forward
-  nothing, each rank notices (utils/signals.py `watch_supervisor`) and stops as on SIGTERM, with a checkpoint;
+  nothing, each rank notices (utils/runtime/signals.py `watch_supervisor`) and stops as on SIGTERM, with a checkpoint;
 - a rank killed by a signal (SIGKILL, the OOM killer) is one line naming it and the signal, not the other
   ranks' tracebacks about the peer they lost, nor torchrun's report;
-- a console that goes away (`| tee log` and Ctrl-C, a closed terminal) never stops it (utils/console.py).
+- a console that goes away (`| tee log` and Ctrl-C, a closed terminal) never stops it (utils/io/console.py).
 
 Restarts inside the allocation (`--max-restarts N`, `--restart-delay S`). When the command fails after a
 training step (a rank killed by SIGKILL or the OOM killer, a CUDA error, a lost peer, the hang watchdog's
@@ -55,21 +55,20 @@ if __name__ == "__main__":  # caught from the first line (start_training.sh hold
     for _signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):
         signal.signal(_signum, lambda signum, _frame: _EARLY_STOPS.append(signum))
 
-import ctypes  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's utils package
 
-from utils.console import survive_lost_console  # noqa: E402
-from utils.run_status import RESTARTS_ENV, STATUS_FILE_ENV, TRAINED_SUFFIX, RunStatus  # noqa: E402
-from utils.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid  # noqa: E402
+from utils.io.console import survive_lost_console
+from utils.runtime.run_status import RESTARTS_ENV, STATUS_FILE_ENV, TRAINED_SUFFIX, RunStatus
+from utils.runtime.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid
 
 PROG = "start_training.sh"
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM, signal.SIGUSR1: signal.SIGTERM,
@@ -288,7 +287,7 @@ LAUNCHER_PID = "NEOX_LAUNCHER_PID"  # start_training.sh's own pid, which it sets
 
 
 def watched_launcher() -> str:
-    """The pid the ranks watch (utils/signals.py watch_supervisor): start_training.sh's when it started this
+    """The pid the ranks watch (utils/runtime/signals.py watch_supervisor): start_training.sh's when it started this
     supervisor (a `kill -9` of the launcher the user started then stops the run with a checkpoint, as one of
     the supervisor did when the script exec'd it), else this supervisor's."""
     launcher = os.environ.get(LAUNCHER_PID, "")

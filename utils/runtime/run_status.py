@@ -1,6 +1,6 @@
 """How a run ended, as rank 0 tells the launcher: the one definition both sides import.
 
-The launcher (utils/launch.py) names a file in `NEOX_STATUS_FILE`; rank 0 of train.py writes a RunStatus
+The launcher (utils/runtime/launch.py) names a file in `NEOX_STATUS_FILE`; rank 0 of train.py writes a RunStatus
 there as it exits (how it ended, what stopped it, the step, the last checkpoint, the exported model, or
 the error it said), and the launcher's last line reads it back. Standard library only: the launcher
 imports it without site-packages (`python -S`)."""
@@ -59,7 +59,7 @@ class RunStatus:
         if not path or not rank_zero():
             return
         try:
-            from utils.files import write_text
+            from utils.io.files import write_text
 
             write_text(path, json.dumps(asdict(self)))
         except OSError:

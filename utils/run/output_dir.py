@@ -9,9 +9,9 @@ from pathlib import Path
 
 from utils import layout
 from utils.checkpoint.format import parse_checkpoint_name
-from utils.distributed import main_process_only
+from utils.runtime.distributed import main_process_only
 from utils.errors import UserError
-from utils.lock import OutputDirLock
+from utils.io.lock import OutputDirLock
 
 
 def default_output_dir(cfg, repo_root: Path) -> Path:

@@ -1,0 +1,10 @@
+"""Processes and signals: what keeps a run's processes together and ends them cleanly.
+
+- `launch`: the launcher's supervisor (run by start_training.sh): delivers stop signals, restarts, exit codes;
+- `signals`: the stop signal, agreed by every rank at a step boundary; the supervisor watch;
+- `run_status`: how a run ended, as rank 0 tells the launcher;
+- `distributed`: collectives that strand no rank (rank 0 first, barriers), local shards of DTensors;
+- `host_memory`: CPU training keeps the large blocks it frees.
+
+May import: utils, utils.io.
+"""

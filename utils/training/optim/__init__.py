@@ -1,0 +1,41 @@
+"""The optimizer registry: `optimizer=NAME` -> the module of this package that builds it.
+
+Each module has `build(model, settings: OptimizerSettings, fused: bool) -> torch.optim.Optimizer`; the
+config's `optimizer` choices are OPTIMIZERS' keys (configs imports them, so this file imports no torch and
+none of its modules: they load when a run builds its optimizer). Adding an optimizer is one module here and
+one line in OPTIMIZERS (and its fields, if it has new ones, in the config and in OptimizerSettings).
+
+- `adamw`: torch's AdamW, decay on matrices only; BF16MomentAdamW (`optimizer_state_dtype=bf16`);
+- `muon`: torch's Muon for the blocks' weight matrices, AdamW for the rest, in one optimizer object.
+
+May import: utils, utils.io, utils.runtime (as utils.training).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from utils.settings import Settings
+
+OPTIMIZERS: dict[str, str] = {"adamw": "adamw", "muon": "muon"}  # name -> module of this package
+
+
+@dataclass(frozen=True)
+class OptimizerSettings(Settings):
+    optimizer: str = "adamw"
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    muon_momentum: float = 0.95
+    muon_ns_dtype: str = "auto"
+    cautious_weight_decay: bool = False
+    optimizer_state_dtype: str = "fp32"
+    mixed_precision: str = "bf16"  # muon_ns_dtype=auto follows it
+
+
+def build_optimizer(model, settings: OptimizerSettings, fused: bool):
+    """The optimizer `settings.optimizer` names, over `model`'s parameters (`fused`: torch's fused kernels)."""
+    module = importlib.import_module(f"{__name__}.{OPTIMIZERS[settings.optimizer]}")
+    return module.build(model, settings, fused)
