@@ -16,6 +16,7 @@ import yaml
 
 from configs.model_config import ConfigError, get_model_spec
 from utils.training.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
+from utils.training.optim import MUON_SCALES as OPTIMIZER_MUON_SCALES
 from utils.training.optim import OPTIMIZERS as OPTIMIZER_REGISTRY
 from utils.training.schedules import SCHEDULES
 from utils.observe.trackers import TRACKERS
@@ -27,6 +28,7 @@ MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # utils/training/optim/: the registry
 MUON_NS_DTYPES = ("auto", "bf16", "fp32")  # utils/training/optim/muon.py: ns_dtype_for
+MUON_SCALES = tuple(OPTIMIZER_MUON_SCALES)  # utils/training/optim: torch's adjust_lr_fn by name
 INITS = ("hf", "neox")  # utils/model/init.py: init_weights
 STRATEGIES = ("ddp", "fsdp")  # utils/parallel/strategies.py: one class each
 # utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory
@@ -152,6 +154,9 @@ class TrainingConfig:
     muon_momentum: float = _field(0.95, "optimizer=muon: Muon's (Nesterov) momentum", "[0, 1)")
     muon_ns_dtype: str = _field("auto", "optimizer=muon: Newton-Schulz's precision, bf16 (torch's) | fp32 | auto "
                                         "(fp32 when mixed_precision=no, else bf16)")
+    muon_scale: str = _field("moonlight", "optimizer=muon: each matrix's update scaled to AdamW's RMS, 0.2 * "
+                                          "sqrt(max(rows, cols)), so learning_rate serves both (moonlight), or "
+                                          "by sqrt(max(1, rows / cols)) (original: wants a larger learning_rate)")
     cautious_weight_decay: bool = _field(False, "optimizer=muon: decay a block matrix's entries only where the "
                                                 "update moves them towards zero too (modded-nanogpt)")
     weight_average: str = _field("none", "none | tail (the uniform mean of the weights over the decay tail) | ema")
@@ -286,6 +291,8 @@ class TrainingConfig:
                               f"{', '.join(OPTIMIZER_STATE_DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer='{self.optimizer}' is not valid; use one of {', '.join(OPTIMIZERS)}")
+        if self.muon_scale not in MUON_SCALES:
+            raise ConfigError(f"muon_scale='{self.muon_scale}' is not valid; use one of {', '.join(MUON_SCALES)}")
         if self.muon_ns_dtype not in MUON_NS_DTYPES:
             raise ConfigError(f"muon_ns_dtype='{self.muon_ns_dtype}' is not valid; use one of "
                               f"{', '.join(MUON_NS_DTYPES)}")

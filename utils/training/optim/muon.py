@@ -41,9 +41,8 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from utils.training.optim import OptimizerSettings, adamw
+from utils.training.optim import MUON_SCALES, OptimizerSettings, adamw
 
-ADJUST_LR_FN = "match_rms_adamw"
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults
 NS_STEPS, NS_EPS = 5, 1e-7
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -83,7 +82,7 @@ def build(model: nn.Module, settings: OptimizerSettings, fused: bool) -> MuonWit
     return MuonWithAdamW(muon, rest, lr=settings.learning_rate, weight_decay=settings.weight_decay,
                          momentum=settings.muon_momentum, state_dtype=adamw.state_dtype(settings),
                          ns_dtype=ns_dtype_for(settings.muon_ns_dtype, settings.mixed_precision),
-                         cautious=settings.cautious_weight_decay)
+                         adjust_lr_fn=MUON_SCALES[settings.muon_scale], cautious=settings.cautious_weight_decay)
 
 
 def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
@@ -109,13 +108,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def __init__(self, muon_params: list[torch.Tensor], adamw: torch.optim.Optimizer, lr: float,
                  weight_decay: float, momentum: float = 0.95, nesterov: bool = True,
                  state_dtype: torch.dtype = torch.float32, ns_dtype: torch.dtype = torch.bfloat16,
-                 cautious: bool = False):
+                 adjust_lr_fn: str = "match_rms_adamw", cautious: bool = False):
         self.adamw = adamw
         self.state_dtype = state_dtype
         self.ns_dtype = ns_dtype  # Newton-Schulz's (module docstring); not in the state dict: a run's setting
         muon_group = dict(params=list(muon_params), lr=lr, weight_decay=weight_decay, momentum=momentum,
                           nesterov=nesterov, ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=NS_STEPS,
-                          adjust_lr_fn=ADJUST_LR_FN, cautious=cautious, muon=True)
+                          adjust_lr_fn=adjust_lr_fn, cautious=cautious, muon=True)
         super().__init__([muon_group], dict(lr=lr))
         self.param_groups = list(adamw.param_groups) + self.param_groups
         self._link()
