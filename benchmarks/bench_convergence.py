@@ -26,8 +26,10 @@ several processes given the same cache share the work (each claims a run before 
 Printed: for every contender and rate, the validation loss at 1/4, 1/2, 3/4 of the budget (mean over seeds
 +- half the range), the final one, the tokens it needs to reach the tuned baseline's final validation loss of
 the same seed as a ratio to the baseline's budget (linear between evaluations; mean and range over seeds),
-the step time (median over steps, mean over seeds) and the wall-clock time to that loss, both against the
-tuned baseline's.
+the step time against the tuned baseline's, and the wall-clock time to that loss against the baseline's whole
+run (the tokens ratio times the step-time ratio). Step times are measured after the study with every recipe
+in this process, one step each in turn (`--timing-steps`), so that the machine's load, which changes over a
+long study, falls on all alike; each run's own median step time is kept in the JSON (`runs_step_ms`).
 """
 from __future__ import annotations
 
@@ -125,26 +127,44 @@ def val_loss(model, val: torch.Tensor, batch: int) -> float:
     return sum(losses) / len(losses)
 
 
+class Contender:
+    """A recipe at one rate and seed, built from the engine's parts: the model, the optimizer, the schedule."""
+
+    def __init__(self, recipe: Recipe, lr: float, seed: int, cfg, spec):
+        from utils.model import build_model
+        from utils.training.lr_scheduler import build_scheduler
+        from utils.training.optim import OptimizerSettings, build_optimizer
+        from utils.training.schedules import ScheduleSettings
+
+        self.cfg = dataclasses.replace(cfg, **recipe.settings(), seed=seed, learning_rate=lr,
+                                       max_steps=max(1, round(cfg.max_steps * recipe.fraction)))
+        self.model = build_model(spec, seed=seed, impl="native", init=recipe.init)
+        self.schedule = ScheduleSettings.of(self.cfg)
+        self.optimizer = build_optimizer(self.model, OptimizerSettings.of(self.cfg), fused=False)
+        self.scheduler = build_scheduler(self.optimizer, self.schedule)
+        self.params = list(self.model.parameters())
+
+    def step(self, rows: torch.Tensor) -> float:
+        """One training step on `rows`; returns its seconds."""
+        started = time.perf_counter()
+        loss = self.model(rows)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+
 def train_one(recipe: Recipe, lr: float, seed: int, cfg, spec, data, eval_every: int, averages=()) -> dict:
     """One run: the validation curve [(tokens, loss)], the training seconds at each of its points, and for
     each average in `averages` its own curve (the trained weights' until the average starts)."""
-    from utils.model import build_model
-    from utils.training.lr_scheduler import build_scheduler
-    from utils.training.optim import OptimizerSettings, build_optimizer
-    from utils.training.schedules import ScheduleSettings
     from utils.training.weight_average import WeightAverage
 
     train, val = data
-    cfg = dataclasses.replace(cfg, **recipe.settings(), seed=seed, learning_rate=lr,
-                              max_steps=max(1, round(cfg.max_steps * recipe.fraction)))
-    model = build_model(spec, seed=seed, impl="native", init=recipe.init)
-    schedule = ScheduleSettings.of(cfg)
-    optimizer = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
-    scheduler = build_scheduler(optimizer, schedule)
-    params = list(model.parameters())
-    tail_start = cfg.max_steps - schedule.wsd_decay_steps
-    averaged = {kind: WeightAverage(params, kind, tail_start) for kind in averages}
-    batch, steps = cfg.per_device_train_batch_size, cfg.max_steps
+    run = Contender(recipe, lr, seed, cfg, spec)
+    model, batch, steps = run.model, run.cfg.per_device_train_batch_size, run.cfg.max_steps
+    averaged = {kind: WeightAverage(run.params, kind, steps - run.schedule.wsd_decay_steps) for kind in averages}
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(seed))
     tokens_per_step = batch * train.shape[1]
     first = val_loss(model, val, batch)
@@ -153,12 +173,7 @@ def train_one(recipe: Recipe, lr: float, seed: int, cfg, spec, data, eval_every:
     for step in range(1, steps + 1):
         idx = order[((step - 1) * batch + torch.arange(batch)) % order.numel()]
         started = time.perf_counter()
-        loss = model(train[idx])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        run.step(train[idx])
         for average in averaged.values():
             average.update(step)
         step_s.append(time.perf_counter() - started)
@@ -174,6 +189,20 @@ def train_one(recipe: Recipe, lr: float, seed: int, cfg, spec, data, eval_every:
                 break
     return {"seed": seed, "lr": lr, "curve": curve, "train_s": seconds, "averages": curves,
             "step_s_median": statistics.median(step_s), "final_val": curve[-1][1]}
+
+
+def interleaved_step_ms(contenders: dict[str, tuple[Recipe, float]], cfg, spec, train: torch.Tensor,
+                        steps: int) -> dict[str, float]:
+    """Each contender's median step time in ms, measured in turns (one step each, the order rotating every
+    round) in this process, so that a change in the machine's load falls on every contender alike."""
+    built = {name: Contender(recipe, lr, 0, cfg, spec) for name, (recipe, lr) in contenders.items()}
+    names, times = list(built), {name: [] for name in built}
+    batch = cfg.per_device_train_batch_size
+    for i in range(steps):
+        rows = train[(i * batch + torch.arange(batch)) % train.shape[0]]
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            times[name].append(built[name].step(rows))
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -311,26 +340,30 @@ class Study:
         return result
 
 
-def contender_runs(study: Study, recipes: list[Recipe]) -> dict[str, list[dict]]:
+def contender_runs(study: Study, recipes: list[Recipe]) -> tuple[dict[str, list[dict]], dict[str, Recipe]]:
     """Every contender's runs by its row name (`RECIPE, lr LR` and `RECIPE [AVERAGE], lr LR`), the tuned
-    baseline first; an average's runs carry its curve as theirs."""
+    baseline first, an average's runs carrying its curve as theirs; and each row's recipe."""
     base = Recipe.parse(BASELINE)
     best = study.best_rate(base)
-    rows = {f"{BASELINE}, lr {best:g} (tuned baseline)": study.runs[(BASELINE, best)]}
+    tuned = f"{BASELINE}, lr {best:g} (tuned baseline)"
+    rows, sources = {tuned: study.runs[(BASELINE, best)]}, {tuned: base}
     for recipe in recipes:
         for lr in study.rates(recipe):
             if (recipe.name, lr) == (BASELINE, best):
                 continue
             runs = study.runs[(recipe.name, lr)]
-            rows[f"{recipe.name}, lr {lr:g}"] = runs
+            rows[f"{recipe.name}, lr {lr:g}"], sources[f"{recipe.name}, lr {lr:g}"] = runs, recipe
             for kind in study.args.averages if recipe.name != BASELINE else ():
-                rows[f"{recipe.name} [{kind}], lr {lr:g}"] = [
-                    r | {"curve": r["averages"][kind], "final_val": r["averages"][kind][-1][1]} for r in runs]
-    return rows
+                name = f"{recipe.name} [{kind}], lr {lr:g}"
+                rows[name] = [r | {"curve": r["averages"][kind], "final_val": r["averages"][kind][-1][1]} for r in runs]
+                sources[name] = recipe
+    return rows, sources
 
 
-def summarise(rows: dict[str, list[dict]], budget: int) -> dict:
-    """Every contender against the first (the tuned baseline), seed by seed."""
+def summarise(rows: dict[str, list[dict]], budget: int, step_ms: dict[str, float] | None = None) -> dict:
+    """Every contender against the first (the tuned baseline), seed by seed. `step_ms`: step times measured in
+    turns (interleaved_step_ms) by row name, which the step-time and wall-clock ratios then use; otherwise the
+    runs' own medians (each measured at whatever load its run met)."""
     reference = next(iter(rows))
     base = {r["seed"]: r for r in rows[reference]}
     out = {}
@@ -348,11 +381,16 @@ def summarise(rows: dict[str, list[dict]], budget: int) -> dict:
                      "final_val_max": max(finals), "ratio_per_seed": ratios,
                      "ratio_mean": statistics.mean(got) if len(got) == len(ratios) else None,
                      "ratio_min": min(got) if got else None, "ratio_max": max(got) if got else None,
-                     "wall_ratio_per_seed": walls,
-                     "wall_ratio_mean": statistics.mean(walls_got) if len(walls_got) == len(walls) else None,
-                     "step_ms": 1e3 * statistics.mean(r["step_s_median"] for r in runs)}
-    for name in out:
-        out[name]["step_time_ratio"] = out[name]["step_ms"] / out[reference]["step_ms"]
+                     "runs_step_ms": 1e3 * statistics.mean(r["step_s_median"] for r in runs),
+                     "runs_wall_ratio_per_seed": walls,
+                     "runs_wall_ratio_mean": statistics.mean(walls_got) if len(walls_got) == len(walls) else None}
+    for name, s in out.items():
+        timed = step_ms is not None and name in step_ms and reference in step_ms
+        s["step_ms"] = step_ms[name] if timed else s["runs_step_ms"]
+        s["step_ms_measured"] = "interleaved" if timed else "runs"
+        s["step_time_ratio"] = s["step_ms"] / (step_ms[reference] if timed else out[reference]["runs_step_ms"])
+        s["wall_ratio_mean"] = (s["ratio_mean"] * s["step_time_ratio"] if timed and s["ratio_mean"] is not None
+                                else None if timed else s["runs_wall_ratio_mean"])
     return out
 
 
@@ -401,6 +439,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=20, help="optimizer steps between validation losses")
     p.add_argument("--val-batches", type=int, default=8, help="validation batches (of the preset's batch size)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timing-steps", type=int, default=30,
+                   help="steps of each recipe timed in turns for the step-time ratio (0: the runs' own medians)")
     p.add_argument("--cache", type=Path, help="a folder keeping each finished run (reused; shared by processes)")
     p.add_argument("--json", type=Path, help="write every curve and the summary here")
     return p.parse_args(argv)
@@ -437,8 +477,13 @@ def main(argv=None) -> int:
     study = Study(args, cfg, spec, data, RunCache(args.cache, settings), recipes)
     study.run_all()
     recipes = study.recipes
-    rows = contender_runs(study, recipes)
-    summary = summarise(rows, budget)
+    rows, sources = contender_runs(study, recipes)
+    step_ms = None
+    if args.timing_steps:  # each recipe's step (an average's row: its recipe's), measured in turns
+        per_recipe = interleaved_step_ms({r.name: (r, study.best_rate(r)) for r in recipes}, cfg, spec, data[0],
+                                         args.timing_steps)
+        step_ms = {row: per_recipe[recipe.name] for row, recipe in sources.items()}
+    summary = summarise(rows, budget, step_ms)
     text = table(rows, summary, [budget * k // 4 for k in (1, 2, 3)])
     command = "python benchmarks/bench_convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"\n{text}\n\nbest: {best_contender(summary)}\n{datetime.date.today()}, torch {torch.__version__}, "
@@ -450,7 +495,7 @@ def main(argv=None) -> int:
             "budget_tokens": budget, "seeds": args.seeds, "eval_every": args.eval_every,
             "val_rows": int(data[1].shape[0]), "seq_len": seq_len, "adamw_lrs": args.adamw_lrs,
             "muon_lrs": args.muon_lrs, "recipes": [r.name + (":sweep" if r.sweep else "") for r in recipes],
-            "averages": args.averages, "best_rates": {r.name: study.best_rate(r) for r in recipes},
+            "averages": args.averages, "timing_steps": args.timing_steps, "best_rates": {r.name: study.best_rate(r) for r in recipes},
             "tuned_baseline": next(iter(rows)), "best": best_contender(summary), "summary": summary,
             "runs": rows, "table": text}, indent=1) + "\n")
     return 0

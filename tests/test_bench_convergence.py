@@ -55,7 +55,7 @@ def test_recipes_run_at_their_references_best_rate_against_the_tuned_baseline(tm
             "--set", "max_steps=6", "--set", "warmup_steps=2", "--set", "decay_fraction=0.5", "--set", "per_device_train_batch_size=4",
             "--eval-every", "2", "--val-batches", "2", "--seeds", "0", "1", "--adamw-lrs", "1e-3", "1e-2",
             "--muon-lrs", "2e-3", "2e-2", "--recipes", "muon+hf+wsd", "muon+hf+cautious:sweep@0.5",
-            "--averages", "tail", "--cache", str(cache), "--json", str(out)]
+            "--averages", "tail", "--timing-steps", "3", "--cache", str(cache), "--json", str(out)]
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["adamw_lrs"] == [1e-3, 1e-2] and result["muon_lrs"] == [2e-3, 2e-2]
@@ -81,6 +81,14 @@ def test_recipes_run_at_their_references_best_rate_against_the_tuned_baseline(tm
             reached = bench.tokens_to_reach(run["curve"], target)
             assert ratio == (None if reached is None else reached / result["budget_tokens"])
     assert result["summary"][tuned]["ratio_mean"] == 1.0 and result["summary"][tuned]["wall_ratio_mean"] == 1.0
+    # step times measured in turns, one per recipe (an average's row has its recipe's); wall = tokens x step
+    summary = result["summary"]
+    assert {s["step_ms_measured"] for s in summary.values()} == {"interleaved"}
+    assert summary[f"muon+hf [tail], lr {best['muon+hf']:g}"]["step_ms"] == summary[
+        f"muon+hf, lr {best['muon+hf']:g}"]["step_ms"] == summary["muon+hf, lr 0.02"]["step_ms"]
+    for s in summary.values():
+        assert s["step_time_ratio"] == s["step_ms"] / summary[tuned]["step_ms"]
+        assert s["wall_ratio_mean"] == (None if s["ratio_mean"] is None else s["ratio_mean"] * s["step_time_ratio"])
     capsys.readouterr()
 
     def no_training(*args, **kwargs):
@@ -90,7 +98,10 @@ def test_recipes_run_at_their_references_best_rate_against_the_tuned_baseline(tm
         assert bench.main(argv) == 0
     finally:
         bench.train_one = kept
-    assert json.loads(out.read_text())["summary"] == result["summary"]
+    again = json.loads(out.read_text())
+    assert again["runs"] == result["runs"]  # the cached curves (the step times are measured anew)
+    assert [s["ratio_per_seed"] for s in again["summary"].values()] == [
+        s["ratio_per_seed"] for s in result["summary"].values()]
 
 
 def test_a_run_claimed_by_a_live_process_is_left_to_it_and_a_dead_ones_claim_is_taken_over(tmp_path):
