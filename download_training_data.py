@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 from utils.errors import DiskFullError
-from utils.data.download import sync_prefix
+from utils.data.download import SyncOptions, sync_prefix
 from utils.io.storage import CredentialsError, StorageError, make_client, parse_gs_url
 
 
@@ -76,8 +76,9 @@ def main(argv=None) -> int:
         if len(jobs) > 1:
             print(f"{url} -> {dest}", flush=True)
         try:
-            report = sync_prefix(make_client, url, dest, workers=args.workers, max_files=args.max_files,
-                                 dry_run=args.dry_run, progress=not args.no_progress)
+            report = sync_prefix(make_client, url, dest, SyncOptions(workers=args.workers, max_files=args.max_files,
+                                                                     dry_run=args.dry_run,
+                                                                     progress=not args.no_progress))
         except CredentialsError as exc:
             print(f"error: credentials: {exc}", file=sys.stderr)
             return 1

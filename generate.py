@@ -28,6 +28,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -135,21 +136,33 @@ def fit_prompts(tokenizer, prompts: list[str], max_new_tokens: int, context: int
     return fitted, max_new_tokens
 
 
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int,
-             device: str = "cpu", seed: int = 0, say=lambda line: print(line, file=sys.stderr)) -> list[str]:
+@dataclass(frozen=True)
+class Sampling:
+    """How continuations are drawn: up to `max_new_tokens` each, at `temperature` (0: greedy) from the `top_k`
+    likeliest ids (0: all), with torch's generator seeded by `seed`."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: int = 50
+    seed: int = 0
+
+
+def generate(model, tokenizer, prompts: list[str], sampling: Sampling, device: str = "cpu",
+             say=lambda line: print(line, file=sys.stderr)) -> list[str]:
     """The continuation of each prompt (special tokens left out), batched and left-padded, within the model's
     context (fit_prompts)."""
     import torch
 
-    torch.manual_seed(seed)
+    torch.manual_seed(sampling.seed)
     model = model.to(device).eval()
-    ids, max_new_tokens = fit_prompts(tokenizer, prompts, max_new_tokens, model.config.max_position_embeddings, say)
+    ids, max_new_tokens = fit_prompts(tokenizer, prompts, sampling.max_new_tokens,
+                                      model.config.max_position_embeddings, say)
     batch = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt").to(device)
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k or None} if temperature > 0 else \
-        {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    draw = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None} \
+        if sampling.temperature > 0 else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id, **sampling)
+                             eos_token_id=tokenizer.eos_token_id, **draw)
     new = out[:, batch["input_ids"].shape[1]:]
     return tokenizer.batch_decode(new, skip_special_tokens=True)
 
@@ -196,8 +209,8 @@ def main(argv=None) -> int:
         if args.top_k > model.config.vocab_size:
             raise GenerateError(f"--top-k {args.top_k} is more than the model's {model.config.vocab_size:,} token "
                                 f"ids; 0 samples from all of them")
-        texts = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, device,
-                         args.seed)
+        texts = generate(model, tokenizer, args.prompt,
+                         Sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed), device)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

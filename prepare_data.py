@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import signal
 
-    from utils.data.prepare import BucketLock, check_upload_url, lock_output, prepare, report_line, stderr_progress, upload
+    from utils.data.prepare import (BucketLock, PrepareOptions, check_upload_url, lock_output, prepare, report_line,
+                                    stderr_progress, upload)
 
     signal.signal(signal.SIGTERM, _interrupt)  # stop the pool and clean up, as for Ctrl-C
     progress = None if args.no_progress else stderr_progress()
@@ -95,11 +96,10 @@ def main(argv=None) -> int:
         if args.upload and args.output.startswith("gs://"):
             raise UserError(f"--upload with --output {args.output}: the dataset is written there already")
         lock = BucketLock(args.output).acquire() if args.output.startswith("gs://") else lock_output(args.output)
-        result = prepare(args.input, args.tokenizer, args.output, workers=args.workers, text_field=args.text_field,
-                         shard_tokens=args.shard_tokens, eos_token=args.eos_token, progress=progress,
-                         val_fraction=args.val_fraction, split_seed=args.split_seed,
-                         partition_bytes=round(args.partition_mb * 1e6), executor=args.executor,
-                         ray_address=args.ray_address, merge_only=args.merge_only,
+        options = PrepareOptions(args.workers, args.text_field, args.shard_tokens, args.eos_token, args.val_fraction,
+                                 args.split_seed, round(args.partition_mb * 1e6), args.executor, args.ray_address,
+                                 args.merge_only)
+        result = prepare(args.input, args.tokenizer, args.output, options, progress=progress,
                          log=lambda line: print(line, flush=True))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
-TORCH_VERSION="$(sed -n 's/^torch==\([^ #]*\).*/\1/p' requirements.txt)"  # the one pin, in requirements.txt
+TORCH_VERSION="$(sed -n 's/^torch==\([^ #]*\).*/\1/p' requirements.txt 2>/dev/null || true)"  # its one pin
 VENV=".venv"
 STAMP="$VENV/.setup-stamp"                # hash of what was installed; equal hash -> skip pip
 COMPILE_RESULT="$VENV/.setup-compile-check"
@@ -87,6 +87,7 @@ fi
     || die "$VENV was made with a Python older than 3.10; remove it (rm -rf $VENV) and run ./setup.sh again"
 
 # --- dependencies ------------------------------------------------------------------------------------
+[[ -n "$TORCH_VERSION" ]] || die "requirements.txt has no torch==VERSION line (run setup.sh from a whole checkout)"
 requirement_files=(requirements.txt)
 [[ "$dev" -eq 1 ]] && requirement_files+=(requirements-dev.txt)
 stamp_key="$("$VPY" - "$TORCH_VERSION" "$torch_build" "$dev" "${TORCH_INDEX_URL:-}" pyproject.toml "${requirement_files[@]}" <<'EOF'

@@ -293,10 +293,10 @@ export NEOX_LAUNCHER_PID=$$  # the ranks stop with a checkpoint if this script i
 # The supervisor runs with -S (no site hooks, so no installed project either): the repo's packages by path.
 export PYTHONPATH="$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH}"
 if command -v setsid >/dev/null 2>&1; then
-    setsid "$python" -S "$SCRIPT_DIR/utils/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
+    setsid "$python" -S "$SCRIPT_DIR/utils/runtime/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
         -- "${cmd[@]}" &  # -S: no site hooks, it catches sooner
 else
-    "$python" -S "$SCRIPT_DIR/utils/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
+    "$python" -S "$SCRIPT_DIR/utils/runtime/launch.py" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
         -- "${cmd[@]}" &
 fi
 supervisor=$!

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 from tests.trainkit import gpt2_style_tokenizer
-from utils.data.prepare import prepare
+from utils.data.prepare import PrepareOptions, prepare
 
 BIG = 10**9  # eval_interval / save_steps / sample_every that never fire inside the run
 
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
           f"|---:|---:|---:|---:|---:|---:|")
     for vocab in args.vocab:
         data = tmp / f"data-{vocab}"
-        prepare([str(text)], str(gpt2_style_tokenizer(tmp / f"tok-{vocab}.json", vocab)), data, shard_tokens=1 << 16)
+        prepare([str(text)], str(gpt2_style_tokenizer(tmp / f"tok-{vocab}.json", vocab)), data, PrepareOptions(shard_tokens=1 << 16))
         short = train(args.repo.resolve(), data, tmp / f"short-{vocab}", args.warmup)
         long = train(args.repo.resolve(), data, tmp / f"long-{vocab}", args.warmup + args.steps)
         per = {k: (long[k] - short[k]) / args.steps for k in short}

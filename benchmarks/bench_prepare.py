@@ -21,7 +21,7 @@ from datetime import date
 from pathlib import Path
 
 
-from utils.data.prepare import prepare
+from utils.data.prepare import PrepareOptions, prepare
 
 
 
@@ -83,8 +83,7 @@ def main() -> int:
         for executor in args.executors:
             for w in args.workers:
                 out = work / f"out-{executor}{w}"
-                result = prepare([str(work / "corpus.jsonl")], str(tok), out, workers=w, executor=executor,
-                                 partition_bytes=round(partition_mb * 1e6))
+                result = prepare([str(work / "corpus.jsonl")], str(tok), out, PrepareOptions(workers=w, executor=executor, partition_bytes=round(partition_mb * 1e6)))
                 seconds[executor, w] = result.seconds
                 rate = result.tokens / result.seconds
                 print(f"| {executor} | {w} | {result.partitions} | {result.seconds:.1f} | {result.startup_seconds:.1f} | "

@@ -55,7 +55,7 @@ def make_dataset(root: Path, shards: int, shard_tokens: int, vocab: int) -> int:
 def first_batch_streaming(url: str, cache: Path, order, seq_len: int, micro: int, vocab: int):
     """(seconds to the first micro-batch, bytes fetched by then, the shards that micro-batch reads)."""
     from utils.data.build import open_source
-    from utils.data.loader import ResumableLoader, source_schedule
+    from utils.data.loader import RankSlice, ResumableLoader, source_schedule
     from utils.data.source import CacheBudget, OpenRequest, Source
 
     started = time.perf_counter()
@@ -68,7 +68,7 @@ def first_batch_streaming(url: str, cache: Path, order, seq_len: int, micro: int
     loader.close()
     while train._fetcher._inflight:  # downloads still running would slow the next measurement
         time.sleep(0.01)
-    first = next(source_schedule(loader.specs, micro, 0, 1, 0, ((0,), (0,), (1.0,)), order, 0))
+    first = next(source_schedule(loader.specs, RankSlice(micro, 0, 1), 0, ((0,), (0,), (1.0,)), order, 0))
     return seconds, fetched, sorted(set(np.searchsorted(train._cumulative, first, side="right").tolist()))
 
 
@@ -91,13 +91,13 @@ def fetch_alone(url: str, dest: Path, shards: list[int]) -> float:
 
 def first_batch_downloaded(url: str, dest: Path, order, seq_len: int, micro: int, vocab: int) -> tuple[float, int]:
     from utils.data.build import open_source
-    from utils.data.download import sync_prefix
+    from utils.data.download import SyncOptions, sync_prefix
     from utils.data.loader import ResumableLoader
     from utils.data.source import OpenRequest, Source
     from utils.io.storage import make_client
 
     started = time.perf_counter()
-    report = sync_prefix(make_client, url, dest, workers=8, progress=False)
+    report = sync_prefix(make_client, url, dest, SyncOptions(workers=8, progress=False))
     request = OpenRequest(seq_len, vocab, log=lambda _line: None, shuffle=order, step_sequences=micro)
     train, _ = open_source(Source("data", path=dest, val_files=0), request)
     next(ResumableLoader(train, micro, 0, 1, seed=0, shuffle=order))

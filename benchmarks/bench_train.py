@@ -171,11 +171,11 @@ def apply_engine_profile(s: dict, device_gib: float | None) -> None:
     checkpointing and optimizer-state precision the engine chose (train.py resolving it again is a no-op)."""
     from configs import get_training_config
     from configs.profiles import resolve_profile
-    from utils.model.activation_checkpointing import policy_from_config
+    from utils.model.activation_checkpointing import CheckpointingSettings
 
     cfg, profile = resolve_profile(get_training_config("production", engine_overrides(s)), s["device"], device_gib)
     s.update(micro_batch=cfg.per_device_train_batch_size, accum=cfg.gradient_accumulation_steps,
-             activation_checkpointing=policy_from_config(cfg)[0], optimizer_state_dtype=cfg.optimizer_state_dtype,
+             activation_checkpointing=CheckpointingSettings.of(cfg).policy[0], optimizer_state_dtype=cfg.optimizer_state_dtype,
              profile_used=profile.name if profile else "none")
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.index import CACHE_NAME, ShardIndex
-from utils.data.loader import ResumableLoader
+from utils.data.loader import Readers, ResumableLoader
 
 
 def write_shard(path: Path, tokens: int, vocab: int, seed: int, rows: int = 0) -> None:
@@ -40,7 +40,7 @@ def write_shard(path: Path, tokens: int, vocab: int, seed: int, rows: int = 0) -
 
 def measure(dataset, micro: int, workers: int, seconds: float, seq_len: int) -> tuple[float, float]:
     """-> (tokens/s over `seconds` after the first batch, seconds to the first batch)."""
-    loader = ResumableLoader(dataset, micro, rank=0, world_size=1, seed=0, num_workers=workers, prefetch_factor=4)
+    loader = ResumableLoader(dataset, micro, rank=0, world_size=1, seed=0, readers=Readers(workers, 4))
     t0 = time.perf_counter()
     next(loader)
     first = time.perf_counter() - t0

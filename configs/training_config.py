@@ -41,6 +41,12 @@ SHUFFLES = ("global", "blocks")  # utils/data/mixture.py: Shuffle
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 SOURCE_KEYS = ("path", "weight", "epochs", "val_files")
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # it names metrics: eval/<task>/acc
+# the fields whose value is one of a list: validate() checks each against it, in this order
+CHOICES = {"mixed_precision": MIXED_PRECISION_MODES, "model_impl": MODEL_IMPLS, "attention": ATTENTION,
+           "spike_guard": SPIKE_GUARDS, "activation_checkpointing": ACTIVATION_CHECKPOINTING,
+           "strategy": STRATEGIES, "profile": MEMORY_PROFILES, "optimizer_state_dtype": OPTIMIZER_STATE_DTYPES,
+           "optimizer": OPTIMIZERS, "muon_ns_dtype": MUON_NS_DTYPES, "muon_scale": MUON_SCALES, "init": INITS,
+           "lr_schedule": LR_SCHEDULES, "shuffle": SHUFFLES, "decay_shape": DECAY_SHAPES}
 # what `--resume` takes (train.py and the launcher's help both show this list)
 RESUME_FORMS = ("auto", "latest", "a checkpoint name", "a local path", "a gs:// URL")
 
@@ -241,7 +247,7 @@ class TrainingConfig:
     def validate(self) -> "TrainingConfig":
         """Checks each field on its own. What depends on the model actually built (seq_len against its
         positions, vocabulary against the data) is checked once the model is known (see train.py). Every
-        number is checked against the range declared beside its field."""
+        number is checked against the range declared beside its field, every choice against its list."""
         for f in fields(self):
             bounds = f.metadata.get("bounds")
             value = getattr(self, f.name)
@@ -249,66 +255,11 @@ class TrainingConfig:
                 raise ConfigError(f"{f.name}={value} must be {bounds.rule(f.type)}")
         if not self.init_from:  # with init_from, the model comes from its config.json (checked when loaded)
             check_seq_len(self.seq_len, get_model_spec(self.model))  # an unknown model raises too
-        if self.mixed_precision not in MIXED_PRECISION_MODES:
-            raise ConfigError(
-                f"mixed_precision='{self.mixed_precision}' is not valid; use one of "
-                f"{', '.join(MIXED_PRECISION_MODES)}"
-            )
-        if self.model_impl not in MODEL_IMPLS:
-            raise ConfigError(f"model_impl='{self.model_impl}' is not valid; use one of {', '.join(MODEL_IMPLS)}")
-        if self.attention not in ATTENTION:
-            raise ConfigError(f"attention='{self.attention}' is not valid; use one of {', '.join(ATTENTION)}")
-        if self.attention == "document" and self.model_impl != "native":
-            raise ConfigError("attention=document masks the native model's attention; use model_impl=native")
-        if self.spike_guard not in SPIKE_GUARDS:
-            raise ConfigError(f"spike_guard='{self.spike_guard}' is not valid; use one of {', '.join(SPIKE_GUARDS)}")
-        if self.spike_guard == "rollback" and self.spike_patience > self.spike_window:
-            raise ConfigError(f"spike_patience={self.spike_patience} exceeds spike_window={self.spike_window}: that "
-                              f"many spikes never fall within the window, so the run would never roll back; lower "
-                              f"spike_patience or raise spike_window")
-        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-            raise ConfigError(f"activation_checkpointing='{self.activation_checkpointing}' is not valid; use one of "
-                              f"{', '.join(ACTIVATION_CHECKPOINTING)}")
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"strategy='{self.strategy}' is not valid; use one of {', '.join(STRATEGIES)}")
-        if self.strategy == "fsdp" and self.model_impl != "native":
-            raise ConfigError("strategy=fsdp shards the native model; use model_impl=native (or strategy=ddp)")
-        if self.strategy == "fsdp" and self.mixed_precision == "fp16":
-            raise ConfigError("strategy=fsdp does not run fp16 (it needs a sharded grad scaler); use "
-                              "--mixed-precision bf16")
-        bad = [t for t in self.report_to.split(",") if t.strip() and t.strip().lower() not in REPORT_TO]
-        if bad:
-            raise ConfigError(f"report_to='{self.report_to}': unknown tracker '{bad[0].strip()}'; use "
-                              f"{', '.join(REPORT_TO)} or a comma-separated list of them")
-        named = [t.strip().lower() for t in self.report_to.split(",") if t.strip()]
-        if "none" in named and len(named) > 1:
-            raise ConfigError(f"report_to='{self.report_to}': 'none' cannot be combined with trackers; use "
-                              f"report_to=none, or list only the trackers")
-        if self.profile not in MEMORY_PROFILES:
-            raise ConfigError(f"profile='{self.profile}' is not valid; use one of {', '.join(MEMORY_PROFILES)}")
-        if self.optimizer_state_dtype not in OPTIMIZER_STATE_DTYPES:
-            raise ConfigError(f"optimizer_state_dtype='{self.optimizer_state_dtype}' is not valid; use one of "
-                              f"{', '.join(OPTIMIZER_STATE_DTYPES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer='{self.optimizer}' is not valid; use one of {', '.join(OPTIMIZERS)}")
-        if self.muon_scale not in MUON_SCALES:
-            raise ConfigError(f"muon_scale='{self.muon_scale}' is not valid; use one of {', '.join(MUON_SCALES)}")
-        if self.muon_ns_dtype not in MUON_NS_DTYPES:
-            raise ConfigError(f"muon_ns_dtype='{self.muon_ns_dtype}' is not valid; use one of "
-                              f"{', '.join(MUON_NS_DTYPES)}")
-        if self.init not in INITS:
-            raise ConfigError(f"init='{self.init}' is not valid; use one of {', '.join(INITS)}")
-        if self.z_loss and self.model_impl == "hf":
-            raise ConfigError(f"z_loss={self.z_loss:g} needs model_impl=native (its chunked LM-head loss); "
-                              f"use model_impl=native or z_loss=0")
-        if self.sample_every and not self.sample_prompts:
-            raise ConfigError(f"sample_every={self.sample_every} needs sample_prompts (a list of prompts)")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ConfigError(f"lr_schedule='{self.lr_schedule}' is not valid; use one of {', '.join(LR_SCHEDULES)}")
-        if self.shuffle not in SHUFFLES:
-            raise ConfigError(f"shuffle='{self.shuffle}' is not valid; use one of {', '.join(SHUFFLES)}")
-        if self.decay_shape not in DECAY_SHAPES:
-            raise ConfigError(f"decay_shape='{self.decay_shape}' is not valid; use one of {', '.join(DECAY_SHAPES)}")
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}='{getattr(self, name)}' is not valid; use one of {', '.join(choices)}")
+        self._validate_report_to()
+        self._validate_combinations()
         self._validate_data_mix()
         if self.gcs_bucket.startswith("gs://") or "/" in self.gcs_bucket:
             raise ConfigError(
@@ -318,6 +269,35 @@ class TrainingConfig:
             print(f"warning: warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}: the learning rate "
                   f"never reaches learning_rate={self.learning_rate:g}; lower warmup_steps", file=sys.stderr)
         return self
+
+    def _validate_combinations(self) -> None:
+        """Fields valid alone that do not go together."""
+        if self.attention == "document" and self.model_impl != "native":
+            raise ConfigError("attention=document masks the native model's attention; use model_impl=native")
+        if self.spike_guard == "rollback" and self.spike_patience > self.spike_window:
+            raise ConfigError(f"spike_patience={self.spike_patience} exceeds spike_window={self.spike_window}: that "
+                              f"many spikes never fall within the window, so the run would never roll back; lower "
+                              f"spike_patience or raise spike_window")
+        if self.strategy == "fsdp" and self.model_impl != "native":
+            raise ConfigError("strategy=fsdp shards the native model; use model_impl=native (or strategy=ddp)")
+        if self.strategy == "fsdp" and self.mixed_precision == "fp16":
+            raise ConfigError("strategy=fsdp does not run fp16 (it needs a sharded grad scaler); use "
+                              "--mixed-precision bf16")
+        if self.z_loss and self.model_impl == "hf":
+            raise ConfigError(f"z_loss={self.z_loss:g} needs model_impl=native (its chunked LM-head loss); "
+                              f"use model_impl=native or z_loss=0")
+        if self.sample_every and not self.sample_prompts:
+            raise ConfigError(f"sample_every={self.sample_every} needs sample_prompts (a list of prompts)")
+
+    def _validate_report_to(self) -> None:
+        bad = [t for t in self.report_to.split(",") if t.strip() and t.strip().lower() not in REPORT_TO]
+        if bad:
+            raise ConfigError(f"report_to='{self.report_to}': unknown tracker '{bad[0].strip()}'; use "
+                              f"{', '.join(REPORT_TO)} or a comma-separated list of them")
+        named = [t.strip().lower() for t in self.report_to.split(",") if t.strip()]
+        if "none" in named and len(named) > 1:
+            raise ConfigError(f"report_to='{self.report_to}': 'none' cannot be combined with trackers; use "
+                              f"report_to=none, or list only the trackers")
 
     def _validate_data_mix(self) -> None:
         """Each source's values; with a mixture, data_dir is its first source's folder (whose dataset.json

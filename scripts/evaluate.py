@@ -100,6 +100,7 @@ def main(argv=None) -> int:
 
         from configs.training_config import parse_eval_tasks
         from utils.evals.runner import load_encoder, load_tasks, prepare_tasks, score_tasks
+        from utils.evals.scoring import Placement
 
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
             raise UserError(f"--device {args.device}: not a device this script runs on; use auto, cpu, cuda or cuda:N")
@@ -114,7 +115,8 @@ def main(argv=None) -> int:
                                advice="pass --tokenizer: the data directory or tokenizer.json the model was "
                                       "trained with")
         prepared = prepare_tasks(tasks, encoder)
-        scored = score_tasks(model.to(device), prepared, args.batch_size, spec.max_position_embeddings, device)
+        scored = score_tasks(model.to(device), prepared, args.batch_size, spec.max_position_embeddings,
+                             Placement(device))
         if args.samples:
             write_samples(Path(args.samples), tasks, scored)
     except UserError as exc:

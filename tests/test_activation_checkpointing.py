@@ -18,7 +18,7 @@ from configs.training_config import ACTIVATION_CHECKPOINTING
 from tests.conftest import REPO_ROOT, free_port, make_subprocess_env
 from utils.model import build_model
 from utils.model.activation_checkpointing import (apply_activation_checkpointing, parameter_fqn,
-                                                  policy_from_config, saved_activation_bytes)
+                                                  CheckpointingSettings, saved_activation_bytes)
 
 SPEC = replace(get_model_spec("tiny"), num_hidden_layers=4)
 
@@ -66,9 +66,9 @@ def test_regional_compile_with_selective_checkpointing_changes_nothing():
 def test_gradient_checkpointing_true_still_means_full():
     from configs import get_training_config
 
-    assert policy_from_config(get_training_config("demo", {"gradient_checkpointing": True}))[0] == "full"
+    assert CheckpointingSettings.of(get_training_config("demo", {"gradient_checkpointing": True})).policy[0] == "full"
     cfg = get_training_config("demo", {"activation_checkpointing": "every_k", "activation_checkpointing_every": 3})
-    assert policy_from_config(cfg) == ("every_k", 3)
+    assert CheckpointingSettings.of(cfg).policy == ("every_k", 3)
 
 
 def test_memory_plan_counts_the_policies_in_order():
@@ -91,7 +91,7 @@ WORKER = textwrap.dedent('''
     from dataclasses import replace
     from utils.model.activation_checkpointing import parameter_fqn
     from utils.training.optim import OptimizerSettings, build_optimizer
-    from utils.parallel.strategies import make_parallelism
+    from utils.parallel.strategies import ParallelSettings, make_parallelism
 
     class Log:
         def info(self, msg): pass
@@ -104,7 +104,7 @@ WORKER = textwrap.dedent('''
     for policy in ("none", "full", "every_k", "selective"):
         cfg = get_training_config("demo", {"model": "tiny", "strategy": strategy, "mixed_precision": "no",
                                            "compile_model": False, "activation_checkpointing": policy})
-        parallel = make_parallelism(cfg, accelerator)
+        parallel = make_parallelism(ParallelSettings.of(cfg), accelerator)
         model = parallel.build_model(spec, None, Log())
         model, _ = parallel.prepare(model, build_optimizer(model, OptimizerSettings.of(cfg), fused=False))
         x = torch.randint(0, spec.vocab_size, (2, 32), generator=torch.Generator().manual_seed(10 + rank))

@@ -230,3 +230,96 @@ def test_no_code_outside_a_family_folder_names_its_attributes(tmp_path):
     intruder.write_text("def f(model):\n    return model.gpt_neox.embed_in, model.model.embed_tokens\n")
     found = family_attribute_uses([intruder], root=tmp_path)
     assert len(found) == 2 and "gpt_neox" in found[0] and "llama" in found[1], found
+
+
+ENGINE_FILES = ("train.py", "prepare_data.py", "generate.py", "download_training_data.py")
+
+
+def oversized_functions(paths, root=REPO_ROOT) -> list[str]:
+    """'file:line name: N lines, M parameters' for each function over 60 lines or 8 parameters (self aside)."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *([a.vararg] if a.vararg else []),
+                      *([a.kwarg] if a.kwarg else [])]
+            if params and params[0].arg in ("self", "cls"):
+                params = params[1:]
+            lines = node.end_lineno - node.lineno + 1
+            if lines > 60 or len(params) > 8:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {node.name}: {lines} lines, "
+                             f"{len(params)} parameters")
+    return found
+
+
+def test_no_engine_function_runs_over_60_lines_or_takes_over_8_parameters(tmp_path):
+    paths = [*REPO_ROOT.glob("utils/**/*.py"), *REPO_ROOT.glob("configs/*.py"),
+             *(REPO_ROOT / name for name in ENGINE_FILES)]
+    assert oversized_functions(paths) == []
+    stand_in = tmp_path / "long.py"  # the check catches each kind
+    stand_in.write_text("def wide(a, b, c, d, e, f, g, h, i):\n    pass\n\n\ndef long():\n" + "    x = 1\n" * 60)
+    assert [line.split(":")[-2].split()[-1] for line in oversized_functions([stand_in], tmp_path)] == ["wide", "long"]
+
+
+def whole_config_readers(paths, root=REPO_ROOT) -> list[str]:
+    """Modules of utils/ that take the run's whole config: a parameter named `cfg`, or an import of the
+    TrainingConfig or of what makes one. Only the Trainer's construction (utils/run/trainer.py) may."""
+    found = []
+    for path in paths:
+        rel = path.relative_to(root).as_posix()
+        if rel == "utils/run/trainer.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if any(a.arg == "cfg" for a in [*node.args.args, *node.args.kwonlyargs, *node.args.posonlyargs]):
+                    found.append(f"{rel}:{node.lineno} {node.name} takes cfg")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("configs"):
+                names = {a.name for a in node.names} & {"TrainingConfig", "get_training_config", "settle_config",
+                                                        "PRESETS"}
+                if names:
+                    found.append(f"{rel}:{node.lineno} imports {', '.join(sorted(names))}")
+    return found
+
+
+def settings_classes() -> list[type]:
+    """Every component's typed settings: the subclasses of utils.settings.Settings in the engine."""
+    import importlib
+    import pkgutil
+
+    import utils
+    from utils.settings import Settings
+
+    for info in pkgutil.walk_packages(utils.__path__, "utils."):
+        importlib.import_module(info.name)
+    found, todo = [], [Settings]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
+
+
+def test_only_configs_and_the_trainer_hold_the_whole_config_and_every_settings_field_is_a_config_field(tmp_path):
+    import dataclasses
+    import typing
+
+    from configs.training_config import TrainingConfig
+
+    assert whole_config_readers(REPO_ROOT.glob("utils/**/*.py")) == []
+    stand_in = tmp_path / "utils" / "reader.py"
+    stand_in.parent.mkdir()
+    stand_in.write_text("from configs.training_config import TrainingConfig\n\ndef f(cfg):\n    return cfg.seed\n")
+    assert len(whole_config_readers([stand_in], tmp_path)) == 2
+    config_types = {f.name: f.type for f in dataclasses.fields(TrainingConfig)}
+    classes = settings_classes()
+    assert len(classes) >= 10, classes
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in config_types:  # the same field, the same type
+                assert f.type == config_types[f.name], (cls.__name__, f.name, f.type, config_types[f.name])
+            else:  # or one of the config's derived properties
+                assert isinstance(getattr(TrainingConfig, f.name, None), property), (cls.__name__, f.name)
+        assert hints and cls.of(TrainingConfig()) is not None

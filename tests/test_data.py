@@ -17,7 +17,7 @@ from utils.data import dataset as data_dataset
 from utils.data import index as data_index
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.index import DataDirError, ShardIndex
-from utils.data.loader import ResumableLoader, build_eval_batches
+from utils.data.loader import Readers, ResumableLoader, build_eval_batches
 from utils.data.mixture import DEFAULT_SOURCE, EpochOrder, source_key
 from utils.data.shards import ShardError
 
@@ -69,7 +69,7 @@ def global_order(dataset, world: int, micro: int, seed: int, workers: int, globa
     """Run one loader per simulated rank; return per-rank id lists, each of global_batches * micro ids."""
     shares = []
     for rank in range(world):
-        loader = ResumableLoader(dataset, micro, rank, world, seed, num_workers=workers, prefetch_factor=2)
+        loader = ResumableLoader(dataset, micro, rank, world, seed, readers=Readers(workers, 2))
         shares.append([i for _ in range(global_batches) for i in sample_ids(next(loader))])
         loader.close()
     return shares
@@ -129,7 +129,7 @@ def test_global_batch_straddles_epochs_and_drops_nothing(mixed):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_cursor_round_trip_continues_exactly(mixed, workers):
     micro, world, rank, k, more = 2, 2, 1, 7, 14  # 21 batches of G=4 cross the epoch boundary (9 per epoch)
-    straight = ResumableLoader(mixed, micro, rank, world, seed=5, num_workers=workers, prefetch_factor=4)
+    straight = ResumableLoader(mixed, micro, rank, world, seed=5, readers=Readers(workers, 4))
     first = [next(straight) for _ in range(k)]
     state = straight.state_dict()
     # prefetching workers ran ahead; the state counts only what was returned
@@ -138,7 +138,7 @@ def test_cursor_round_trip_continues_exactly(mixed, workers):
     expected = [next(straight) for _ in range(more)]
     straight.close()
 
-    resumed = ResumableLoader(mixed, micro, rank, world, seed=999, num_workers=workers, prefetch_factor=4)
+    resumed = ResumableLoader(mixed, micro, rank, world, seed=999, readers=Readers(workers, 4))
     resumed.load_state_dict(state)
     got = [next(resumed) for _ in range(more)]
     resumed.close()

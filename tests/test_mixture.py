@@ -15,7 +15,7 @@ from configs.training_config import get_training_config, parse_overrides, read_c
 from utils.data.dataset import TokenSequenceDataset
 from utils.data.dataset_info import DatasetInfo
 from utils.data.index import ShardIndex
-from utils.data.loader import EvalBatches, ResumableLoader
+from utils.data.loader import EvalBatches, Readers, ResumableLoader
 from utils.data.source import Source
 from utils.data.mixture import DEFAULT_SOURCE, MixtureError, MixturePlan, check_tokenizers
 from utils.errors import UserError
@@ -69,9 +69,10 @@ def sources(tmp_path_factory):
             "books": make_source(root, "books", 12)}
 
 
-def mixture(sources, weights: dict, micro=4, rank=0, world=1, seed=3, epochs=None, **kw) -> ResumableLoader:
+def mixture(sources, weights: dict, micro=4, rank=0, world=1, seed=3, epochs=None, num_workers=0, prefetch_factor=2,
+            **kw) -> ResumableLoader:
     mix = [Source(n, w, (epochs or {}).get(n), data=sources[n]) for n, w in weights.items()]
-    return ResumableLoader(mix, micro, rank, world, seed, **kw)
+    return ResumableLoader(mix, micro, rank, world, seed, readers=Readers(num_workers, prefetch_factor), **kw)
 
 
 def share(batches, name="web") -> float:

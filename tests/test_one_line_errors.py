@@ -258,7 +258,7 @@ def test_non_utf8_input_names_the_line_and_the_byte(tmp_path):
 
 
 def test_prepare_on_a_full_disk_is_one_line(small_corpus, tmp_path):
-    from utils.data.prepare import prepare
+    from utils.data.prepare import PrepareOptions, prepare
 
     corpus, tok = small_corpus
     mount = tmp_path / "small"
@@ -267,7 +267,7 @@ def test_prepare_on_a_full_disk_is_one_line(small_corpus, tmp_path):
         pytest.skip("needs root to mount a small tmpfs")
     try:
         with pytest.raises(DiskFullError, match=r"no space left on .*small.*run the same command again"):
-            prepare([str(corpus)], str(tok), mount / "data", shard_tokens=1024)
+            prepare([str(corpus)], str(tok), mount / "data", PrepareOptions(shard_tokens=1024))
         # nothing that looks like a dataset: the hidden staging area alone, kept for the rerun
         assert [p.name for p in mount.iterdir()] == [".data.staging"], "a partial output was left"
     finally:

@@ -161,6 +161,7 @@ def test_validation_is_a_random_share_of_documents_from_the_whole_corpus(tokeniz
     from tokenizers import Tokenizer
 
     from utils.data.partition import MIN_VAL_DOCUMENTS
+    from utils.data.prepare import PrepareOptions
     from utils.data.prepare import prepare as prepare_in_process
 
     rng = random.Random(3)
@@ -169,7 +170,7 @@ def test_validation_is_a_random_share_of_documents_from_the_whole_corpus(tokeniz
     docs = {kind: [f"{kind} {i} " + text(rng, 12) for i in range(300)] for kind in ("alpha", "omega")}
     for kind, texts in docs.items():  # sorted order: every alpha document before every omega one
         (corpus / f"{kind}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    result = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "out", shard_tokens=1024, val_fraction=0.01)
+    result = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "out", PrepareOptions(shard_tokens=1024, val_fraction=0.01))
     info = DatasetInfo.load(tmp_path / "out")
     tok = Tokenizer.from_file(str(tokenizer))
 
@@ -188,15 +189,13 @@ def test_validation_is_a_random_share_of_documents_from_the_whole_corpus(tokeniz
     assert {d.split()[0] for d in val} == {"alpha", "omega"}  # drawn from the whole corpus, not its tail
     assert all(p.startswith("val/") for p in info.val_paths) and not any(s["path"].startswith("val/") for s in info.shards)
     # seeded: another seed draws other documents; the same seed the same bytes
-    other = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "other", shard_tokens=1024,
-                               val_fraction=0.01, split_seed=7)
+    other = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "other", PrepareOptions(shard_tokens=1024, val_fraction=0.01, split_seed=7))
     other_val = documents(DatasetInfo.load(tmp_path / "other").raw["validation"]["shards"], tmp_path / "other")
     assert other.val_documents and set(other_val) != set(val)
     assert (tmp_path / "other" / "val").is_dir() and \
         (tmp_path / "other" / info.val_paths[0]).read_bytes() != (tmp_path / "out" / info.val_paths[0]).read_bytes()
     # each partition decides alone: cut into many, the same documents are held out, in the same order
-    cut = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "cut", shard_tokens=1024, val_fraction=0.01,
-                             partition_bytes=3000)
+    cut = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "cut", PrepareOptions(shard_tokens=1024, val_fraction=0.01, partition_bytes=3000))
     cut_info = DatasetInfo.load(tmp_path / "cut")
     assert cut.partitions >= 8 and documents(cut_info.raw["validation"]["shards"], tmp_path / "cut") == val
     assert [(tmp_path / "cut" / p).read_bytes() for p in cut_info.val_paths] == \

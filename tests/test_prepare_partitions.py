@@ -67,17 +67,18 @@ def test_a_plan_cuts_jsonl_and_parquet_anywhere_reads_each_document_once_and_kee
 def test_merge_refuses_a_missing_completion_record_naming_it_and_a_rerun_redoes_only_that_partition(
         corpus, tokenizer, tmp_path, monkeypatch, subprocess_env):
     from utils.data import prepare as prep
+    from utils.data.prepare import PrepareOptions
 
     root, _, _ = corpus
     settings = dict(shard_tokens=1024, partition_bytes=4000)
-    prep.prepare([str(root)], str(tokenizer), tmp_path / "reference", **settings)
+    prep.prepare([str(root)], str(tokenizer), tmp_path / "reference", PrepareOptions(**settings))
     out = tmp_path / "out"
     def killed(*args):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(prep, "_merge", killed)  # every partition done, then killed before the merge
     with pytest.raises(KeyboardInterrupt):
-        prep.prepare([str(root)], str(tokenizer), out, **settings)
+        prep.prepare([str(root)], str(tokenizer), out, PrepareOptions(**settings))
     monkeypatch.undo()
     staging = tmp_path / ".out.staging"
     assert len(list(staging.glob("p*/done.json"))) == 4 and not out.exists()
@@ -96,12 +97,13 @@ def test_merge_refuses_a_missing_completion_record_naming_it_and_a_rerun_redoes_
 
 def test_output_straight_to_a_bucket_holds_the_same_bytes_and_inputs_can_come_from_one(
         corpus, tokenizer, tmp_path, subprocess_env, gcs_emulator):
+    from utils.data.prepare import PrepareOptions
     from utils.data.prepare import prepare as prepare_in_process
     from utils.io.storage import upload_directory
 
     root, _, _ = corpus
     settings = dict(shard_tokens=1024, partition_bytes=4000)
-    prepare_in_process([str(root)], str(tokenizer), tmp_path / "reference", **settings)
+    prepare_in_process([str(root)], str(tokenizer), tmp_path / "reference", PrepareOptions(**settings))
     reference = tree(tmp_path / "reference")
     url = f"gs://{gcs_emulator.bucket}/datasets/mine"
     subprocess_env["STORAGE_EMULATOR_HOST"] = gcs_emulator.url
@@ -111,10 +113,10 @@ def test_output_straight_to_a_bucket_holds_the_same_bytes_and_inputs_can_come_fr
     client = gcs_emulator.client()
     bucket = {b.name: b.download_as_bytes() for b in client.list_blobs(gcs_emulator.bucket)}
     assert {name.removeprefix("datasets/mine/"): data for name, data in bucket.items()} == reference  # no staging left
-    assert prepare_in_process([str(root)], str(tokenizer), url, **settings).reused
+    assert prepare_in_process([str(root)], str(tokenizer), url, PrepareOptions(**settings)).reused
     # the corpus read from a bucket: the same shards, the same split (a file's key is its path below the prefix)
     upload_directory(client, root, f"gs://{gcs_emulator.bucket}/corpus", last=())
-    prepare_in_process([f"gs://{gcs_emulator.bucket}/corpus"], str(tokenizer), tmp_path / "from-bucket", **settings)
+    prepare_in_process([f"gs://{gcs_emulator.bucket}/corpus"], str(tokenizer), tmp_path / "from-bucket", PrepareOptions(**settings))
     shards = lambda files: {name: data for name, data in files.items() if name.endswith(".npz")}
     assert shards(tree(tmp_path / "from-bucket")) == shards(reference) and len(shards(reference)) >= 5
 
@@ -143,6 +145,7 @@ def ray_task_workers(root_pid: int) -> list[int]:
 @pytest.mark.slow
 def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_killed(tokenizer, tmp_path,
                                                                                     subprocess_env):
+    from utils.data.prepare import PrepareOptions
     from utils.data.prepare import prepare as prepare_in_process
 
     big = tmp_path / "big"
@@ -153,7 +156,7 @@ def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_kil
             f.write(json.dumps({"text": text(rng, 60)}) + "\n")
     (big / "short.txt").write_text(text(rng, 200))
     settings = dict(shard_tokens=4096, partition_bytes=500_000)
-    local = prepare_in_process([str(big)], str(tokenizer), tmp_path / "local", workers=1, **settings)
+    local = prepare_in_process([str(big)], str(tokenizer), tmp_path / "local", PrepareOptions(workers=1, **settings))
     out = tmp_path / "ray"
     proc = subprocess.Popen(PREPARE + ["--input", str(big), "--tokenizer", str(tokenizer), "--output", str(out),
                                        "--shard-tokens", "4096", "--partition-mb", "0.5", "--executor", "ray",

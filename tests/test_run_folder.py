@@ -351,13 +351,14 @@ def test_each_run_has_its_own_folder_under_runs_by_default(tmp_path, subprocess_
     from configs.settle import settle_config
 
     name = f"pytest-{uuid.uuid4().hex[:8]}"
-    folders = {preset: default_output_dir(settle_config(preset, [], {})[0], REPO_ROOT) for preset in ("demo", "cpu")}
+    folders = {preset: default_output_dir(settle_config(preset, [], {})[0].effective_run_name, REPO_ROOT)
+               for preset in ("demo", "cpu")}
     assert folders == {"demo": REPO_ROOT / "runs" / "demo", "cpu": REPO_ROOT / "runs" / "cpu"}
     config = tmp_path / "configs" / "my-run.yaml"
     config.parent.mkdir()
     config.write_text("base: demo\n")
-    assert default_output_dir(settle_config(str(config), [], {})[0], REPO_ROOT).parent == REPO_ROOT / "runs"
-    assert default_output_dir(settle_config(str(config), [], {})[0], REPO_ROOT).name.startswith("my-run")
+    folder = default_output_dir(settle_config(str(config), [], {})[0].effective_run_name, REPO_ROOT)
+    assert folder.parent == REPO_ROOT / "runs" and folder.name.startswith("my-run")
     data = make_shards(tmp_path / "data")
     cmd = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "demo", "--data-dir", str(data)]
     for s in TINY + ["max_steps=1", "save_steps=100", f"run_name={name}"]:
@@ -391,7 +392,8 @@ def test_readme_commands_put_each_run_in_its_own_folder():
     for command in trains:
         words = shlex.split(command)
         preset = words[words.index("--config") + 1]
-        folders.add(default_output_dir(settle_config(preset, [], {})[0], REPO_ROOT).relative_to(REPO_ROOT))
+        name = settle_config(preset, [], {})[0].effective_run_name
+        folders.add(default_output_dir(name, REPO_ROOT).relative_to(REPO_ROOT))
     assert {Path("runs/demo"), Path("runs/cpu")} <= folders
     generate = next(c for c in commands if "generate.py" in c)
     assert shlex.split(generate)[2] == "runs/cpu/final_model"
@@ -433,7 +435,7 @@ def test_the_launcher_s_usage_errors_are_one_line_and_exit_2(tmp_path, subproces
 
 
 def test_the_supervisor_without_a_command_is_one_line_and_exit_2(subprocess_env):
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "utils" / "launch.py")], env=subprocess_env,
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "utils" / "runtime" / "launch.py")], env=subprocess_env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "error: no command to run" in proc.stderr
 
@@ -447,7 +449,7 @@ def test_a_stop_signal_that_ends_the_launcher_layer_after_the_run_finished_is_ex
                      "from utils.runtime.run_status import RunStatus\n"
                      "RunStatus(0, step=5, checkpoint='ckpt-5', final_model='out/final_model').write()\n"
                      "import os\npathlib.Path(sys.argv[2]).write_text(str(os.getpid()))\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-S", str(REPO_ROOT / "utils" / "launch.py"), "--",
+    proc = subprocess.Popen([sys.executable, "-S", str(REPO_ROOT / "utils" / "runtime" / "launch.py"), "--",
                              sys.executable, "-c", finished_rank, str(REPO_ROOT), str(ready)],
                             env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60

@@ -247,7 +247,7 @@ def test_a_deleted_source_can_be_dropped_on_resume(tmp_path):
     from utils.data.index import ShardIndex
     from utils.data.loader import ResumableLoader
     from utils.data.mixture import MixtureError, check_sources
-    from utils.data.source import Source, sources_from_config
+    from utils.data.source import DataSettings, Source, configured_sources
 
     def dataset(name: str) -> TokenSequenceDataset:
         return TokenSequenceDataset(ShardIndex.build(make_shards(tmp_path / name, n_files=2, rows=8), 64, 512,
@@ -270,7 +270,7 @@ def test_a_deleted_source_can_be_dropped_on_resume(tmp_path):
     cfg = get_training_config("demo", parse_overrides([f"data_mix=web={tmp_path / 'web'}:1,code={tmp_path / 'code'}:0"]))
     with pytest.raises(MixtureError, match=r"data_mix source code: .*code does not exist; .*remove the source from "
                                            r"data_mix \(on a resume, the log then says it was dropped\)"):
-        check_sources(sources_from_config(cfg), {"web": None, "code": None}, said.append)
+        check_sources(configured_sources(DataSettings.of(cfg)), {"web": None, "code": None}, said.append)
 
 
 @pytest.mark.slow

@@ -28,12 +28,12 @@ def accelerator():
 
 
 def make_guard(tmp_path, accelerator, mode="skip", window=4, threshold=3.0, patience=2, max_rollbacks=3):
-    from utils.training.spike_guard import SpikeGuard
+    from utils.training.spike_guard import SpikeGuard, SpikeGuardSettings
 
     cfg = TrainingConfig(spike_guard=mode, spike_window=window, spike_threshold=threshold, spike_patience=patience,
                          spike_max_rollbacks=max_rollbacks)
     log = RunLogger(tmp_path / mode, is_main=True)
-    return SpikeGuard(cfg, accelerator, log), tmp_path / mode / "metrics.jsonl"
+    return SpikeGuard(SpikeGuardSettings.of(cfg), accelerator, log), tmp_path / mode / "metrics.jsonl"
 
 
 def feed(guard, first_step: int, values) -> list[bool]:

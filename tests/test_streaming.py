@@ -24,7 +24,7 @@ from tests.test_prepare_data import bpe_tokenizer, text
 from tests.trainkit import REPO_ROOT, TINY, metrics, run, train_rows
 from utils.data import build
 from utils.data.dataset_info import FILE as DATASET_FILE
-from utils.data.loader import MixtureBatchSampler, ResumableLoader, source_schedule
+from utils.data.loader import MixtureBatchSampler, RankSlice, Readers, ResumableLoader, source_schedule
 from utils.data.mixture import MixtureError, Shuffle, block_permutation
 from utils.data.source import CacheBudget, CacheTooSmall, OpenRequest, Source
 from utils.data.stream_source import StreamError
@@ -44,10 +44,9 @@ def prepared(tmp_path_factory) -> Path:
     with open(root / "corpus" / "docs.jsonl", "w") as f:
         for i in range(600):
             f.write(json.dumps({"text": text(rng, 20 + i % 50)}) + "\n")
-    from utils.data.prepare import prepare
+    from utils.data.prepare import PrepareOptions, prepare
 
-    prepare([str(root / "corpus")], str(bpe_tokenizer(root / "tokenizer.json")), root / "local",
-            shard_tokens=SHARD_TOKENS, val_fraction=0.02)
+    prepare([str(root / "corpus")], str(bpe_tokenizer(root / "tokenizer.json")), root / "local", PrepareOptions(shard_tokens=SHARD_TOKENS, val_fraction=0.02))
     return root / "local"
 
 
@@ -163,7 +162,7 @@ def test_a_rank_s_schedule_of_a_source_is_what_its_sampler_reads(prepared):
     for shuffle in (Shuffle(), Shuffle("blocks", 3)):
         start = (tuple([0, 0]), tuple([0, 0]), tuple([0.7, 0.3]))
         sampler = iter(MixtureBatchSampler(specs, 3, 1, 3, 5, start, shuffle))
-        schedules = [source_schedule(specs, 3, 1, 3, 5, start, shuffle, s, chunk=7) for s in (0, 1)]
+        schedules = [source_schedule(specs, RankSlice(3, 1, 3), 5, start, shuffle, s, chunk=7) for s in (0, 1)]
         for _ in range(1200):  # b's 736 sequences run out after ~820 global batches of 9
             sources, indices, _ = next(sampler)
             for s in (0, 1):
@@ -185,7 +184,7 @@ def test_a_gs_dataset_indexes_orders_and_reads_as_its_downloaded_copy(bucket, pr
     assert np.array_equal(streamed.file_sequences(), local.file_sequences())
     assert np.array_equal(s_val.get_batch(range(len(s_val))), l_val.get_batch(range(len(l_val))))
     workers = 2 if order == "blocks" else 0
-    a = ResumableLoader(streamed, 4, 0, 1, seed=3, shuffle=shuffle, num_workers=workers, prefetch_factor=2)
+    a = ResumableLoader(streamed, 4, 0, 1, seed=3, shuffle=shuffle, readers=Readers(workers, 2))
     b = ResumableLoader(local, 4, 0, 1, seed=3, shuffle=shuffle)
     try:
         for i in range(200):  # 800 sequences: past the first epoch's end

@@ -220,7 +220,7 @@ def test_a_gpt2_style_tokenizer_directory_is_read_by_prepare_export_and_generate
     from scripts import export_hf
     from tokenizers import Tokenizer
 
-    from utils.data.prepare import prepare
+    from utils.data.prepare import PrepareOptions, prepare
 
     root, checkpoint = tools
     gpt2 = tmp_path / "gpt2"
@@ -228,7 +228,7 @@ def test_a_gpt2_style_tokenizer_directory_is_read_by_prepare_export_and_generate
     (gpt2 / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "model_max_length": 1024}))
     assert not (gpt2 / "tokenizer.json").exists()
     (tmp_path / "corpus.txt").write_text("hello world, a GPT-2-style tokenizer\nin two lines")
-    result = prepare([str(tmp_path / "corpus.txt")], str(gpt2), tmp_path / "data", val_fraction=0, shard_tokens=1024)
+    result = prepare([str(tmp_path / "corpus.txt")], str(gpt2), tmp_path / "data", PrepareOptions(val_fraction=0, shard_tokens=1024))
     assert result.documents == 1
     original = Tokenizer.from_file(str(root / "tokenizer.json"))
     written = Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json"))
@@ -312,7 +312,7 @@ def test_a_50k_vocabulary_does_not_page_fault_its_buffers_in_every_step(tmp_path
 
     from tests.conftest import make_subprocess_env
     from tests.trainkit import gpt2_style_tokenizer, train_cmd
-    from utils.data.prepare import prepare
+    from utils.data.prepare import PrepareOptions, prepare
 
     rng = random.Random(0)
     words = ["".join(rng.choice("etaoinshrdlu") for _ in range(rng.randint(2, 8))) for _ in range(2000)]
@@ -321,8 +321,7 @@ def test_a_50k_vocabulary_does_not_page_fault_its_buffers_in_every_step(tmp_path
     faults = {}
     for vocab in (50257, 512):
         data = tmp_path / f"data-{vocab}"
-        prepare([str(tmp_path / "corpus.jsonl")], str(gpt2_style_tokenizer(tmp_path / f"{vocab}.json", vocab)), data,
-                shard_tokens=1 << 14)
+        prepare([str(tmp_path / "corpus.jsonl")], str(gpt2_style_tokenizer(tmp_path / f"{vocab}.json", vocab)), data, PrepareOptions(shard_tokens=1 << 14))
         cmd = train_cmd(tmp_path / f"out-{vocab}", data, "per_device_train_batch_size=16", "eval_interval=1000",
                         "save_steps=1000", extra=("--max-steps", "12"))
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt

@@ -16,6 +16,9 @@
                                     that skips nothing, G = micro-batch x accumulation x processes)
     NEOX_DEBUG_PARTITION_DELAY_S=S  each prepare partition sleeps S seconds before its completion record: a slow
                                     worker, so that a test can kill one mid-partition
+    NEOX_PROFILE_STEPS=A-B          torch.profiler over optimizer steps A to B on every rank: a Chrome trace per rank
+                                    in logs/profile-rank{R}.json and the operators that took the most time in the
+                                    log (utils/run/callbacks.py StepProfiler; the profiled steps run slower)
 
 Production modules ask these functions rather than reading the variables themselves, so every switch that
 changes behaviour for a test is listed here.
@@ -45,6 +48,24 @@ def partition_delay_s() -> float:
 
 def step_delay_s() -> float:
     return float(os.environ.get("NEOX_DEBUG_STEP_DELAY_S", "0") or 0)
+
+
+def profiled_steps() -> tuple[int, int] | None:
+    """NEOX_PROFILE_STEPS=A-B: (A, B), the first and last optimizer step profiled; None when unset."""
+    raw = os.environ.get("NEOX_PROFILE_STEPS", "").strip()
+    if not raw:
+        return None
+    first, _, last = raw.partition("-")
+    try:
+        span = int(first), int(last or first)
+    except ValueError:
+        span = (0, -1)
+    if not 1 <= span[0] <= span[1]:
+        from utils.errors import UserError
+
+        raise UserError(f"NEOX_PROFILE_STEPS={raw!r}: expected A-B, the first and last optimizer step to profile "
+                        f"(1 <= A <= B), e.g. 10-12")
+    return span
 
 
 def poisoned_sequences() -> list[range]:

@@ -54,6 +54,7 @@ from utils.runtime.distributed import local_tensor, main_process_first, main_pro
 from utils.errors import DiskFullError, UserError
 from utils.training.state import RngState
 from utils.io.storage import make_client
+from utils.settings import Settings
 
 # The model record and run facts a checkpoint must share with the run that resumes it.
 _MUST_MATCH = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "padded_vocab_size")
@@ -122,10 +123,21 @@ def find_checkpoint(resume: str, accelerator, root: Path, remote_root: str | Non
 MODEL, OPTIMIZER, TRAIN = "model", "optimizer", "train"  # the states the format itself saves
 
 
-def remote_checkpoint_root(cfg) -> str | None:
-    """gs://BUCKET/PREFIX/checkpoints/RUN: where the run's checkpoints upload (None: no bucket)."""
-    prefix = "/".join(p for p in (cfg.gcs_prefix.strip("/"), layout.CHECKPOINTS, cfg.effective_run_name) if p)
-    return f"gs://{cfg.gcs_bucket}/{prefix}" if cfg.gcs_bucket else None
+@dataclass(frozen=True)
+class CheckpointSettings(Settings):
+    save_steps: int
+    save_total_limit: int
+    gcs_bucket: str
+    gcs_prefix: str
+    effective_run_name: str  # names the run's folder in the bucket
+    background_upload: bool
+    upload_timeout_s: int
+
+    @property
+    def remote_root(self) -> str | None:
+        """gs://BUCKET/PREFIX/checkpoints/RUN: where the run's checkpoints upload (None: no bucket)."""
+        prefix = "/".join(p for p in (self.gcs_prefix.strip("/"), layout.CHECKPOINTS, self.effective_run_name) if p)
+        return f"gs://{self.gcs_bucket}/{prefix}" if self.gcs_bucket else None
 
 
 @dataclass(frozen=True)
@@ -141,11 +153,11 @@ class CheckpointPolicy:
     extra_files: Mapping[str, Path] = field(default_factory=dict)  # copied in when present at save time
 
     @classmethod
-    def from_config(cls, cfg, root: Path, remote_root: str | None, node_uploads: bool = False,
-                    described: Path | None = None) -> "CheckpointPolicy":
+    def from_settings(cls, settings: CheckpointSettings, root: Path, node_uploads: bool = False,
+                      described: Path | None = None) -> "CheckpointPolicy":
         """`described`: the data's description folder, whose tokenizer.json each checkpoint carries."""
-        return cls(Path(root), cfg.save_steps, cfg.save_total_limit, remote_root, cfg.background_upload,
-                   cfg.upload_timeout_s, node_uploads,
+        return cls(Path(root), settings.save_steps, settings.save_total_limit, settings.remote_root,
+                   settings.background_upload, settings.upload_timeout_s, node_uploads,
                    {TOKENIZER_FILE: described / TOKENIZER_FILE} if described is not None else {})
 
 

@@ -60,33 +60,59 @@ class SyncReport:
                 f"{mb:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s)")
 
 
-def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max_files: int = -1,
-                dry_run: bool = False, suffix: str = ".npz", progress: bool = True,
-                with_root_files: tuple[str, ...] = (DATASET_FILE, TOKENIZER_FILE, PLAN_FILE)) -> SyncReport:
-    """Mirror every object ending in `suffix` under `source_url` into `dest_dir` (same relative paths), and
-    the `with_root_files` found directly under it (prepare_data.py's dataset description, tokenizer and plan).
-    A local file is skipped only when its size and crc32c match; everything else is downloaded, verified
-    and renamed into place. `max_files` >= 0 takes the first N shards by name. Clients are created here,
-    one per worker thread, so this is safe to call after a fork."""
-    from tqdm import tqdm
+@dataclass(frozen=True)
+class SyncOptions:
+    workers: int = 8  # download threads
+    max_files: int = -1  # >= 0: the first N shards by name
+    dry_run: bool = False  # say what would be downloaded, transfer nothing
+    suffix: str = ".npz"  # the objects mirrored
+    progress: bool = True  # a progress bar
+    with_root_files: tuple[str, ...] = (DATASET_FILE, TOKENIZER_FILE, PLAN_FILE)  # beside them, when present
 
+
+def sync_prefix(client_factory, source_url: str, dest_dir, options: SyncOptions = SyncOptions()) -> SyncReport:
+    """Mirror every object ending in `options.suffix` under `source_url` into `dest_dir` (same relative paths),
+    and the `with_root_files` found directly under it (prepare_data.py's dataset description, tokenizer and
+    plan). A local file is skipped only when its size and crc32c match; everything else is downloaded,
+    verified and renamed into place. Clients are created here, one per worker thread, so this is safe to call
+    after a fork."""
     started = time.monotonic()
     bucket, prefix = parse_gs_url(source_url)
     dest_dir = Path(dest_dir)
-    listed = list_objects(client_factory(), bucket, prefix, None)
-    objects = [o for o in listed if o.name.endswith(suffix)]
+    report = SyncReport(dry_run=options.dry_run)
+    targets = _targets(client_factory(), source_url, dest_dir, options, report)
+    with ThreadPoolExecutor(max_workers=max(1, options.workers), thread_name_prefix="gcs-check") as pool:
+        matches = list(pool.map(lambda t: local_matches(t[1], t[0]), targets))
+    todo = [t for t, ok in zip(targets, matches) if not ok]
+    report.skipped = len(targets) - len(todo)
+    if options.dry_run:
+        for obj, target in todo:
+            print(f"would download {gs_url(bucket, obj.name)} ({obj.size} bytes) -> {target}")
+        report.downloaded = len(todo)
+        report.bytes = sum(o.size for o, _ in todo)
+    else:
+        _download(client_factory, bucket, todo, options, report)
+    report.failed.sort()
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _targets(client, source_url: str, dest_dir: Path, options: SyncOptions,
+             report: SyncReport) -> list[tuple[RemoteObject, Path]]:
+    """The objects to mirror and where each goes; a name that would leave `dest_dir` is refused (failed)."""
+    bucket, prefix = parse_gs_url(source_url)
+    listed = list_objects(client, bucket, prefix, None)
+    objects = [o for o in listed if o.name.endswith(options.suffix)]
     if not objects:
-        raise StorageError(f"no objects ending in {suffix!r} under {source_url}: check --source")
-    if max_files is not None and max_files >= 0:
-        objects = objects[:max_files]
-    if not dry_run:
+        raise StorageError(f"no objects ending in {options.suffix!r} under {source_url}: check --source")
+    if options.max_files is not None and options.max_files >= 0:
+        objects = objects[:options.max_files]
+    if not options.dry_run:
         check_destination(dest_dir)
-    root_files = {join_name(prefix, name) for name in with_root_files}
+    root_files = {join_name(prefix, name) for name in options.with_root_files}
     objects += [o for o in listed if o.name in root_files]
-    report = SyncReport(dry_run=dry_run)
-    root = dest_dir.resolve()
-    targets: list[tuple[RemoteObject, Path]] = []
-    folder = folder_prefix(prefix)
+    root, folder = dest_dir.resolve(), folder_prefix(prefix)
+    targets = []
     for obj in objects:
         target = (root / obj.name[len(folder):]).resolve()
         if root not in target.parents:  # an object name with ".." must not escape dest_dir
@@ -94,28 +120,19 @@ def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max
             report.failed.append(gs_url(bucket, obj.name))
             continue
         targets.append((obj, target))
-    if not dry_run:
+    if not options.dry_run:
         clean_stale_partials(root)
+    return targets
 
-    workers = max(1, workers)
-    def client():
-        return thread_client(client_factory)
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-check") as pool:
-        matches = list(pool.map(lambda t: local_matches(t[1], t[0]), targets))
-    todo = [t for t, ok in zip(targets, matches) if not ok]
-    report.skipped = len(targets) - len(todo)
-    if dry_run:
-        for obj, target in todo:
-            print(f"would download {gs_url(bucket, obj.name)} ({obj.size} bytes) -> {target}")
-        report.downloaded = len(todo)
-        report.bytes = sum(o.size for o, _ in todo)
-        report.seconds = time.monotonic() - started
-        return report
+def _download(client_factory, bucket: str, todo: list[tuple[RemoteObject, Path]], options: SyncOptions,
+              report: SyncReport) -> None:
+    """Downloads `todo` on `options.workers` threads, each verified; the first full disk stops the others."""
+    from tqdm import tqdm
 
     lock = threading.Lock()
     bar = tqdm(total=sum(o.size for o, _ in todo), unit="B", unit_scale=True, desc="download",
-               disable=not progress or not todo, mininterval=0.5)
+               disable=not options.progress or not todo, mininterval=0.5)
 
     def on_bytes(n: int):
         with lock:
@@ -128,12 +145,12 @@ def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max
         if full:
             return
         try:
-            n = download_verified(client(), bucket, obj, target, on_bytes=on_bytes)
+            n = download_verified(thread_client(client_factory), bucket, obj, target, on_bytes=on_bytes)
         except DiskFullError as exc:
             with lock:
                 full.append(exc)
             return
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure fails this file, said in one line; the others go on
             with lock:
                 report.failed.append(gs_url(bucket, obj.name))
                 tqdm.write(f"FAILED {gs_url(bucket, obj.name)}: {short_error(exc, 500)}", file=sys.stderr)
@@ -143,12 +160,9 @@ def sync_prefix(client_factory, source_url: str, dest_dir, workers: int = 8, max
             report.bytes += n
 
     try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-download") as pool:
+        with ThreadPoolExecutor(max_workers=max(1, options.workers), thread_name_prefix="gcs-download") as pool:
             list(pool.map(fetch, todo))
     finally:
         bar.close()
     if full:
         raise full[0]
-    report.failed.sort()
-    report.seconds = time.monotonic() - started
-    return report

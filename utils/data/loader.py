@@ -20,6 +20,7 @@ from __future__ import annotations
 import signal
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -124,15 +125,32 @@ class MixtureBatchSampler(Sampler):
             b += 1
 
 
-def source_schedule(specs: list[Source], micro_batch_size: int, rank: int, world_size: int, seed: int,
-                    start: tuple, shuffle: Shuffle, source: int, chunk: int = 256):
-    """Rank r's sequence numbers of source `source`, one array per micro-batch, from the plan state `start`:
+@dataclass(frozen=True)
+class RankSlice:
+    """Which part of each global micro-batch a rank reads: rows [rank * micro, (rank + 1) * micro)."""
+
+    micro_batch_size: int
+    rank: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.world_size
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.rank * self.micro_batch_size, (self.rank + 1) * self.micro_batch_size)
+
+
+def source_schedule(specs: list[Source], share: RankSlice, seed: int, start: tuple, shuffle: Shuffle, source: int,
+                    chunk: int = 256):
+    """A rank's sequence numbers of source `source`, one array per micro-batch, from the plan state `start`:
     what MixtureBatchSampler's batches take of it, computed `chunk` global micro-batches at a time (the plan
     gives the same stream however it is cut). Ends where the mixture runs out (every source capped)."""
     plan = MixturePlan(specs)
     plan.restore(start)
     order = shuffle.order(specs[source], seed)
-    g, mine = micro_batch_size * world_size, slice(rank * micro_batch_size, (rank + 1) * micro_batch_size)
+    g, mine = share.global_batch, share.rows
     while True:
         snapshot = plan.snapshot()
         try:
@@ -141,7 +159,7 @@ def source_schedule(specs: list[Source], micro_batch_size: int, rank: int, world
             if chunk == 1:
                 return
             plan.restore(snapshot)
-            yield from source_schedule(specs, micro_batch_size, rank, world_size, seed, snapshot, shuffle, source, 1)
+            yield from source_schedule(specs, share, seed, snapshot, shuffle, source, 1)
             return
         picked = sources.reshape(chunk, g)[:, mine] == source
         indices = order.at(positions.reshape(chunk, g)[:, mine][picked])
@@ -150,6 +168,16 @@ def source_schedule(specs: list[Source], micro_batch_size: int, rank: int, world
 
 # ----------------------------------------------------------------------------------------------------
 # The loader the training loop holds
+
+
+@dataclass(frozen=True)
+class Readers:
+    """How a loader reads ahead: DataLoader worker processes (0: in the loop's process), the batches each
+    prepares ahead, and pinned memory (CUDA)."""
+
+    num_workers: int = 0
+    prefetch_factor: int = 2
+    pin_memory: bool = False
 
 
 class ResumableLoader:
@@ -161,8 +189,8 @@ class ResumableLoader:
     run may resume with another world size or micro-batch size. load_state_dict() is O(1): it only
     recreates the DataLoader iterator (one permutation per source, no batches read)."""
 
-    def __init__(self, data, micro_batch_size: int, rank: int, world_size: int, seed: int, num_workers: int = 0,
-                 prefetch_factor: int = 2, pin_memory: bool = False, log: Callable[[str], None] | None = None,
+    def __init__(self, data, micro_batch_size: int, rank: int, world_size: int, seed: int,
+                 readers: Readers = Readers(), log: Callable[[str], None] | None = None,
                  shuffle: Shuffle | None = None):
         sources = list(data) if isinstance(data, (list, tuple)) else [Source(DEFAULT_SOURCE, data=data)]
         if not sources or any(s.data is None or len(s.data) < 1 for s in sources):
@@ -178,10 +206,12 @@ class ResumableLoader:
         self.dataset = self.datasets[0]
         self.micro_batch_size, self.rank, self.world_size, self.seed = micro_batch_size, rank, world_size, seed
         self.log = log or (lambda _msg: None)
+        pin_memory = readers.pin_memory
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("ResumableLoader(pin_memory=True) without CUDA: batches will not be pinned")
             pin_memory = False
-        self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
+        self.num_workers, self.prefetch_factor = readers.num_workers, readers.prefetch_factor
+        self.pin_memory = pin_memory
         self.num_samples = sum(s.num_samples for s in self.specs)
         self.global_batch = micro_batch_size * world_size
         _check_sampling(self.num_samples, micro_batch_size, rank, world_size, seed)
@@ -263,8 +293,8 @@ class ResumableLoader:
                                       start, self.shuffle, self._handed_out if self._read_ahead else None)
         self._returned = -1
         for i, d in self._read_ahead:
-            d.read_from(source_schedule(self.specs, self.micro_batch_size, self.rank, self.world_size, self.seed,
-                                        start, self.shuffle, i))
+            share = RankSlice(self.micro_batch_size, self.rank, self.world_size)
+            d.read_from(source_schedule(self.specs, share, self.seed, start, self.shuffle, i))
         wire = self.dataset.wire_dtype
         if self.num_workers == 0:
             # Read here, without a DataLoader (its per-batch bookkeeping costs more than the read), in the
@@ -361,21 +391,15 @@ class ResumableLoader:
         "seed", ...} of a data_dir run). The saved seed is adopted (each source keeps its order). A kept source
         must have the same sequences; new sources start at 0; a saved source this mixture lacks is dropped (at
         least one must be kept); different effective weights start a new phase (logged, drops included)."""
-        try:
-            seed = int(state["seed"])
-            if "sources" in state:
-                saved = {str(n): (int(v["consumed"]), int(v["num_samples"]), v.get("sha256"))
-                         for n, v in state["sources"].items()}
-                phase = ({n: int(c) for n, c in state["phase_start"].items()},
-                         {n: float(w) for n, w in state["phase_weights"].items()})
-            else:
-                saved = {DEFAULT_SOURCE: (int(state["position"]), int(state["num_samples"]), None)}
-                phase = None
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"data cursor state is malformed ({e!r}); expected the dict from "
-                             "ResumableLoader.state_dict()") from None
-        if seed < 0 or any(c < 0 for c, _, _ in saved.values()):
-            raise ValueError(f"data cursor state has negative counts or seed={seed}; all must be >= 0")
+        seed, saved, phase = _parse_cursor(state)
+        self._check_cursor(state, saved)
+        self.close()
+        self.seed = seed
+        self._plan = self._restored_plan(saved, phase)
+
+    def _check_cursor(self, state: dict, saved: dict) -> None:
+        """A saved cursor this loader can continue: a source in common, the same order and seq_len, and each
+        kept source's sequences unchanged."""
         if not any(n in saved for n in self.names):
             raise MixtureError(f"data_mix: none of the checkpoint's sources ({', '.join(saved)}) is in this run's "
                                f"mixture ({', '.join(self.names)}); keep at least one, or start a fresh run")
@@ -398,25 +422,27 @@ class ResumableLoader:
                     f"the data changed since the checkpoint: {what} was saved over {num_samples:,} sequences but "
                     f"{d.describe()} now has {spec.num_samples:,} (or other files). Restore the same shards and "
                     f"seq_len/max_files/val_files to resume, or start a fresh run")
-        self.close()
-        self.seed = seed
+
+    def _restored_plan(self, saved: dict, phase: tuple | None) -> MixturePlan:
+        """The mixture's plan at the saved positions: the saved phase when the weights are unchanged, else a new
+        phase from here (said in the log)."""
         plan = MixturePlan(self.specs)
         plan.consumed = [saved[n][0] if n in saved else 0 for n in self.names]
         weights = dict(zip(self.names, plan.effective_weights()))
         if phase is not None and set(phase[0]) == set(self.names) and phase[1] == weights:
             plan.phase_start = [phase[0][n] for n in self.names]
             plan.weights = [weights[n] for n in self.names]
-        else:
-            plan.new_phase()
-            if len(self.names) > 1 or len(saved) > 1:
-                old = phase[1] if phase is not None else {n: 1.0 / len(saved) for n in saved}
-                dropped = [n for n in saved if n not in self.names]
-                note = ("; a dropped source's position is forgotten (added again later, it starts at its "
-                        "beginning)" if dropped else "")
-                self.log(f"data_mix: the mixture changed since the checkpoint ({describe_change(old, weights)}); "
-                         f"each kept source continues from its saved position, the new weights apply from the "
-                         f"next step{note}")
-        self._plan = plan
+            return plan
+        plan.new_phase()
+        if len(self.names) > 1 or len(saved) > 1:
+            old = phase[1] if phase is not None else {n: 1.0 / len(saved) for n in saved}
+            dropped = [n for n in saved if n not in self.names]
+            note = ("; a dropped source's position is forgotten (added again later, it starts at its "
+                    "beginning)" if dropped else "")
+            self.log(f"data_mix: the mixture changed since the checkpoint ({describe_change(old, weights)}); "
+                     f"each kept source continues from its saved position, the new weights apply from the "
+                     f"next step{note}")
+        return plan
 
     def skip_to(self, cursor: dict) -> int:
         """Moves the cursor forward to `cursor`, a state_dict() this loader gave further on in the same stream:
@@ -479,3 +505,23 @@ class EvalBatches(list):
         if len(losses) == 1:
             mean = next(iter(losses.values()))  # exactly the one source's loss
         return {"val_loss": mean, **({f"val_loss/{n}": v for n, v in losses.items()} if self.per_source else {})}
+
+
+def _parse_cursor(state: dict) -> tuple[int, dict, tuple | None]:
+    """A saved cursor -> (seed, {source: (consumed, num_samples, sha256 or None)}, the saved phase or None)."""
+    try:
+        seed = int(state["seed"])
+        if "sources" in state:
+            saved = {str(n): (int(v["consumed"]), int(v["num_samples"]), v.get("sha256"))
+                     for n, v in state["sources"].items()}
+            phase = ({n: int(c) for n, c in state["phase_start"].items()},
+                     {n: float(w) for n, w in state["phase_weights"].items()})
+        else:
+            saved = {DEFAULT_SOURCE: (int(state["position"]), int(state["num_samples"]), None)}
+            phase = None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"data cursor state is malformed ({e!r}); expected the dict from "
+                         "ResumableLoader.state_dict()") from None
+    if seed < 0 or any(c < 0 for c, _, _ in saved.values()):
+        raise ValueError(f"data cursor state has negative counts or seed={seed}; all must be >= 0")
+    return seed, saved, phase

@@ -91,10 +91,6 @@ class Shuffle:
             raise ValueError(f"shuffle must be one of {', '.join(SHUFFLES)} with at least one file per block, got "
                              f"{self.kind!r} with {self.block_files}")
 
-    @classmethod
-    def from_config(cls, cfg) -> "Shuffle":
-        return cls(cfg.shuffle, cfg.shuffle_block_shards)
-
     def describe(self) -> str:
         return "shuffle=global" if self.kind == "global" else f"shuffle=blocks of {self.block_files} shard(s)"
 

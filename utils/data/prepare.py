@@ -112,33 +112,46 @@ class PrepareResult:
     notes: list[str] = field(default_factory=list)
 
 
-def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_field: str = "text",
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, eos_token: str | None = None,
-            progress: Callable[[int, int, int], None] | None = None, val_fraction: float = DEFAULT_VAL_FRACTION,
-            split_seed: int = DEFAULT_SPLIT_SEED, partition_bytes: int = DEFAULT_PARTITION_BYTES,
-            executor: str = "local", ray_address: str | None = None, merge_only: bool = False,
+@dataclass(frozen=True)
+class PrepareOptions:
+    """prepare_data.py's options (its --help says each)."""
+
+    workers: int = 1
+    text_field: str = "text"
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    eos_token: str | None = None
+    val_fraction: float = DEFAULT_VAL_FRACTION
+    split_seed: int = DEFAULT_SPLIT_SEED
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    executor: str = "local"
+    ray_address: str | None = None
+    merge_only: bool = False
+
+    def check(self) -> None:
+        if self.shard_tokens < 1024:
+            raise PrepareError(f"--shard-tokens {self.shard_tokens} is too small; use at least 1024 (default "
+                               f"{DEFAULT_SHARD_TOKENS})")
+        if self.workers < 1:
+            raise PrepareError(f"--workers must be at least 1, got {self.workers}")
+        if not 0 <= self.val_fraction < 0.5:
+            raise PrepareError(f"--val-fraction {self.val_fraction} must be within [0, 0.5) (0: no validation split)")
+        if self.partition_bytes < 1:
+            raise PrepareError(f"--partition-mb must be above 0 (default {DEFAULT_PARTITION_BYTES / 1e6:g})")
+
+
+def prepare(inputs: list[str], tokenizer: str, output, options: PrepareOptions = PrepareOptions(),
+            progress: Callable[[int, int, int], None] | None = None,
             log: Callable[[str], None] = lambda line: None) -> PrepareResult:
     """Tokenizes `inputs` into shards + tokenizer.json + plan.json + dataset.json at `output`, a folder or
     gs://BUCKET/PREFIX (see the module docstring). `progress(partitions done, partitions, tokens)`."""
     started = time.perf_counter()
-    if shard_tokens < 1024:
-        raise PrepareError(f"--shard-tokens {shard_tokens} is too small; use at least 1024 (default {DEFAULT_SHARD_TOKENS})")
-    if workers < 1:
-        raise PrepareError(f"--workers must be at least 1, got {workers}")
-    if not 0 <= val_fraction < 0.5:
-        raise PrepareError(f"--val-fraction {val_fraction} must be within [0, 0.5) (0: no validation split)")
-    if partition_bytes < 1:
-        raise PrepareError(f"--partition-mb must be above 0 (default {DEFAULT_PARTITION_BYTES / 1e6:g})")
-    runner = make_executor(executor, workers, ray_address)
+    options.check()
+    runner = make_executor(options.executor, options.workers, options.ray_address)
     store = output_store(output)
     sources = list_inputs(inputs)
-    tok_obj, tok = load_tokenizer(tokenizer, eos_token)
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 65536 else np.uint32)
-    settings = {"text_field": text_field, "eos_token": tok.eos_token, "shard_tokens": shard_tokens,
-                "val_fraction": val_fraction, "split_seed": split_seed}
-    split = DocumentSplit(validation_rate(sources, text_field, val_fraction), split_seed)
-    plan = make_plan(sources, partition_bytes, {"sha256": tok.digest, "vocab_size": tok.vocab_size,
-                                                "eos_id": tok.eos_id, "eos_token": tok.eos_token}, settings, split)
+    tok_obj, tok = load_tokenizer(tokenizer, options.eos_token)
+    dataset = DatasetPlan.make(sources, tok, options)
+    plan = dataset.plan
     with files.disk_full_guard(store.disk, advice=DISK_FULL_ADVICE):
         done = _finished(store, plan)
         if done is not None:
@@ -148,19 +161,20 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
                                  partitions=plan.count, partitions_done_before=plan.count)
         finished = _staging(store, plan, log)
         total = sum(s.bytes for s in sources)
-        log(f"plan: {plan.count} partition(s) of about {partition_bytes / 1e6:g} MB from {len(sources)} input "
-            f"file(s), {total / 1e6:,.1f} MB; {len(finished)} of {plan.count} partitions already done")
+        log(f"plan: {plan.count} partition(s) of about {options.partition_bytes / 1e6:g} MB from {len(sources)} "
+            f"input file(s), {total / 1e6:,.1f} MB; {len(finished)} of {plan.count} partitions already done")
         tokenized = 0
-        if not merge_only:
+        if not options.merge_only:
             todo = sorted(set(range(plan.count)) - set(finished))
-            jobs = partition_jobs(plan, todo, store, text_field, shard_tokens, dtype.name, tok.eos_id, split)
+            jobs = partition_jobs(plan, todo, store, options.text_field, options.shard_tokens, dataset.dtype.name,
+                                  tok.eos_id, dataset.split)
             done_count = len(finished)
             for record in runner.run(jobs, tok_obj.to_str()):
                 done_count += 1
                 tokenized += record["tokens"]
                 if progress:
                     progress(done_count, plan.count, tokenized)
-        description = _merge(store, plan, tok, dtype, shard_tokens, split, val_fraction, sources, settings)
+        description = _merge(store, dataset)
     result = PrepareResult(str(store.output), description["documents"], description["documents_empty"],
                            description["tokens"], len(description["shards"]), time.perf_counter() - started,
                            val_documents=description["validation"]["documents"],
@@ -169,6 +183,31 @@ def prepare(inputs: list[str], tokenizer: str, output, workers: int = 1, text_fi
                            startup_seconds=runner.startup_seconds)
     result.notes += _warnings(description)
     return result
+
+
+@dataclass(frozen=True)
+class DatasetPlan:
+    """What a prepare run makes, decided before any work: the partition plan, the validation split, the
+    shards' dtype and the settings dataset.json records."""
+
+    plan: Plan
+    split: DocumentSplit
+    tok: TokenizerInfo
+    dtype: np.dtype
+    sources: list
+    options: PrepareOptions
+    settings: dict
+
+    @classmethod
+    def make(cls, sources: list, tok: TokenizerInfo, options: PrepareOptions) -> "DatasetPlan":
+        dtype = np.dtype(np.uint16 if tok.vocab_size <= 65536 else np.uint32)
+        settings = {"text_field": options.text_field, "eos_token": tok.eos_token, "shard_tokens": options.shard_tokens,
+                    "val_fraction": options.val_fraction, "split_seed": options.split_seed}
+        split = DocumentSplit(validation_rate(sources, options.text_field, options.val_fraction), options.split_seed)
+        plan = make_plan(sources, options.partition_bytes, {"sha256": tok.digest, "vocab_size": tok.vocab_size,
+                                                            "eos_id": tok.eos_id, "eos_token": tok.eos_token},
+                         settings, split)
+        return cls(plan, split, tok, dtype, sources, options, settings)
 
 
 def threaded_map(fn: Callable, items, threads: int, name: str) -> list:
@@ -261,10 +300,11 @@ def shard_name(folder: str, k: int) -> str:
     return f"{folder}part-{k // SHARDS_PER_FOLDER:05d}/shard-{k:05d}.npz"
 
 
-def _merge(store, plan: Plan, tok: TokenizerInfo, dtype: np.dtype, shard_tokens: int, split: DocumentSplit,
-           val_fraction: float, sources: list[InputFile], settings: dict) -> dict:
+def _merge(store, dataset: DatasetPlan) -> dict:
     """Partitions' records in order -> the dataset's layout, dataset.json last (see the module docstring).
     Safe to repeat after an interruption: a shard already moved is found in its final place."""
+    plan, tok, dtype, split, sources = dataset.plan, dataset.tok, dataset.dtype, dataset.split, dataset.sources
+    shard_tokens, val_fraction, settings = dataset.options.shard_tokens, dataset.options.val_fraction, dataset.settings
     records = _records(store, plan)
     if None in records:
         p = records.index(None)

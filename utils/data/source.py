@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Protocol, runtime_checkable
 import numpy as np
 
 from utils.errors import UserError
+from utils.settings import Settings
 
 DEFAULT_SOURCE = "data"  # the name `data_dir` alone has (its stream and cursor are the engine's original ones)
 
@@ -182,9 +183,32 @@ def location(path: str) -> Path | str:
     return path if "://" in path else Path(path).expanduser().resolve()
 
 
-def sources_from_config(cfg) -> list[Source]:
+@dataclass(frozen=True)
+class DataSettings(Settings):
+    """What a run's data reads (utils/data/build.py builds it): the sources, how they are cut into batches and
+    in what order, the cache of streamed data."""
+
+    data_dir: str
+    data_mix: dict
+    max_files: int
+    val_files: int
+    demo_data: bool
+    dataloader_num_workers: int
+    prefetch_factor: int
+    shuffle: str
+    shuffle_block_shards: int
+    data_cache_gb: float
+    data_cache_dir: str
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    eval_batches: int
+    seed: int
+    eos_id: int
+
+
+def configured_sources(settings: DataSettings) -> list[Source]:
     """`data_mix`'s sources in their order, or `data_dir` alone as the one source `data` (not opened)."""
-    if not cfg.data_mix:
-        return [Source(DEFAULT_SOURCE, 1.0, None, location(cfg.data_dir), cfg.val_files)]
+    if not settings.data_mix:
+        return [Source(DEFAULT_SOURCE, 1.0, None, location(settings.data_dir), settings.val_files)]
     return [Source(name, float(e["weight"]), e.get("epochs"), location(e["path"]),
-                   e.get("val_files", cfg.val_files)) for name, e in cfg.data_mix.items()]
+                   e.get("val_files", settings.val_files)) for name, e in settings.data_mix.items()]

@@ -2,13 +2,13 @@
 (`score_tasks`): the same requests, the same scorer, the same metrics."""
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from utils.errors import UserError
-from utils.evals.scoring import RequestEncoder, loglikelihoods, task_metrics
+from utils.settings import Settings
+from utils.evals.scoring import Placement, RequestEncoder, loglikelihoods, task_metrics
 from utils.evals.tasks import Task, load_task
 
 
@@ -42,13 +42,12 @@ def prepare_tasks(tasks: list[Task], encoder: RequestEncoder) -> list[PreparedTa
     return [PreparedTask(task, encoder.task_requests(task)) for task in tasks]
 
 
-def score_tasks(model, tasks: list[PreparedTask], batch_size: int, max_length: int, device,
-                autocast=contextlib.nullcontext, rank: int = 0, world: int = 1,
-                sharded: bool = False) -> dict[str, tuple[dict[str, float], list[tuple[float, bool]]]]:
+def score_tasks(model, tasks: list[PreparedTask], batch_size: int, max_length: int,
+                placement: Placement = Placement()) -> dict[str, tuple[dict[str, float], list[tuple[float, bool]]]]:
     """{task name: (metrics, each request's (log-likelihood, greedy))}: every task's requests scored in one
     pass over the ranks (see scoring.loglikelihoods; call on every rank)."""
     everything = [r for t in tasks for r in t.requests]
-    results = loglikelihoods(model, everything, batch_size, max_length, device, autocast, rank, world, sharded)
+    results = loglikelihoods(model, everything, batch_size, max_length, placement)
     out, start = {}, 0
     for t in tasks:
         mine = results[start:start + len(t.requests)]
@@ -61,6 +60,19 @@ def describe_metrics(metrics: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
 
 
+@dataclass(frozen=True)
+class EvalSettings(Settings):
+    """When the run evaluates, and what: validation and the downstream tasks."""
+
+    eval_interval: int
+    eval_batches: int
+    eval_tasks: dict
+    eval_tasks_every: int
+    eval_tasks_limit: int
+    max_steps: int
+    per_device_train_batch_size: int
+
+
 class DownstreamEvals:
     """`eval_tasks` during training: every `eval_tasks_every` optimizer steps (0: with validation, every
     `eval_interval`), at step 0 and at the last step, each task's metrics go to metrics.jsonl and the
@@ -68,15 +80,15 @@ class DownstreamEvals:
     Every rank scores a share of the requests; the model is the unwrapped one (DDP) or the sharded one
     (FSDP: every rank runs each forward), in the run's autocast. Micro-batch: the training one."""
 
-    def __init__(self, cfg, spec, described: Path, accelerator, log, sharded: bool = False):
-        self.every = cfg.eval_tasks_every or cfg.eval_interval
-        self.max_steps, self.batch_size = cfg.max_steps, cfg.per_device_train_batch_size
+    def __init__(self, settings: EvalSettings, spec, described: Path, accelerator, log, sharded: bool = False):
+        self.every = settings.eval_tasks_every or settings.eval_interval
+        self.max_steps, self.batch_size = settings.max_steps, settings.per_device_train_batch_size
         self.max_length = spec.max_position_embeddings
         self.sharded = sharded  # the parallelism seam's: every rank runs each forward of a sharded model
         self.accelerator, self.log = accelerator, log
         self.tasks: list[PreparedTask] = []
-        if cfg.eval_tasks:
-            tasks = load_tasks(cfg.eval_tasks, cfg.eval_tasks_limit)
+        if settings.eval_tasks:
+            tasks = load_tasks(settings.eval_tasks, settings.eval_tasks_limit)
             encoder = load_encoder(described, self.max_length, advice="eval_tasks needs the data's tokenizer "
                                    "there (prepare_data.py writes it), or leave eval_tasks empty")
             self.tasks = prepare_tasks(tasks, encoder)
@@ -92,8 +104,8 @@ class DownstreamEvals:
         keeps out of tokens/s."""
         started = time.perf_counter()
         acc = self.accelerator
-        scored = score_tasks(model, self.tasks, self.batch_size, self.max_length, acc.device, acc.autocast,
-                             acc.process_index, acc.num_processes, self.sharded)
+        placement = Placement(acc.device, acc.autocast, acc.process_index, acc.num_processes, self.sharded)
+        scored = score_tasks(model, self.tasks, self.batch_size, self.max_length, placement)
         seconds = time.perf_counter() - started
         row = {"step": step, "tokens": tokens}
         for name, (metrics, _) in scored.items():

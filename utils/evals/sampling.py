@@ -10,19 +10,30 @@ as one without. The tokenizer is the data's (its `dataset.json` names EOS, where
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from utils.settings import Settings
 
 TEMPERATURE = 0.8
 TOP_K = 50
 
 
+@dataclass(frozen=True)
+class SampleSettings(Settings):
+    sample_every: int
+    sample_prompts: list[str]
+    sample_max_new_tokens: int
+    seed: int
+
+
 class Sampler:
-    def __init__(self, every: int, prompts: list[str], max_new_tokens: int, data_dir, seq_len: int, seed: int,
-                 accelerator, log, sharded: bool = False):
-        self.every, self.prompts, self.max_new_tokens = every, list(prompts), max_new_tokens
-        self.seq_len, self.seed, self.accelerator, self.log = seq_len, seed, accelerator, log
+    def __init__(self, settings: SampleSettings, data_dir, seq_len: int, accelerator, log, sharded: bool = False):
+        every = settings.sample_every
+        self.every, self.prompts, self.max_new_tokens = every, list(settings.sample_prompts), settings.sample_max_new_tokens
+        self.seq_len, self.seed, self.accelerator, self.log = seq_len, settings.seed, accelerator, log
         self.tokenizer = self.eos_id = None
         self.participates = accelerator.is_main_process or sharded
         if every and self.participates:

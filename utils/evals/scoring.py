@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -82,12 +84,25 @@ def model_input(context: list[int], continuation: list[int], max_length: int) ->
     return (context + continuation)[-(max_length + 1):][:-1]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the scoring model runs: its device and autocast, this rank of `world`, and whether the model is
+    sharded (every rank then runs each forward)."""
+
+    device: Any = "cpu"
+    autocast: Callable = contextlib.nullcontext
+    rank: int = 0
+    world: int = 1
+    sharded: bool = False
+
+
 @torch.no_grad()
 def loglikelihoods(model, requests: list[tuple[list[int], list[int]]], batch_size: int, max_length: int,
-                   device, autocast=contextlib.nullcontext, rank: int = 0, world: int = 1,
-                   sharded: bool = False) -> list[tuple[float, bool]]:
+                   placement: Placement = Placement()) -> list[tuple[float, bool]]:
     """(log-likelihood, greedy) of each request's continuation under `model` (its `logits(ids)`); call on
     every rank, each scores its share and every rank gets all the results."""
+    device, autocast, rank, world, sharded = (placement.device, placement.autocast, placement.rank, placement.world,
+                                              placement.sharded)
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i][0]) - len(requests[i][1]))
     mine = order[rank::world]
     batches = math.ceil(math.ceil(len(requests) / world) / batch_size) if sharded else math.ceil(len(mine) / batch_size)

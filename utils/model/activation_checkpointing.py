@@ -20,19 +20,30 @@ is exact (no dropout in training, any family), so every policy gives the gradien
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from utils.settings import Settings
 
 POLICIES = ("none", "full", "every_k", "selective")
 WRAPPED_PREFIX = "_checkpoint_wrapped_module."
 
 
-def policy_from_config(cfg) -> tuple[str, int]:
-    """(policy, k) for a TrainingConfig: `gradient_checkpointing: true` keeps meaning `full`."""
-    policy = cfg.activation_checkpointing
-    if policy == "none" and cfg.gradient_checkpointing:
-        policy = "full"
-    return policy, cfg.activation_checkpointing_every
+@dataclass(frozen=True)
+class CheckpointingSettings(Settings):
+    activation_checkpointing: str
+    activation_checkpointing_every: int
+    gradient_checkpointing: bool  # the older switch: true means full
+
+    @property
+    def policy(self) -> tuple[str, int]:
+        """(policy, k): `gradient_checkpointing: true` keeps meaning `full`."""
+        policy = self.activation_checkpointing
+        if policy == "none" and self.gradient_checkpointing:
+            policy = "full"
+        return policy, self.activation_checkpointing_every
 
 
 def _saved_ops() -> set:

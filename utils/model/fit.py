@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 
+from dataclasses import dataclass
+
 from configs.profiles import GB, memory_plan
 from utils.errors import UserError
+from utils.model.activation_checkpointing import CheckpointingSettings
 
 
 class BatchDoesNotFit(UserError):
@@ -32,14 +35,23 @@ def machine_bytes() -> int | None:
     return None
 
 
-def check_batch_fits(cfg, spec, seq_len: int, device, world_size: int) -> None:
+@dataclass(frozen=True)
+class FitSettings(CheckpointingSettings):
+    """What decides a process's memory besides the model: the strategy, the micro-batch, the policy, the moments."""
+
+    strategy: str
+    per_device_train_batch_size: int
+    optimizer_state_dtype: str
+
+
+def check_batch_fits(settings: FitSettings, spec, seq_len: int, device, world_size: int) -> None:
     """Raises BatchDoesNotFit when the memory plan of one process exceeds the memory it has at all."""
     import torch
 
-    checkpointing = "full" if cfg.gradient_checkpointing else cfg.activation_checkpointing
-    plan = memory_plan(spec, strategy=cfg.strategy, world_size=world_size,
-                       micro_batch=cfg.per_device_train_batch_size, seq_len=seq_len, checkpointing=checkpointing,
-                       checkpointing_every=cfg.activation_checkpointing_every, moments=cfg.optimizer_state_dtype)
+    checkpointing, every = settings.policy
+    plan = memory_plan(spec, strategy=settings.strategy, world_size=world_size,
+                       micro_batch=settings.per_device_train_batch_size, seq_len=seq_len, checkpointing=checkpointing,
+                       checkpointing_every=every, moments=settings.optimizer_state_dtype)
     if device.type == "cuda":
         have, where = torch.cuda.get_device_properties(device).total_memory, "this GPU's"
         need = plan.total
@@ -53,7 +65,7 @@ def check_batch_fits(cfg, spec, seq_len: int, device, world_size: int) -> None:
         need = plan.total - plan.overhead  # no CUDA context; activations counted at bf16's size (a lower bound)
     if need > have:
         raise BatchDoesNotFit(
-            f"per_device_train_batch_size={cfg.per_device_train_batch_size} at seq_len {seq_len} cannot fit: the "
+            f"per_device_train_batch_size={settings.per_device_train_batch_size} at seq_len {seq_len} cannot fit: the "
             f"memory plan needs {need / GB:,.1f} GB per process (activations {plan.activations / GB:,.1f} GB, "
             f"weights, gradients and optimizer state {plan.state / GB:,.1f} GB) and {where} is {have / GB:,.1f} GB; "
             f"lower per_device_train_batch_size and raise gradient_accumulation_steps (the batch per step stays), "

@@ -6,28 +6,38 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dataclasses import dataclass
+
 from configs.training_config import precision_name
-from utils.runtime.distributed import local_tensor
 from utils.errors import UserError
+from utils.runtime.distributed import local_tensor
+from utils.settings import Settings
 
 
-def preflight(model, batches, cfg, accelerator, log, stop) -> None:
+@dataclass(frozen=True)
+class PreflightSettings(Settings):
+    preflight_steps: int
+    mixed_precision: str
+    init_from: str
+
+
+def preflight(model, batches, settings: PreflightSettings, accelerator, log, stop) -> None:
     """Runs the passes on the first eval batches (every rank) and raises a UserError when one was not
     finite anywhere. A stop signal ends it between passes (in one process; ranks may hold different numbers
     of eval batches, so several check after it)."""
-    if not (cfg.preflight_steps and batches):
+    if not (settings.preflight_steps and batches):
         return
-    checks = [b.to(accelerator.device) for b in batches[:cfg.preflight_steps]]
+    checks = [b.to(accelerator.device) for b in batches[:settings.preflight_steps]]
     between = (lambda: stop.end_setup_if_asked("preflight")) if accelerator.num_processes == 1 else None
     problem = preflight_problem(model, checks, between)
     failed = accelerator.reduce(torch.tensor(float(problem is not None), device=accelerator.device), reduction="sum")
-    precision = precision_name(cfg.mixed_precision)
+    precision = precision_name(settings.mixed_precision)
     if failed.item():
         what = f"preflight: {problem or 'another rank saw a non-finite loss or gradient'} in {precision} precision"
-        if cfg.mixed_precision == "no":  # no optimizer step has run: no setting of the schedule or AdamW is involved
-            start = f"init_from {cfg.init_from}'s weights" if cfg.init_from else "the starting weights"
+        if settings.mixed_precision == "no":  # no optimizer step has run: no setting of the schedule or AdamW is involved
+            start = f"init_from {settings.init_from}'s weights" if settings.init_from else "the starting weights"
             raise UserError(f"{what} before any optimizer step: {start} or the data give it; check them")
-        others = [m for m in ("bf16", "no") if m != cfg.mixed_precision]
+        others = [m for m in ("bf16", "no") if m != settings.mixed_precision]
         raise UserError(f"{what} before training; try --mixed-precision {' or '.join(others)}")
     log.info(f"Preflight: {len(checks)} forward/backward pass(es) in {precision} precision gave a finite loss and "
              f"gradients")

@@ -2,7 +2,7 @@
 vocabulary a prepared dataset's tokenizer sets (its dataset.json)."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from configs import get_model_spec
@@ -10,28 +10,38 @@ from configs.training_config import check_seq_len
 from utils.data.dataset_info import DatasetInfo
 from utils.errors import UserError
 from utils.model.hf import check_weights, load_hf_pretrained
+from utils.settings import Settings
 
 
-def resolve_model_spec(cfg, described: Path, log):
+@dataclass(frozen=True)
+class ModelSettings(Settings):
+    """Which architecture a run builds: a preset by name, or init_from's; and the sequence length."""
+
+    model: str
+    init_from: str
+    seq_len: int
+
+
+def resolve_model_spec(settings: ModelSettings, described: Path, log):
     """(architecture, seq_len, weights to start from or None). The architecture is the `model` preset, or
     with `init_from` the HF model directory's own; a dataset.json in the data directory (prepare_data.py)
     sets the vocabulary to its tokenizer's. `described`: the folder holding the data's dataset.json
     (`utils.data.build.description_dir`)."""
     weights = None
-    if cfg.init_from:
-        spec, weights = load_hf_pretrained(cfg.init_from)
-        check_weights(spec, weights, cfg.init_from)
-        log.info(f"init_from {cfg.init_from}: architecture from its config.json (hidden {spec.hidden_size}, "
-                 f"{spec.num_hidden_layers} layers, vocab {spec.vocab_size}); the model field ('{cfg.model}') is "
+    if settings.init_from:
+        spec, weights = load_hf_pretrained(settings.init_from)
+        check_weights(spec, weights, settings.init_from)
+        log.info(f"init_from {settings.init_from}: architecture from its config.json (hidden {spec.hidden_size}, "
+                 f"{spec.num_hidden_layers} layers, vocab {spec.vocab_size}); the model field ('{settings.model}') is "
                  f"ignored; a fresh run starts from these weights with a new optimizer and schedule (with "
                  f"--resume, the checkpoint's weights, optimizer and schedule are restored instead)")
     else:
-        spec = get_model_spec(cfg.model)
+        spec = get_model_spec(settings.model)
     info = DatasetInfo.load(described)
-    if info is not None and cfg.init_from:
+    if info is not None and settings.init_from:
         if info.vocab_size > spec.padded_vocab_size:
             raise UserError(f"{info.path}: its tokenizer has {info.vocab_size:,} ids but the init_from model "
-                            f"{cfg.init_from} has {spec.padded_vocab_size:,} embedding rows; prepare the data with "
+                            f"{settings.init_from} has {spec.padded_vocab_size:,} embedding rows; prepare the data with "
                             f"that model's tokenizer")
         # ids are checked against the tokenizer's size; the embedding keeps the model's own rows
         spec = replace(spec, vocab_size=info.vocab_size, pad_vocab_multiple=spec.padded_vocab_size)
@@ -40,5 +50,5 @@ def resolve_model_spec(cfg, described: Path, log):
                  f"{spec.vocab_size:,}); {replace(spec, vocab_size=info.vocab_size).padded_vocab_size:,} "
                  f"embedding rows")
         spec = replace(spec, vocab_size=info.vocab_size)
-    check_seq_len(cfg.seq_len, spec)
-    return spec, cfg.seq_len_for(spec), weights
+    check_seq_len(settings.seq_len, spec)
+    return spec, settings.seq_len or spec.max_position_embeddings, weights

@@ -30,7 +30,7 @@ from torch import nn
 from configs.training_config import STRATEGIES as STRATEGY_NAMES
 from utils.runtime.distributed import local_tensor
 from utils.errors import UserError
-from utils.model.activation_checkpointing import apply_activation_checkpointing, policy_from_config
+from utils.model.activation_checkpointing import CheckpointingSettings, apply_activation_checkpointing
 
 
 @dataclass(frozen=True)
@@ -48,17 +48,31 @@ class ParallelDims:
         return init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
 
 
+@dataclass(frozen=True)
+class ParallelSettings(CheckpointingSettings):
+    """What the parallelism seam reads: the strategy, and how it builds, wraps and compiles the model."""
+
+    strategy: str
+    mixed_precision: str
+    compile_model: bool
+    attention: str
+    position_reset: bool
+    seed: int
+    model_impl: str
+    init: str
+
+
 class DataParallel:
     """`strategy=ddp`: every rank holds the whole model; accelerate's DDP all-reduces the gradients."""
 
     name = "ddp"
     sharded = False  # parameters, gradients and optimizer state are whole on every rank
 
-    def __init__(self, cfg, accelerator):
-        self.cfg, self.accelerator = cfg, accelerator
+    def __init__(self, settings: ParallelSettings, accelerator):
+        self.settings, self.accelerator = settings, accelerator
         self.device = accelerator.device
         self.dims = self._dims(accelerator.num_processes)
-        self.activation_checkpointing, self.every_k = policy_from_config(cfg)
+        self.activation_checkpointing, self.every_k = settings.policy
 
     def _dims(self, world: int) -> ParallelDims:
         return ParallelDims(dp_replicate=world)
@@ -69,16 +83,16 @@ class DataParallel:
         """The model, wrapped in the order of the module docstring, with `init_weights` (or the seeded init);
         with attention=document, masked at `document_eos`."""
         model = self._new_model(spec, init_weights)
-        if self.cfg.attention == "document":
-            model.use_document_masking(document_eos, self.cfg.position_reset)
+        if self.settings.attention == "document":
+            model.use_document_masking(document_eos, self.settings.position_reset)
             log.info(f"attention: document (tokens attend within their own document; EOS id {document_eos}"
-                     f"{', rotary positions restart at each document' if self.cfg.position_reset else ''}; "
+                     f"{', rotary positions restart at each document' if self.settings.position_reset else ''}; "
                      f"{'FlexAttention block mask' if model.flex_attention else 'SDPA with a dense mask'})")
         policy = self.activation_checkpointing
         if policy != "none":
             count = apply_activation_checkpointing(model, policy, self.every_k)
             log.info(f"activation checkpointing: {policy} on {count} of {spec.num_hidden_layers} blocks")
-        if self.cfg.mixed_precision == "fp8":
+        if self.settings.mixed_precision == "fp8":
             from utils.model.fp8 import enable_fp8, fp8_supported
 
             supported, why = fp8_supported(self.device)
@@ -86,14 +100,14 @@ class DataParallel:
                 raise UserError(why)
             log.info(f"fp8: {enable_fp8(model, fsdp=self.sharded)} Linear layers run float8 matmuls (torchao, "
                      f"tensorwise scaling{', float8 all-gather' if self.sharded else ''})")
-        if self.cfg.compile_model:
+        if self.settings.compile_model:
             model.compile_blocks()  # regional: each block compiled once, in place (under DDP's wrapper too)
         return self._distribute(model, spec, init_weights)
 
     def _build(self, spec) -> nn.Module:
         from utils.model import build_model
 
-        return build_model(spec, seed=self.cfg.seed, impl=self.cfg.model_impl, init=self.cfg.init)
+        return build_model(spec, seed=self.settings.seed, impl=self.settings.model_impl, init=self.settings.init)
 
     def _new_model(self, spec, init_weights: dict | None) -> nn.Module:
         model = self._build(spec)
@@ -148,8 +162,8 @@ class FullyShardedDataParallel(DataParallel):
     name = "fsdp"
     sharded = True
 
-    def __init__(self, cfg, accelerator):
-        super().__init__(cfg, accelerator)
+    def __init__(self, settings: ParallelSettings, accelerator):
+        super().__init__(settings, accelerator)
         from utils.model.fsdp import ensure_process_group
 
         ensure_process_group(self.device)  # one process without a launcher gets a group of its own
@@ -166,7 +180,7 @@ class FullyShardedDataParallel(DataParallel):
         from utils.model.fsdp import materialize, shard_model
 
         self.mesh = self.dims.mesh(self.device.type)
-        shard_model(model, self.mesh, self.cfg.mixed_precision)
+        shard_model(model, self.mesh, self.settings.mixed_precision)
         full = None
         if self.accelerator.is_main_process:  # rank 0 alone holds the whole model: the seeded init or init_from's
             full = init_weights if init_weights is not None else self._build(spec).state_dict()
@@ -182,7 +196,7 @@ class FullyShardedDataParallel(DataParallel):
         return clip_grad_norm(params, max_norm)
 
     def after_optimizer_step(self, model: nn.Module) -> None:
-        if self.cfg.mixed_precision == "fp8":  # float8 all-gather: every weight's scale once a step
+        if self.settings.mixed_precision == "fp8":  # float8 all-gather: every weight's scale once a step
             from utils.model.fp8 import after_optimizer_step
 
             after_optimizer_step(model)
@@ -202,6 +216,6 @@ STRATEGIES: dict[str, type[DataParallel]] = {"ddp": DataParallel, "fsdp": FullyS
 assert set(STRATEGIES) == set(STRATEGY_NAMES), "configs/training_config.py's STRATEGIES and this registry differ"
 
 
-def make_parallelism(cfg, accelerator) -> DataParallel:
-    """The strategy object for `cfg.strategy` (validated by the config)."""
-    return STRATEGIES[cfg.strategy](cfg, accelerator)
+def make_parallelism(settings: ParallelSettings, accelerator) -> DataParallel:
+    """The strategy object for `settings.strategy` (validated by the config)."""
+    return STRATEGIES[settings.strategy](settings, accelerator)

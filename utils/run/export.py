@@ -37,13 +37,13 @@ def export_final_model(model, spec, described: Path, state, output_dir: Path, pa
     return export_dir, in_sync
 
 
-def finished_run(resume_path: Path, cfg, described: Path, output_dir: Path, accelerator, log, lock) -> Path | None:
+def finished_run(resume_path: Path, max_steps: int, described: Path, output_dir: Path, accelerator, log, lock) -> Path | None:
     """A checkpoint at `max_steps` is a finished run: says so, exports final_model/ from the checkpoint (rank 0)
     only when it is missing, closes the log, frees the output dir and records the run's status; returns
     final_model/. None when there are steps left to train."""
     parsed = parse_checkpoint_name(Path(resume_path).name)
     step = parsed[1] if parsed else None
-    if step != cfg.max_steps:
+    if step != max_steps:
         return None
     final = output_dir / layout.FINAL_MODEL
     if accelerator.is_main_process:
@@ -59,5 +59,5 @@ def finished_run(resume_path: Path, cfg, described: Path, output_dir: Path, acce
     accelerator.wait_for_everyone()
     log.close()
     lock.release()
-    RunStatus(0, step=cfg.max_steps, checkpoint=str(resume_path), final_model=str(final)).write()
+    RunStatus(0, step=max_steps, checkpoint=str(resume_path), final_model=str(final)).write()
     return final

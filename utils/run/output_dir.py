@@ -14,9 +14,9 @@ from utils.errors import UserError
 from utils.io.lock import OutputDirLock
 
 
-def default_output_dir(cfg, repo_root: Path) -> Path:
+def default_output_dir(run_name: str, repo_root: Path) -> Path:
     """runs/<run name>/ in the repo: each run its own folder unless --output-dir says otherwise."""
-    name = Path(cfg.effective_run_name).name  # a config file's path names its run by its file name
+    name = Path(run_name).name  # a config file's path names its run by its file name
     return repo_root / "runs" / (name if name not in ("", ".", "..") else "run")
 
 

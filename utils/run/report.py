@@ -2,41 +2,67 @@
 `logging_steps` optimizer steps and at the last, the step line and its metrics row (`StepReporter`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from configs.profiles import GB
 from configs.training_config import precision_name
 from utils.observe.metrics import format_step_line
+from utils.settings import Settings
 
 
-def describe_run(cfg, parallel, log, profile, spec, core, loader, eval_batches: int, state,
-                 remote_root: str | None) -> None:
+@dataclass(frozen=True)
+class ReportSettings(Settings):
+    """What the lines describing a run before its first step say of its config."""
+
+    preset: str
+    effective_run_name: str
+    mixed_precision: str
+    compile_model: bool
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    max_steps: int
+    optimizer: str
+    optimizer_state_dtype: str
+    background_upload: bool
+
+
+def describe_run(settings: ReportSettings, run) -> None:
+    """The lines before step 1: the model and precision, the per-rank state, the batch and data, the memory
+    profile, where checkpoints go. `run`: the Trainer (its parallelism, model, loader, state and log)."""
+    parallel, log, core, loader, state = run.parallel, run.log, run.core, run.loader, run.state
     world = parallel.accelerator.num_processes
-    global_batch = loader.global_batch * cfg.gradient_accumulation_steps
-    log.info(f"Training {cfg.preset} ({cfg.effective_run_name}): model {spec.name} "
+    global_batch = loader.global_batch * settings.gradient_accumulation_steps
+    log.info(f"Training {settings.preset} ({settings.effective_run_name}): model {run.spec.name} "
              f"({core.parameter_counts()[0] / 1e6:.1f}M params), {world} process(es) on {parallel.device.type}, "
-             f"{precision_name(cfg.mixed_precision)} precision, compile={'on' if cfg.compile_model else 'off'}")
+             f"{precision_name(settings.mixed_precision)} precision, "
+             f"compile={'on' if settings.compile_model else 'off'}")
     weights = parallel.state_bytes(core)
-    moments, what = optimizer_state_bytes(core, cfg, weights)
+    moments, what = optimizer_state_bytes(core, settings, weights)
     log.info(f"  strategy {parallel.name}, world size {world}: per-rank state {(2 * weights + moments) / GB:.2f} GB "
              f"(parameters {weights} bytes, as many in gradients, {moments / GB:.2f} GB {what})")
-    log.info(f"  batch {cfg.per_device_train_batch_size} x accumulation {cfg.gradient_accumulation_steps} x {world} "
-             f"= {global_batch} sequences of {loader.dataset.seq_len} tokens per step; {loader.num_samples:,} train "
-             f"sequences, {eval_batches} eval batches per rank; steps {state.step} -> {cfg.max_steps}")
-    for line in loader.describe(cfg.max_steps - state.step, global_batch):
+    log.info(f"  batch {settings.per_device_train_batch_size} x accumulation {settings.gradient_accumulation_steps} "
+             f"x {world} = {global_batch} sequences of {loader.dataset.seq_len} tokens per step; "
+             f"{loader.num_samples:,} train sequences, {len(run.val_batches)} eval batches per rank; steps "
+             f"{state.step} -> {settings.max_steps}")
+    for line in loader.describe(settings.max_steps - state.step, global_batch):
         log.info(line)
-    if profile is not None:
-        log.info(f"  memory profile {profile.name}: micro-batch {cfg.per_device_train_batch_size}, activation "
-                 f"checkpointing {parallel.activation_checkpointing}, AdamW moments in {cfg.optimizer_state_dtype}")
-    if remote_root:
-        log.info(f"  checkpoints upload to {remote_root}/ ({'background' if cfg.background_upload else 'synchronous'})")
+    if run.profile is not None:
+        log.info(f"  memory profile {run.profile.name}: micro-batch {settings.per_device_train_batch_size}, "
+                 f"activation checkpointing {parallel.activation_checkpointing}, AdamW moments in "
+                 f"{settings.optimizer_state_dtype}")
+    if run.remote_root:
+        log.info(f"  checkpoints upload to {run.remote_root}/ "
+                 f"({'background' if settings.background_upload else 'synchronous'})")
     else:
         log.info("  no gcs_bucket configured: checkpoints stay local, nothing is uploaded")
 
 
-def optimizer_state_bytes(core, cfg, weights: int) -> tuple[int, str]:
+def optimizer_state_bytes(core, settings: ReportSettings, weights: int) -> tuple[int, str]:
     """(bytes of optimizer state this rank holds, what they are): AdamW's two moments per parameter, or with
-    optimizer=muon one momentum buffer per block matrix (utils/training/optim/muon.py) and AdamW's moments for the rest."""
-    half = 2 if cfg.optimizer_state_dtype == "bf16" else 1
-    if cfg.optimizer != "muon":
+    optimizer=muon one momentum buffer per block matrix (utils/training/optim/muon.py) and AdamW's moments for
+    the rest."""
+    half = 2 if settings.optimizer_state_dtype == "bf16" else 1
+    if settings.optimizer != "muon":
         return 2 * weights // half, "AdamW moments"
     from utils.runtime.distributed import local_tensor
     from utils.training.optim.muon import muon_parameters

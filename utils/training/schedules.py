@@ -79,14 +79,14 @@ def lr_at(step: int, *, peak_lr: float, warmup_steps: int, max_steps: int, min_l
 class ScheduleSettings(Settings):
     """A run's schedule: `lr(step)` is the learning rate of optimizer step `step`."""
 
-    learning_rate: float = 3e-4
-    warmup_steps: int = 500
-    max_steps: int = 10000
-    min_lr_ratio: float = 0.1
-    lr_schedule: str = "cosine"
-    decay_steps: int = 0
-    decay_fraction: float = 0.2
-    decay_shape: str = "linear"
+    learning_rate: float
+    warmup_steps: int
+    max_steps: int
+    min_lr_ratio: float
+    lr_schedule: str
+    decay_steps: int
+    decay_fraction: float
+    decay_shape: str
 
     @property
     def wsd_decay_steps(self) -> int:

@@ -67,7 +67,10 @@ from collections import deque
 import numpy as np
 import torch
 
+from dataclasses import dataclass
+
 from utils.errors import UserError
+from utils.settings import Settings
 
 
 MIN_SPREAD = np.array([0.01, 0.15])  # of the mean: the least spread (loss, gradient norm) a window is taken to have
@@ -77,14 +80,23 @@ class SpikesPersist(UserError):
     pass
 
 
+@dataclass(frozen=True)
+class SpikeGuardSettings(Settings):
+    spike_guard: str
+    spike_window: int
+    spike_threshold: float
+    spike_patience: int
+    spike_max_rollbacks: int
+
+
 class SpikeGuard:
     """Judges each optimizer step (see the module docstring); `state_dict` / `load_state_dict` carry its
     window, its count of recent spikes and its record of rollbacks through checkpoints."""
 
-    def __init__(self, cfg, accelerator, log):
-        self.mode = cfg.spike_guard
-        self.window, self.threshold = cfg.spike_window, cfg.spike_threshold
-        self.patience, self.max_rollbacks = cfg.spike_patience, cfg.spike_max_rollbacks
+    def __init__(self, settings: SpikeGuardSettings, accelerator, log):
+        self.mode = settings.spike_guard
+        self.window, self.threshold = settings.spike_window, settings.spike_threshold
+        self.patience, self.max_rollbacks = settings.spike_patience, settings.spike_max_rollbacks
         self.accelerator, self.log = accelerator, log
         self.recent: deque[tuple[float, float]] = deque(maxlen=self.window)  # (loss, grad norm), spikes left out
         self.spike_steps: list[int] = []  # rollback: the spikes within the window, counted against spike_patience

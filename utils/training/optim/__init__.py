@@ -26,18 +26,18 @@ MUON_SCALES: dict[str, str] = {"moonlight": "match_rms_adamw", "original": "orig
 
 @dataclass(frozen=True)
 class OptimizerSettings(Settings):
-    optimizer: str = "adamw"
-    learning_rate: float = 3e-4
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    muon_momentum: float = 0.95
-    muon_ns_dtype: str = "auto"
-    muon_scale: str = "moonlight"
-    cautious_weight_decay: bool = False
-    optimizer_state_dtype: str = "fp32"
-    mixed_precision: str = "bf16"  # muon_ns_dtype=auto follows it
+    optimizer: str
+    learning_rate: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    muon_momentum: float
+    muon_ns_dtype: str
+    muon_scale: str
+    cautious_weight_decay: bool
+    optimizer_state_dtype: str
+    mixed_precision: str  # muon_ns_dtype=auto follows it
 
 
 def build_optimizer(model, settings: OptimizerSettings, fused: bool):

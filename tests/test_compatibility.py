@@ -1,0 +1,60 @@
+"""The engine before the package layout, the Trainer and typed settings (commit a3d8304) and today's: a
+checkpoint the old engine wrote resumes on today's code and continues the losses the old engine logged, and
+today's export of the old engine's checkpoint is byte for byte the old export."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.trainkit import engine_at, make_shards, run, train_cmd, train_rows
+
+BEFORE_THE_HOUSE = "a3d8304"
+
+
+@pytest.fixture(scope="module")
+def old_engine(tmp_path_factory):
+    return engine_at(BEFORE_THE_HOUSE, tmp_path_factory.mktemp("engines") / "a3d8304")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, strategy", [("tiny", "ddp"), ("tiny", "fsdp"), ("llama-tiny", "ddp")])
+def test_a_checkpoint_of_a3d8304_resumes_and_continues_its_losses(model, strategy, old_engine, tmp_path,
+                                                                   subprocess_env):
+    data = make_shards(tmp_path / "data")
+    sets = (f"model={model}", f"strategy={strategy}", "per_device_train_batch_size=4", "max_steps=6",
+            "save_steps=3", "spike_guard=warn")
+    old_env = dict(subprocess_env, PYTHONPATH=str(old_engine))
+
+    def old(out, *more):
+        return run([sys.executable, str(old_engine / "train.py")] + train_cmd(out, data, *sets, *more)[2:], old_env)
+
+    split, straight = tmp_path / "split", tmp_path / "straight"
+    old(split, "stop_at_step=3")
+    old(straight)
+    proc = run(train_cmd(split, data, *sets, extra=("--resume", "latest")), subprocess_env)
+    assert "Resumed from" in proc.stdout and "at step 3" in proc.stdout, proc.stdout
+    resumed, reference = train_rows(split), train_rows(straight)
+    for step in (4, 5, 6):
+        assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-6, (step, resumed[step], reference[step])
+    assert (split / "final_model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_today_s_export_of_an_a3d8304_checkpoint_is_byte_identical_to_a3d8304_s(model, old_engine, tmp_path,
+                                                                                subprocess_env):
+    data = make_shards(tmp_path / "data")
+    out = tmp_path / "run"
+    old_env = dict(subprocess_env, PYTHONPATH=str(old_engine))
+    run([sys.executable, str(old_engine / "train.py")]
+        + train_cmd(out, data, f"model={model}", "per_device_train_batch_size=4", "max_steps=2", "save_steps=2")[2:],
+        old_env)
+    checkpoint = next((out / "checkpoints").iterdir())
+    then, now = tmp_path / "then", tmp_path / "now"
+    run([sys.executable, str(old_engine / "scripts" / "export_hf.py"), str(checkpoint), str(then)], old_env)
+    run([sys.executable, "scripts/export_hf.py", str(checkpoint), str(now)], subprocess_env)
+    files = sorted(p.relative_to(then) for p in then.rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(now) for p in now.rglob("*") if p.is_file())
+    different = [str(f) for f in files if (then / f).read_bytes() != (now / f).read_bytes()]
+    assert not different, different
