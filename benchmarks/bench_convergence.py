@@ -13,8 +13,9 @@ levers is swept over its optimizer's rates (`--adamw-lrs`, `--muon-lrs`); one wi
 rate of the same recipe without them (a lever is measured at its optimizer's best rate), or is swept itself
 with `:sweep`; `@F` runs it with max_steps (and so its schedule) F times the budget's, at the best rate of
 the same recipe at the full budget unless swept. `--averages tail ema` also evaluates, in every recipe's runs,
-an average of the weights over the decay tail (utils/training/weight_average.py; from max_steps - the wsd decay's
-length on, for every schedule): each is a contender of its own, `RECIPE [tail]`.
+an average of the weights over the decay tail (utils/training/weight_average.py; from max_steps - the wsd
+decay's length on, for every schedule; the EMA's half-life a quarter of that): each is a contender of its own,
+`RECIPE [tail]`.
 
 Every run uses the engine's parts (utils.model.build_model, utils.training's optimizer and scheduler),
 in this process, with the preset's settings (default `demo`): the data is the preset's corpus cut into rows
@@ -46,13 +47,13 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
 import numpy as np
 import torch
 
 from configs import get_model_spec, get_training_config
 from configs.training_config import parse_overrides
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 BASELINE = "adamw+hf"
 LEVERS = {"wsd": {"lr_schedule": "wsd"}, "cautious": {"cautious_weight_decay": True}}
@@ -82,7 +83,8 @@ class Recipe:
 
     @property
     def name(self) -> str:
-        return "+".join((self.optimizer, self.init, *self.levers)) + (f"@{self.fraction:g}" if self.fraction != 1 else "")
+        short = f"@{self.fraction:g}" if self.fraction != 1 else ""
+        return "+".join((self.optimizer, self.init, *self.levers)) + short
 
     @property
     def reference(self) -> "Recipe":
@@ -164,7 +166,9 @@ def train_one(recipe: Recipe, lr: float, seed: int, cfg, spec, data, eval_every:
     train, val = data
     run = Contender(recipe, lr, seed, cfg, spec)
     model, batch, steps = run.model, run.cfg.per_device_train_batch_size, run.cfg.max_steps
-    averaged = {kind: WeightAverage(run.params, kind, steps - run.schedule.wsd_decay_steps) for kind in averages}
+    tail = run.schedule.wsd_decay_steps  # the EMA's half-life: a quarter of the tail
+    averaged = {kind: WeightAverage(run.params, kind, steps - tail, ema_decay=0.5 ** (4 / max(1, tail)))
+                for kind in averages}
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(seed))
     tokens_per_step = batch * train.shape[1]
     first = val_loss(model, val, batch)
@@ -184,7 +188,8 @@ def train_one(recipe: Recipe, lr: float, seed: int, cfg, spec, data, eval_every:
             seconds.append(trained_s)
             for kind, average in averaged.items():
                 with average.applied():
-                    curves[kind].append((tokens, curve[-1][1] if average.average is None else val_loss(model, val, batch)))
+                    loss = curve[-1][1] if average.average is None else val_loss(model, val, batch)
+                curves[kind].append((tokens, loss))
             if not math.isfinite(curve[-1][1]):
                 break
     return {"seed": seed, "lr": lr, "curve": curve, "train_s": seconds, "averages": curves,
@@ -412,7 +417,8 @@ def table(rows: dict, summary: dict, marks: list[int]) -> str:
             ratio = "per seed: " + ", ".join("not reached" if x is None else f"{x:.2f}" for x in s["ratio_per_seed"])
         wall = "-" if s["wall_ratio_mean"] is None else f"{s['wall_ratio_mean']:.2f}"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {s['final_val_mean']:.3f} ({s['final_val_min']:.3f}-"
-                     f"{s['final_val_max']:.3f}) | {ratio} | {s['step_ms']:.1f} ({s['step_time_ratio']:.2f}) | {wall} |")
+                     f"{s['final_val_max']:.3f}) | {ratio} | {s['step_ms']:.1f} ({s['step_time_ratio']:.2f}) | "
+                     f"{wall} |")
     return "\n".join(lines)
 
 
@@ -495,7 +501,8 @@ def main(argv=None) -> int:
             "budget_tokens": budget, "seeds": args.seeds, "eval_every": args.eval_every,
             "val_rows": int(data[1].shape[0]), "seq_len": seq_len, "adamw_lrs": args.adamw_lrs,
             "muon_lrs": args.muon_lrs, "recipes": [r.name + (":sweep" if r.sweep else "") for r in recipes],
-            "averages": args.averages, "timing_steps": args.timing_steps, "best_rates": {r.name: study.best_rate(r) for r in recipes},
+            "averages": args.averages, "timing_steps": args.timing_steps,
+            "best_rates": {r.name: study.best_rate(r) for r in recipes},
             "tuned_baseline": next(iter(rows)), "best": best_contender(summary), "summary": summary,
             "runs": rows, "table": text}, indent=1) + "\n")
     return 0

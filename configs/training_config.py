@@ -15,11 +15,11 @@ from pathlib import Path
 import yaml
 
 from configs.model_config import ConfigError, get_model_spec
-from utils.training.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
+from utils.observe.trackers import TRACKERS
 from utils.training.optim import MUON_SCALES as OPTIMIZER_MUON_SCALES
 from utils.training.optim import OPTIMIZERS as OPTIMIZER_REGISTRY
+from utils.training.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
 from utils.training.schedules import SCHEDULES
-from utils.observe.trackers import TRACKERS
 
 MIXED_PRECISION_MODES = ("bf16", "fp16", "fp8", "no")
 MODEL_IMPLS = ("native", "hf")

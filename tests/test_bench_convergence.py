@@ -52,7 +52,8 @@ def test_recipes_run_at_their_references_best_rate_against_the_tuned_baseline(tm
     data = make_shards(tmp_path / "data", n_files=3, rows=32, seq_len=64)
     out, cache = tmp_path / "out.json", tmp_path / "cache"
     argv = ["--set", "model=tiny", "--set", "demo_data=false", "--set", f"data_dir={data}", "--set", "val_files=1",
-            "--set", "max_steps=6", "--set", "warmup_steps=2", "--set", "decay_fraction=0.5", "--set", "per_device_train_batch_size=4",
+            "--set", "max_steps=6", "--set", "warmup_steps=2", "--set", "decay_fraction=0.5",
+            "--set", "per_device_train_batch_size=4",
             "--eval-every", "2", "--val-batches", "2", "--seeds", "0", "1", "--adamw-lrs", "1e-3", "1e-2",
             "--muon-lrs", "2e-3", "2e-2", "--recipes", "muon+hf+wsd", "muon+hf+cautious:sweep@0.5",
             "--averages", "tail", "--timing-steps", "3", "--cache", str(cache), "--json", str(out)]

@@ -6,16 +6,16 @@ import math
 
 import pytest
 import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from configs import get_model_spec, get_training_config
 from configs.profiles import memory_plan
+from configs.training_config import ConfigError
 from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd, train_rows
 from utils.model import build_model
-from configs.training_config import ConfigError
-from torch.optim._muon import _zeropower_via_newtonschulz
-from utils.training.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonWithAdamW, muon_parameters, newton_schulz
 from utils.training.optim import OptimizerSettings, build_optimizer
 from utils.training.optim.adamw import BF16MomentAdamW
+from utils.training.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonWithAdamW, muon_parameters, newton_schulz
 
 SPEC = get_model_spec("tiny")
 
