@@ -10,8 +10,9 @@ learning rates, against recipes (an optimizer, an init, levers), each at its own
 A recipe is `OPTIMIZER+INIT[+LEVER...][:sweep][@FRACTION]`: adamw | muon, hf | neox, levers `wsd`
 (lr_schedule=wsd instead of the preset's cosine) and `cautious` (cautious_weight_decay). A recipe without
 levers is swept over its optimizer's rates (`--adamw-lrs`, `--muon-lrs`); one with levers runs at the best
-rate of the same recipe without them (a lever is measured at its optimizer's best rate), or is swept itself
-with `:sweep`; `@F` runs it with max_steps (and so its schedule) F times the budget's, at the best rate of
+rate of the same recipe without them (a lever is measured at its optimizer's best rate), or of a listed swept
+recipe holding some of its levers (`muon+neox+wsd:sweep` sets the rate of `muon+neox+wsd+cautious`), or is
+swept itself with `:sweep`; `@F` runs it with max_steps (and so its schedule) F times the budget's, at the best rate of
 the same recipe at the full budget unless swept. `--averages tail ema` also evaluates, in every recipe's runs,
 an average of the weights over the decay tail (utils/training/weight_average.py; from max_steps - the wsd
 decay's length on, for every schedule; the EMA's half-life a quarter of that): each is a contender of its own,
@@ -298,8 +299,18 @@ class Study:
         """The rates `recipe` runs at; None while its reference's sweep is unfinished."""
         if recipe.sweep:
             return list(self.args.adamw_lrs if recipe.optimizer == "adamw" else self.args.muon_lrs)
-        best = self.best_rate(self.by_name[recipe.reference.name])
+        best = self.best_rate(self.reference_of(recipe))
         return None if best is None else [best]
+
+    def reference_of(self, recipe: Recipe) -> Recipe:
+        """The recipe whose best rate `recipe` runs at: a shortened one's own at the full budget; a levered one's,
+        the listed swept recipe with the most of its levers (so levers together run at the best rate of the
+        swept lever), else the optimizer and init alone."""
+        if recipe.fraction != 1:
+            return self.by_name[recipe.reference.name]
+        swept = [r for r in self.recipes if r.sweep and r.fraction == 1 and (r.optimizer, r.init) ==
+                 (recipe.optimizer, recipe.init) and set(r.levers) < set(recipe.levers)]
+        return max(swept, key=lambda r: len(r.levers), default=self.by_name[recipe.reference.name])
 
     def best_rate(self, recipe: Recipe) -> float | None:
         """The rate of `recipe`'s lowest mean final validation loss; None until every run of it is done."""

@@ -56,11 +56,13 @@ def test_recipes_run_at_their_references_best_rate_against_the_tuned_baseline(tm
             "--set", "per_device_train_batch_size=4",
             "--eval-every", "2", "--val-batches", "2", "--seeds", "0", "1", "--adamw-lrs", "1e-3", "1e-2",
             "--muon-lrs", "2e-3", "2e-2", "--recipes", "muon+hf+wsd", "muon+hf+cautious:sweep@0.5",
+            "muon+hf+cautious+wsd",
             "--averages", "tail", "--timing-steps", "3", "--cache", str(cache), "--json", str(out)]
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["adamw_lrs"] == [1e-3, 1e-2] and result["muon_lrs"] == [2e-3, 2e-2]
-    assert result["recipes"] == ["adamw+hf:sweep", "muon+hf:sweep", "muon+hf+wsd", "muon+hf+cautious@0.5:sweep"]
+    assert result["recipes"] == ["adamw+hf:sweep", "muon+hf:sweep", "muon+hf+wsd", "muon+hf+cautious@0.5:sweep",
+                                 "muon+hf+cautious+wsd"]
     finals = {name: [r["final_val"] for r in runs] for name, runs in result["runs"].items()}
     best = result["best_rates"]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
@@ -70,6 +72,7 @@ def test_recipes_run_at_their_references_best_rate_against_the_tuned_baseline(tm
     assert tuned == f"adamw+hf, lr {best['adamw+hf']:g} (tuned baseline)" and list(result["runs"])[0] == tuned
     assert best["muon+hf+wsd"] == best["muon+hf"]  # a lever runs at its optimizer's best rate
     assert f"muon+hf+wsd, lr {best['muon+hf']:g}" in result["runs"]
+    assert best["muon+hf+cautious+wsd"] == best["muon+hf"]  # no swept lever of its own listed
     assert {f"muon+hf+cautious@0.5, lr {lr:g}" for lr in (2e-3, 2e-2)} <= set(result["runs"])
     short = result["runs"]["muon+hf+cautious@0.5, lr 0.02"]
     assert [t for t, _ in short[0]["curve"]] == [0, 512, 768]  # 3 of the budget's 6 steps of 4 x 64 tokens
@@ -135,3 +138,19 @@ def test_recipe_names_and_refusals():
     for bad in ("sgd+hf", "muon", "muon+neox+qk", "muon+neox:all"):
         with pytest.raises(SystemExit, match="error: --recipes"):
             Recipe.parse(bad)
+
+
+def test_levers_together_run_at_the_best_rate_of_the_swept_lever_they_hold():
+    import argparse
+
+    from benchmarks.bench_convergence import Recipe, Study
+
+    recipes = [Recipe.parse(t) for t in ("adamw+hf", "muon+neox", "muon+neox+wsd:sweep", "muon+neox+cautious",
+                                         "muon+neox+wsd+cautious")]
+    args = argparse.Namespace(seeds=[0], adamw_lrs=[1e-3], muon_lrs=[1e-3, 2e-3])
+    study = Study(args, None, None, None, None, recipes)
+    runs = {("muon+neox", 1e-3): 4.0, ("muon+neox", 2e-3): 3.0, ("muon+neox+wsd", 1e-3): 2.0,
+            ("muon+neox+wsd", 2e-3): 2.5}
+    study.runs = {key: [{"seed": 0, "final_val": v}] for key, v in runs.items()}
+    assert study.rates(Recipe.parse("muon+neox+cautious")) == [2e-3]  # muon+neox's best
+    assert study.rates(Recipe.parse("muon+neox+wsd+cautious")) == [1e-3]  # muon+neox+wsd's best
