@@ -70,14 +70,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+MAX_PARTITION_MB = 1e9  # a petabyte: one partition of any corpus there is
+
+
 def megabytes(text: str) -> float:
-    """--partition-mb's type: a finite number above 0."""
+    """--partition-mb's type: a number above 0, at most MAX_PARTITION_MB."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a number of megabytes") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"'{text}' must be a finite number of megabytes above 0")
+    if not math.isfinite(value) or value <= 0 or value > MAX_PARTITION_MB:
+        raise argparse.ArgumentTypeError(f"'{text}' must be a number of megabytes above 0 and at most "
+                                         f"{MAX_PARTITION_MB:,.0f}")
     return value
 
 

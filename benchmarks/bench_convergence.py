@@ -469,7 +469,7 @@ def load_data(cfg, spec, val_batches: int):
     if (data_dir / "dataset.json").is_file():  # a prepared dataset: the vocabulary follows its tokenizer
         vocab = json.loads((data_dir / "dataset.json").read_text())["tokenizer"]["vocab_size"]
         spec = dataclasses.replace(spec, vocab_size=vocab)
-    seq_len = cfg.seq_len or spec.max_position_embeddings
+    seq_len = cfg.seq_len_for(spec)
     if cfg.demo_data:
         from utils.data.demo import build_demo_data
 

@@ -96,6 +96,58 @@ class ModelSpec:
         return record | {"padded_vocab_size": self.padded_vocab_size}
 
 
+MAX_SIZE = 2**31  # beyond any model's vocabulary, width, depth or context
+_POSITIVE_NUMBERS = ("rotary_emb_base", "layer_norm_eps", "initializer_range")
+
+
+def check_model_record(record) -> None:
+    """A ModelSpec's record (`to_dict()`, as a checkpoint's trainer_state.json keeps it, which may come from a
+    bucket or be crafted) before a spec is made of it: each field it holds of its type and in its range (sizes
+    positive integers below 2**31, at least 2 positions, the rotary share in (0, 1], eps, rotary base and
+    initializer_range positive finite numbers, flags true or false, a known family), hidden_size a multiple of
+    the heads and they of the k/v heads. ValueError naming the field (`model.FIELD`)."""
+    import math
+
+    def bad(field: str, value, want: str):
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ValueError(f"model.{field} is {shown}, not {want}")
+
+    def number(value) -> bool:
+        return type(value) in (int, float) and math.isfinite(value)
+
+    def rope_scaling(value) -> bool:  # none, or Llama 3's four: three factors and the original positions
+        return isinstance(value, (list, tuple)) and (not value or len(value) == 4 and type(value[3]) is int
+                                                     and all(number(v) and v > 0 for v in value))
+
+    if not isinstance(record, dict):
+        bad("", type(record).__name__, "an object")
+    fields = ModelSpec.__dataclass_fields__
+    for field, value in record.items():
+        kind = fields[field].type if field in fields else "int" if field == "padded_vocab_size" else None
+        least = 0 if field == "num_key_value_heads" else 2 if field == "max_position_embeddings" else 1
+        if kind is None:
+            bad(field, value, "a field of a model record")
+        elif kind == "int" and (type(value) is not int or not least <= value < MAX_SIZE):
+            bad(field, value, f"an integer of at least {least}, below {MAX_SIZE:,}")
+        elif field == "rotary_pct" and not (number(value) and 0 < value <= 1):
+            bad(field, value, "a number in (0, 1]")
+        elif field in _POSITIVE_NUMBERS and not (number(value) and value > 0):
+            bad(field, value, "a positive finite number")
+        elif kind == "bool" and not isinstance(value, bool):
+            bad(field, value, "true or false")
+        elif kind == "str" and not (isinstance(value, str) and (value or field == "name")):
+            bad(field, value, "a non-empty string")
+        elif field == "family" and value not in FAMILY_NAMES:
+            bad(field, value, f"one of {', '.join(FAMILY_NAMES)}")
+        elif field == "rope_scaling" and not rope_scaling(value):
+            bad(field, value, "[] or [factor, low_freq_factor, high_freq_factor, original positions], each above 0")
+    heads, kv_heads = record.get("num_attention_heads"), record.get("num_key_value_heads") or None
+    if heads and record.get("hidden_size", 0) % heads:
+        bad("hidden_size", record["hidden_size"], f"a multiple of num_attention_heads ({heads})")
+    if heads and kv_heads and heads % kv_heads:
+        bad("num_attention_heads", heads, f"a multiple of num_key_value_heads ({kv_heads})")
+
+
 def _llama(name, vocab, hidden, layers, heads, kv_heads, ffn, positions, theta, eps, **kw) -> ModelSpec:
     """A Llama-family preset with a published model's shapes (tied embeddings, as all of these have)."""
     return ModelSpec(name, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,

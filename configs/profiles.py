@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from configs.model_config import LOSS_CHUNK_ROWS, ConfigError, ModelSpec
+from configs.training_config import default_seq_len
 
 GB = 1e9
 USABLE_FRACTION = 0.9  # of the GPU's memory: the allocator's fragmentation and the CUDA context take the rest
@@ -92,7 +93,7 @@ def activation_bytes(policy: str, layers: int, tokens: int, hidden: int, every: 
 def memory_plan(spec: ModelSpec, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
                 seq_len: int | None = None, checkpointing: str = "none", checkpointing_every: int = 2,
                 moments: str = "fp32", optimizer: str = "adamw") -> MemoryPlan:
-    s, h, layers = seq_len or spec.max_position_embeddings, spec.hidden_size, spec.num_hidden_layers
+    s, h, layers = seq_len or default_seq_len(spec)[0], spec.hidden_size, spec.num_hidden_layers
     embed = spec.padded_vocab_size * h
     block = spec.block_parameters  # the family's formula (configs/model_config.py)
     params = layers * block + 2 * h + embed * (1 if spec.tie_word_embeddings else 2)

@@ -56,6 +56,26 @@ def precision_name(mode: str) -> str:
     return "fp32" if mode == "no" else mode
 
 
+# seq_len's default caps a model's positions at 8,192 tokens: Llama 3's pretraining context (its rope scaling's
+# original_max_position_embeddings) and SmolLM2's whole one; longer is a long-context stage you choose. At micro-batch
+# 1, a 1-1.5B model's plan at this length fits an 80 GiB GPU without activation checkpointing.
+DEFAULT_SEQ_LEN_CAP = 8192
+
+
+def default_seq_len(spec) -> tuple[int, str]:
+    """(tokens a sequence, why) when `seq_len` is not set: the model's max_position_embeddings, at most its
+    pretraining context before rope scaling (original_max_position_embeddings) and DEFAULT_SEQ_LEN_CAP.
+    Training and scripts/memory_plan.py both take their default from here."""
+    positions = spec.max_position_embeddings
+    original = int(spec.rope_scaling[3]) if spec.rope_scaling else positions
+    if min(original, DEFAULT_SEQ_LEN_CAP) >= positions:
+        return positions, "the model's max_position_embeddings"
+    if original <= DEFAULT_SEQ_LEN_CAP:
+        return original, (f"the model's context before rope scaling (original_max_position_embeddings) of its "
+                          f"{positions:,} positions")
+    return DEFAULT_SEQ_LEN_CAP, f"the default cap for models of more positions ({positions:,} here)"
+
+
 def check_seq_len(seq_len: int, spec) -> None:
     if seq_len > spec.max_position_embeddings:
         raise ConfigError(f"seq_len={seq_len} exceeds model '{spec.name}' max_position_embeddings="
@@ -113,8 +133,10 @@ class TrainingConfig:
                                        "(GPTNeoXForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM)")
     init_from: str = _field("", "an HF directory of a known family (GPT-NeoX, Llama, Qwen2: config.json + "
                                 "safetensors): start from its weights")
-    seq_len: int = _field(0, "tokens per training sequence; 0: the model's max_position_embeddings (1 has no next "
-                             "token to learn)", "[2, inf)", {0: "the model's max_position_embeddings"})
+    seq_len: int = _field(0, "tokens per training sequence (1 has no next token to learn); 0: the model's "
+                             "max_position_embeddings, at most its context before rope scaling and 8192 (the "
+                             "export keeps every position)", "[2, inf)",
+                          {0: "the model's positions, at most its context before rope scaling and 8192"})
     # data
     data_dir: str = _field("data/training", "local shard directory, or gs://BUCKET/PREFIX of a prepared dataset to "
                                             "stream from (a dataset.json there sets the vocabulary)")
@@ -154,7 +176,7 @@ class TrainingConfig:
                                       "learning_rate * weight_decay)", "[0, 100]")
     adam_beta1: float = _field(0.9, "AdamW beta1", "[0, 1)")
     adam_beta2: float = _field(0.95, "AdamW beta2", "[0, 1)")
-    adam_eps: float = _field(1e-8, "AdamW epsilon", "(0, inf)")
+    adam_eps: float = _field(1e-8, "AdamW epsilon (above 1 it swamps every update)", "(0, 1]")
     optimizer: str = _field("adamw", "adamw | muon: torch's Muon for the blocks' 2-D weight matrices (AdamW for "
                                      "embeddings, head, norms, biases), LR matched to AdamW's update size")
     muon_momentum: float = _field(0.95, "optimizer=muon: Muon's (Nesterov) momentum", "[0, 1)")
@@ -168,10 +190,10 @@ class TrainingConfig:
     weight_average: str = _field("none", "none | tail (the uniform mean of the weights over the decay tail) | ema")
     init: str = _field("hf", "fresh weights: hf (normal, std initializer_range) | neox (GPT-NeoX small_init + "
                              "wang_init, as Pythia); init_from and resumes are unaffected")
-    z_loss: float = _field(0.0, "auxiliary z-loss coefficient (z_loss * logsumexp^2, OLMo uses 1e-4); 0: off",
-                           "[0, inf)")
+    z_loss: float = _field(0.0, "auxiliary z-loss coefficient (z_loss * logsumexp^2, OLMo uses 1e-4; above 1 the z "
+                                "term swamps the cross-entropy); 0: off", "[0, 1]")
     max_grad_norm: float = _field(1.0, "clip gradients to this global norm; 0: no clipping (the norm is still "
-                                       "measured and logged, as grad_norm)", "[0, inf)")
+                                       "measured and logged, as grad_norm)", "[0, 1e6]")
     seed: int = _field(42, "seed of the weights, the data order and every RNG", "[0, 4294967295]")
     # speed and memory
     strategy: str = _field("ddp", "ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer "
@@ -231,7 +253,7 @@ class TrainingConfig:
                                       "checkpoint and skips the data read since)")
     spike_window: int = _field(128, "the steps (spikes left out) a step is measured against; none is judged before "
                                     "there are this many", "[2, inf)")
-    spike_threshold: float = _field(6.0, "standard deviations above the window's mean that make a spike", "(0, inf)")
+    spike_threshold: float = _field(6.0, "standard deviations above the window's mean that make a spike", "(0, 1000]")
     spike_patience: int = _field(3, "rollback: spikes within spike_window steps that roll the run back", "[1, inf)")
     spike_max_rollbacks: int = _field(3, "rollback: rollbacks to one checkpoint before the run stops (the spikes "
                                          "come back whatever data is skipped)", "[1, inf)")
@@ -242,7 +264,7 @@ class TrainingConfig:
         return self.run_name or (Path(self.preset).stem if is_config_file(self.preset) else self.preset)
 
     def seq_len_for(self, spec) -> int:
-        return self.seq_len or spec.max_position_embeddings
+        return self.seq_len or default_seq_len(spec)[0]
 
     def validate(self) -> "TrainingConfig":
         """Checks each field on its own. What depends on the model actually built (seq_len against its
@@ -324,6 +346,7 @@ class TrainingConfig:
 
 _SETTABLE = {f.name: f for f in fields(TrainingConfig) if f.name != "preset"}
 CONFIG_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+MAX_INT = 2**63  # an integer field's values lie below it (int64, as torch and numpy hold them)
 
 
 def _unknown_field(key: str, where: str) -> ConfigError:
@@ -352,7 +375,10 @@ def _coerce(name: str, raw, where: str):
         if kind == "int":
             if isinstance(raw, float) and not raw.is_integer() or isinstance(raw, bool):
                 raise ValueError
-            return int(raw)
+            value = int(raw)
+            if abs(value) >= MAX_INT:  # what a number of steps, files or seconds could be, with room
+                raise ConfigError(f"{where}: {name} must be below 2^63, got a number of {len(str(abs(value)))} digits")
+            return value
         if kind == "float":
             if isinstance(raw, bool):
                 raise ValueError
@@ -367,15 +393,19 @@ def _coerce(name: str, raw, where: str):
             return ",".join(str(v) for v in raw)
         if isinstance(raw, bool) and name == "mixed_precision":  # YAML reads a bare `no` as false: fp32
             if raw:
-                raise ValueError
+                raise ConfigError(f"{where}: mixed_precision is true (YAML reads a bare yes, true or on so), which "
+                                  f"names no precision; use one of {', '.join(MIXED_PRECISION_MODES)}")
             return "no"
         if isinstance(raw, bool):  # YAML reads a bare off / on (no / yes) as a bool: `profile: off`, `spike_guard: off`
             return "on" if raw else "off"
         if isinstance(raw, (dict, list, tuple)):
             raise ValueError
         return str(raw)
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected a value of type {kind} for {name}, got {raw!r}") from None
+        shown = repr(raw) if len(repr(raw)) <= 80 else repr(raw)[:77] + "..."
+        raise ConfigError(f"{where}: expected a value of type {kind} for {name}, got {shown}") from None
 
 
 def _source_from_text(text: str) -> dict | None:
@@ -486,29 +516,47 @@ def parse_eval_tasks(raw, where: str) -> dict:
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 
-class DuplicateKey(ValueError):
-    pass
+class RefusedSetting(ValueError):
+    """What a settings file's parser refuses: a key given twice in one mapping, a value of a YAML type a setting
+    never takes."""
+
+
+# YAML types the safe loader builds besides plain ones (strings, numbers, booleans, null, lists, mappings): a
+# setting is none of them, and `!!binary` or a bare date would otherwise reach a field as bytes' or a date's text
+_NON_PLAIN_YAML = {"binary": "bytes", "timestamp": "a date", "set": "a set", "omap": "an ordered map",
+                   "pairs": "a list of pairs"}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (YAML itself keeps the last)."""
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML itself keeps the last) and the
+    non-plain types (_NON_PLAIN_YAML)."""
+
+    def construct_non_plain(self, node):
+        what = _NON_PLAIN_YAML[node.tag.rpartition(":")[2]]
+        raise RefusedSetting(f"line {node.start_mark.line + 1}: {node.tag.replace('tag:yaml.org,2002:', '!!')} "
+                           f"({what}) is not a plain value; write a string, number, true/false, list or mapping "
+                           f"(quote a date or any text to keep it text)")
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise DuplicateKey(f"line {key_node.start_mark.line + 1}: key '{key}' appears twice in one mapping; "
+                raise RefusedSetting(f"line {key_node.start_mark.line + 1}: key '{key}' appears twice in one mapping; "
                                    f"give each key once")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+for _tag in _NON_PLAIN_YAML:
+    _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _UniqueKeyLoader.construct_non_plain)
 
 
 def _unique_json_object(pairs: list) -> dict:
     keys = [key for key, _ in pairs]
     twice = next((key for key in keys if keys.count(key) > 1), None)
     if twice is not None:
-        raise DuplicateKey(f"key '{twice}' appears twice in one object; give each key once")
+        raise RefusedSetting(f"key '{twice}' appears twice in one object; give each key once")
     return dict(pairs)
 
 
@@ -542,10 +590,10 @@ def parse_overrides(pairs: list[str]) -> dict:
         if "=" not in pair:
             raise ConfigError(f"--set {pair}: expected KEY=VALUE")
         key, raw = pair.split("=", 1)
-        key = key.strip()
+        key, where = key.strip(), f"--set {pair if len(pair) <= 80 else pair[:77] + '...'}"
         if key not in _SETTABLE:
-            raise _unknown_field(key, f"--set {pair}")
-        out[key] = _coerce(key, raw, f"--set {pair}")
+            raise _unknown_field(key, where)
+        out[key] = _coerce(key, raw, where)
     return out
 
 
@@ -566,7 +614,7 @@ def read_config_file(path) -> tuple[str | None, dict]:
         raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
     try:
         raw = load_settings_text(text, json_format=path.suffix.lower() == ".json")
-    except DuplicateKey as exc:
+    except RefusedSetting as exc:
         raise ConfigError(f"--config {path}: {exc}") from None
     except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError: both say where
         first = str(exc).replace("\n", " ")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Score a model on downstream task files, as the training loop's `eval_tasks` and lm-evaluation-harness do.
 
-    python scripts/evaluate.py final_model --task hellaswag=data/evals/hellaswag_val.jsonl --limit 500
-    python scripts/evaluate.py checkpoints/checkpoint-epoch0-step400-files20 --task next_line.jsonl --json
-    python scripts/evaluate.py . --task a.jsonl --task b.jsonl          # a run's newest checkpoint
+    python scripts/evaluate.py runs/demo/final_model --task hellaswag=data/evals/hellaswag_val.jsonl --limit 500
+    python scripts/evaluate.py runs/demo/checkpoints/CHECKPOINT --task data/demo_next_line.jsonl --json
+    python scripts/evaluate.py runs/demo --task a.jsonl --task b.jsonl   # a run's newest checkpoint
 
 PATH: final_model/ or any HF directory of a known family (GPT-NeoX, Llama, Qwen2), an engine checkpoint (sharded FSDP ones too, reassembled
 here), or a run's output directory (its newest complete checkpoint). `--task FILE` or `--task NAME=FILE`

@@ -16,7 +16,7 @@ import sys
 
 from configs.model_config import MODELS, ConfigError, get_model_spec
 from configs.profiles import USABLE_FRACTION, memory_plan
-from configs.training_config import ACTIVATION_CHECKPOINTING, OPTIMIZER_STATE_DTYPES, STRATEGIES
+from configs.training_config import ACTIVATION_CHECKPOINTING, OPTIMIZER_STATE_DTYPES, STRATEGIES, default_seq_len
 
 
 def main(argv=None) -> int:
@@ -25,7 +25,9 @@ def main(argv=None) -> int:
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     p.add_argument("--world-size", type=int, default=1, help="processes (GPUs) in all")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per GPU")
-    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the model's positions)")
+    p.add_argument("--seq-len", type=int, default=0,
+                   help="tokens per sequence (default: what a run trains at when seq_len is not set: the model's "
+                        "positions, at most its context before rope scaling and 8192)")
     p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="none",
                    help="the policy (training config field activation_checkpointing)")
     p.add_argument("--every", type=int, default=2, help="every_k: checkpoint every k-th block")
@@ -43,11 +45,12 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     policy = "full" if args.checkpointing else args.activation_checkpointing
+    seq_len = args.seq_len or default_seq_len(spec)[0]
     plan = memory_plan(spec, strategy=args.strategy, world_size=args.world_size, micro_batch=args.micro_batch,
-                       seq_len=args.seq_len or None, checkpointing=policy, checkpointing_every=args.every,
-                       moments=args.moments)
-    print(f"{spec.name}, {args.strategy} over {args.world_size} GPU(s), micro-batch {args.micro_batch}, "
-          f"activation checkpointing {policy}, AdamW moments {args.moments}:")
+                       seq_len=seq_len, checkpointing=policy, checkpointing_every=args.every, moments=args.moments)
+    print(f"{spec.name}, {args.strategy} over {args.world_size} GPU(s), micro-batch {args.micro_batch} x seq_len "
+          f"{seq_len:,}{'' if args.seq_len else ' (the training default)'}, activation checkpointing {policy}, "
+          f"AdamW moments {args.moments}:")
     print("\n".join(plan.lines()))
     usable = USABLE_FRACTION * args.device_gib * 2**30 / 1e9
     if plan.fits(args.device_gib):

@@ -2,11 +2,13 @@
 """Plot one or more runs from their logs/metrics.jsonl: training loss, validation loss, learning rate and
 tokens/s against tokens seen, one line per run. For a remote machine without TensorBoard: copy the PNG.
 
-    python scripts/plot_run.py runs/demo -o run.png              # the demo's run (runs/RUN_NAME/ by default)
-    python scripts/plot_run.py runs/demo runs/cpu -o compare.png # two runs side by side
+    python scripts/plot_run.py runs/demo                # the demo's run: runs/demo/curves.png
+    python scripts/plot_run.py runs/demo runs/cpu       # two runs side by side: runs/demo/curves-vs-cpu.png
+    python scripts/plot_run.py runs/demo -o compare.svg # a file of your choice
 
-RUN_DIR is a run's --output-dir (its logs/metrics.jsonl is read) or a metrics.jsonl file. `-o` is the file
-to write, its format from its extension (png, svg, pdf, ...; none: .png is added); a directory gets runs.png
+RUN_DIR is a run's --output-dir (its logs/metrics.jsonl is read) or a metrics.jsonl file. The figure goes into
+the first run's folder (curves.png, or curves-vs-NAME-....png naming the other runs), or to `-o`: the file to
+write, its format from its extension (png, svg, pdf, ...; none: .png is added); a directory gets curves.png
 inside it. Exit status: 0 written (the line names the file), 2 bad input (a RUN_DIR without metrics, nothing
 to plot, an extension matplotlib cannot write).
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 from utils import layout
 from utils.errors import UserError
 
-DEFAULT_OUTPUT = "runs.png"
+DEFAULT_OUTPUT = "curves.png"
 PANELS = (("loss", "training loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("tokens_per_sec", "tokens/s"))
 
@@ -31,6 +33,23 @@ def metrics_file(given: str) -> Path:
     if not path.is_file():
         raise UserError(f"{given}: no logs/metrics.jsonl there (give a run's --output-dir or a metrics.jsonl)")
     return path
+
+
+def run_folder(metrics: Path) -> Path:
+    """The run a metrics file belongs to: RUN/logs/metrics.jsonl -> RUN; any other file -> its folder."""
+    in_a_run = metrics.name == layout.METRICS and metrics.parent.name == layout.LOGS
+    return metrics.parent.parent if in_a_run else metrics.parent
+
+
+def run_label(metrics: Path) -> str:
+    return run_folder(metrics).resolve().name if metrics.name == layout.METRICS else metrics.stem
+
+
+def default_output(runs: list[str]) -> Path:
+    """Inside the first run's folder: curves.png, or with other runs curves-vs-NAME-NAME.png."""
+    paths = [metrics_file(given) for given in runs]
+    others = "-".join(run_label(path) for path in paths[1:])
+    return run_folder(paths[0]) / (f"curves-vs-{others}.png" if others else DEFAULT_OUTPUT)
 
 
 def output_file(given: str) -> Path:
@@ -64,8 +83,7 @@ def plot(runs: list[str], out: Path) -> int:
     for given in runs:
         path = metrics_file(given)
         rows = read_metrics(path)
-        label = path.parent.parent.resolve().name if path.name == layout.METRICS and path.parent.name == layout.LOGS \
-            else path.stem
+        label = run_label(path)
         for ax, (key, title) in zip(axes.flat, PANELS):
             points = [r for r in rows_with(rows, key) if r.get("tokens") is not None]
             if points:
@@ -94,12 +112,12 @@ def plot(runs: list[str], out: Path) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("-o", "--output", default=DEFAULT_OUTPUT,
+    p.add_argument("-o", "--output",
                    help=f"the image to write, its format from its extension; a directory gets {DEFAULT_OUTPUT} "
-                        f"inside it (default {DEFAULT_OUTPUT})")
+                        f"inside it (default: the first run's folder, {DEFAULT_OUTPUT} or curves-vs-NAME.png)")
     args = p.parse_args(argv)
     try:
-        out = output_file(args.output)
+        out = output_file(args.output) if args.output else default_output(args.runs)
         drawn = plot(args.runs, out)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -63,6 +63,20 @@ def gcs_emulator(monkeypatch):
 
 
 @pytest.fixture
+def open_tmp():
+    """A temporary directory an unprivileged user can reach (pytest's own are root-only)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="hardening-"))
+    os.chmod(path, 0o755)
+    yield path
+    subprocess.run(["chmod", "-R", "u+rwx", str(path)], capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def repo_root() -> Path:
     return REPO_ROOT
 

@@ -74,7 +74,8 @@ def test_bad_overrides(pairs, fragment):
     ({"gcs_bucket": "gs://b/x"}, "bare bucket name"),
     ({"learning_rate": 1e30}, r"learning_rate=1e\+30 must be a finite number within \(0, 1e12\]"),
     ({"weight_decay": 1e30}, r"weight_decay=1e\+30 must be a finite number within \[0, 100\]"),
-    ({"seq_len": 1}, r"seq_len=1 must be at least 2, or 0 \(the model's max_position_embeddings\)"),
+    ({"seq_len": 1}, r"seq_len=1 must be at least 2, or 0 \(the model's positions, at most its context before "
+                     r"rope scaling and 8192\)"),
     ({"spike_guard": "rollback", "spike_patience": 9, "spike_window": 8},
      "spike_patience=9 exceeds spike_window=8: that many spikes never fall within the window"),
 ])
@@ -110,8 +111,9 @@ def test_a_bare_no_for_mixed_precision_in_a_config_file_is_fp32(tmp_path):
     path = tmp_path / "fp32.yaml"
     path.write_text("base: demo\nmixed_precision: no\n")
     assert get_training_config(str(path)).mixed_precision == "no"
-    path.write_text("base: demo\nmixed_precision: yes\n")
-    with pytest.raises(ConfigError, match="expected a value of type str for mixed_precision, got True"):
+    path.write_text("base: demo\nmixed_precision: yes\n")  # issue 41: it said "got True" and nothing valid
+    with pytest.raises(ConfigError, match=r"fp32.yaml: mixed_precision is true \(YAML reads a bare yes, true or on "
+                                          r"so\), which names no precision; use one of bf16, fp16, fp8, no$"):
         get_training_config(str(path))
     get_training_config("demo", {"spike_guard": "warn", "spike_patience": 9, "spike_window": 8})  # not rollback
 
@@ -132,6 +134,10 @@ def test_a_bare_off_in_a_config_file_is_the_choice_off(tmp_path):
     ("save_steps: ten\n", "expected a value of type int for save_steps"),
     ("- a\n- b\n", "expected a mapping of field: value"),
     ("a: [1,\n", "not valid YAML"),
+    # issue 41: YAML's non-plain types reached a field as their text (run_name: b'hello')
+    ("base: demo\nrun_name: !!binary aGVsbG8=\n", "line 2: !!binary (bytes) is not a plain value; write a string,"),
+    ("base: demo\nrun_name: 2024-01-01\n", "line 2: !!timestamp (a date) is not a plain value; write a string"),
+    ("base: demo\nsample_prompts: !!set {a, b}\n", "line 2: !!set (a set) is not a plain value"),
 ])
 def test_config_file_errors_name_the_file(tmp_path, text, fragment):
     path = tmp_path / "bad.yaml"
@@ -139,6 +145,18 @@ def test_config_file_errors_name_the_file(tmp_path, text, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)) as info:
         get_training_config(str(path))
     assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_integer_past_int64_is_one_short_line():
+    """--set max_steps=<400 digits> (an OverflowError traceback at the first float of it) and a config file's
+    own: refused at once, the value's length said rather than the value; 2^63 - 1 is taken."""
+    digits = "9" * 400
+    with pytest.raises(ConfigError) as e:
+        parse_overrides([f"max_steps={digits}"])
+    assert str(e.value) == f"--set max_steps={digits[:67]}...: max_steps must be below 2^63, got a number of 400 digits"
+    assert parse_overrides([f"max_steps={2**63 - 1}"]) == {"max_steps": 2**63 - 1}
+    with pytest.raises(ConfigError, match="seed must be below 2\\^63, got a number of 20 digits"):
+        parse_overrides([f"seed=-{2**64}"])
 
 
 def test_typo_in_set_suggests_the_field():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainkit import REPO_ROOT, TINY, make_shards, run, train_cmd
+from tests.trainkit import REPO_ROOT, TINY, make_shards, run, tiny_hf_model, train_cmd
+from utils.errors import UserError
 from utils.io.storage import file_crc32c
 
 
@@ -441,12 +443,7 @@ def test_a_crafted_manifest_json_is_refused_naming_the_field(tmp_path):
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     """A tiny GPT-NeoX as transformers saves it (config.json + model.safetensors)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    path = tmp_path_factory.mktemp("hf") / "tiny-neox"
-    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=256, max_position_embeddings=64)).save_pretrained(path)
-    return path
+    return tiny_hf_model(tmp_path_factory.mktemp("hf") / "tiny-neox")
 
 
 def test_a_crafted_hf_config_json_is_refused_naming_the_field(hf_model, tmp_path):
@@ -517,3 +514,313 @@ def test_a_crafted_plan_or_dataset_json_in_prepares_output_is_never_trusted(tmp_
     (out / "dataset.json").write_text(json.dumps(description))
     line = one_error_line(run(prepare, env_for_runs(), check=False))
     assert f"{out / 'dataset.json'}: documents is '60', not a non-negative integer" in line, line
+
+
+# ------------------------------------------- 7: issue 41: a completion record or a reused output's dataset.json
+
+def small_prepare(tmp_path: Path, out: Path, *extra: str) -> list[str]:
+    """prepare_data.py's command for a small corpus (one partition, no validation split unless `extra` asks)."""
+    from tests.test_prepare_data import bpe_tokenizer
+
+    corpus = tmp_path / "corpus.jsonl"
+    if not corpus.exists():
+        corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(40)))
+        bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)
+    return [sys.executable, str(REPO_ROOT / "prepare_data.py"), "--no-progress", "--input", str(corpus), "--tokenizer",
+            str(tmp_path / "tokenizer.json"), "--output", str(out), "--executor", "local", "--workers", "1",
+            "--shard-tokens", "1024", *extra]
+
+
+def staged_partition(out: Path, plan_json: bytes, record: dict, files_there: dict[str, Path]) -> Path:
+    """A staging area as a killed prepare leaves it (plan.json, partition 0 done), whose completion record is
+    `record` and whose partition folder holds `files_there` (name -> what it links to)."""
+    staging = out.parent / f".{out.name}.staging"
+    (staging / "p00000").mkdir(parents=True)
+    (staging / "plan.json").write_bytes(plan_json)
+    for name, target in files_there.items():
+        (staging / "p00000" / name).symlink_to(target)
+    (staging / "p00000" / "done.json").write_text(json.dumps(record))
+    return staging
+
+
+def test_a_completion_record_naming_a_symlink_publishes_and_uploads_nothing(tmp_path, gcs_emulator):
+    """A completion record (under the run's own plan digest) whose shard, or validation piece, is a symlink to
+    a file the preparing user can read: the merge refuses it in one line naming the file and the record to
+    remove; nothing is published, and `--upload` sends nothing (real prepare_data.py processes, the GCS
+    emulator). A partition folder that is itself a symlink out of the staging area holds no record of prepare's:
+    the partition is made again, in a folder of its own, and the files the link led to stay where they are.
+    Each published (and uploaded) the file the link named."""
+    first = tmp_path / "first"
+    run(small_prepare(tmp_path, first, "--val-fraction", "0"), env_for_runs())
+    plan_json, done = (first / "plan.json").read_bytes(), json.loads((first / "dataset.json").read_text())
+    assert done["partitions"] == 1
+    secret = tmp_path / "secret.npz"  # any file the user can read, as a valid shard of the claimed size
+    np.savez(secret, input_ids=np.arange(done["tokens"], dtype=np.uint16) % 300)
+    entry = {"path": "shard-00000.npz", "tokens": done["tokens"], "bytes": secret.stat().st_size,
+             "crc32c": file_crc32c(secret)}
+    record = {"partition": 0, "plan": done["fingerprint"], "documents": done["documents"], "documents_empty": 0,
+              "tokens": done["tokens"], "validation": {"documents": 0, "tokens": 0}, "shards": [entry]}
+    val_record = {**record, "shards": [], "validation": {"documents": 1, "tokens": done["tokens"], "path": "val.npz",
+                                                         "bytes": entry["bytes"], "crc32c": entry["crc32c"]}}
+    for case, links, crafted in (("shard", {"shard-00000.npz": secret}, record),
+                                 ("val", {"val.npz": secret}, val_record)):
+        out = tmp_path / case / "data"
+        staging = staged_partition(out, plan_json, crafted, links)
+        upload = ["--upload", f"gs://{gcs_emulator.bucket}/{case}"]
+        line = one_error_line(run(small_prepare(tmp_path, out, "--val-fraction", "0", *upload), env_for_runs(),
+                                  check=False))
+        named = staging / "p00000" / next(iter(links))
+        assert f"{named}: missing, not a regular file" in line and f"{staging}/p00000/done.json" in line, line
+        assert not out.exists(), f"{case}: published"
+        assert not list(gcs_emulator.client().list_blobs(gcs_emulator.bucket)), f"{case}: uploaded"
+
+    elsewhere = tmp_path / "elsewhere"  # a folder of the user's, holding a record and a shard file
+    elsewhere.mkdir()
+    shutil.copy(secret, elsewhere / "shard-00000.npz")
+    (elsewhere / "done.json").write_text(json.dumps(record))
+    out = tmp_path / "folder" / "data"
+    staging = staged_partition(out, plan_json, record, {})
+    shutil.rmtree(staging / "p00000")
+    (staging / "p00000").symlink_to(elsewhere)
+    run(small_prepare(tmp_path, out, "--val-fraction", "0"), env_for_runs())
+    assert shard_bytes(out) == shard_bytes(first) and secret.read_bytes() not in shard_bytes(out)
+    assert (elsewhere / "shard-00000.npz").read_bytes() == secret.read_bytes()
+    assert json.loads((elsewhere / "done.json").read_text()) == record
+
+
+def shard_bytes(out: Path) -> list[bytes]:
+    """The training shards a prepared output lists, in order."""
+    return [(out / entry["path"]).read_bytes() for entry in json.loads((out / "dataset.json").read_text())["shards"]]
+
+
+def test_a_reused_prepare_output_is_checked_against_its_shard_list_and_counts(tmp_path):
+    """A finished output whose dataset.json names this run's plan is reported done only when it is whole: its
+    counts add up, its shards are the merge's names, each there, a regular file of its size. A crafted or
+    damaged one is one line naming the problem (real processes); it was reported done, with its numbers."""
+    out = tmp_path / "data"
+    prepare = small_prepare(tmp_path, out)
+    run(prepare, env_for_runs())
+    assert "already holds this dataset" in run(prepare, env_for_runs()).stdout
+    good = (out / "dataset.json").read_text()
+    description = json.loads(good)
+    first = out / description["shards"][0]["path"]
+    kept = tmp_path / "kept.npz"
+    shutil.copy(first, kept)
+    said = {}
+    for case in ("tokens", "renamed", "missing", "symlink"):
+        crafted = json.loads(good)
+        if case == "tokens":
+            crafted["tokens"] += 1000
+        elif case == "renamed":
+            crafted["shards"][0]["path"] = "part-00000/shard-00009.npz"
+        elif case == "missing":
+            first.unlink()
+        else:
+            first.unlink()
+            first.symlink_to(kept)
+        (out / "dataset.json").write_text(json.dumps(crafted))
+        said[case] = one_error_line(run(prepare, env_for_runs(), check=False))
+        assert f"{out / 'dataset.json'}: " in said[case] and f"remove {out}" in said[case], said[case]
+        if first.is_symlink() or not first.exists():
+            first.unlink(missing_ok=True)
+            shutil.copy(kept, first)
+    assert "token counts do not add up" in said["tokens"]
+    assert "shards[0].path is 'part-00000/shard-00009.npz', not 'part-00000/shard-00000.npz'" in said["renamed"]
+    for case in ("missing", "symlink"):
+        assert f"it lists {description['shards'][0]['path']}, which is missing, not a regular file" in said[case]
+
+
+# ------------------------------------------------------ 8: issue 41: model files past their checks, in a real run
+
+def one_line_of(argv: list, what: str) -> str:
+    """The one error line of a real process (exit 2, no traceback) that must say `what`."""
+    line = one_error_line(run([sys.executable, *map(str, argv)], env_for_runs(), check=False))
+    assert what in line, line
+    return line
+
+
+@pytest.mark.slow
+def test_an_hf_directory_crafted_past_its_config_check_is_one_line(hf_model, tmp_path):
+    """config.json nested past the parser's depth, one position, a rope factor of "nan" or 0; weights of dtype
+    int32 or holding NaN; a model.safetensors that is a symlink out of its directory: each one line naming the
+    file (in-process, and through generate.py and init_from: real processes). Each was a traceback, a silent
+    load, or init_from blaming the weights for the one position; the hub cache's links into blobs/ still load."""
+    from safetensors.torch import load_file, save_file
+
+    from utils.model.hf import check_weights, load_hf_pretrained
+
+    good = json.loads((hf_model / "config.json").read_text())
+    assert good["rope_parameters"]["rope_type"] == "default"
+
+    def crafted(name: str, config=None, weights=None) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(hf_model, folder)
+        if config is not None:
+            (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps({**good, **config}))
+        if weights is not None:
+            save_file(weights(load_file(str(folder / "model.safetensors"))), str(folder / "model.safetensors"))
+        return folder
+
+    for name, config, said in (
+            ("nested", "[" * 100_000 + "]" * 100_000, "config.json: cannot read it (nested too deeply to parse)"),
+            ("one-position", {"max_position_embeddings": 1}, "config.json: max_position_embeddings is 1, not at least 2"),
+            ("factor-nan", {"rope_parameters": {**good["rope_parameters"], "factor": "nan"}},
+             "config.json: rope_parameters.factor is 'nan', not a positive finite number"),
+            ("factor-0", {"rope_parameters": {**good["rope_parameters"], "factor": 0}},
+             "config.json: rope_parameters.factor is 0, not a positive finite number")):
+        with pytest.raises(UserError, match=re.escape(f"{tmp_path / name}/{said}")):
+            load_hf_pretrained(crafted(name, config))
+    for name, weights, said in (
+            ("int32", lambda w: {k: v.to(torch.int32) for k, v in w.items()}, "is torch.int32, not floating point"),
+            ("nan", lambda w: {k: v.fill_(float("nan")) if "embed_in" in k else v for k, v in w.items()},
+             "holds NaN or infinite values")):
+        folder = crafted(name, weights=weights)
+        spec, state = load_hf_pretrained(folder)
+        with pytest.raises(UserError, match=rf"init_from {folder}: its weight gpt_neox.embed_in.weight {said}"):
+            check_weights(spec, state, folder)
+        one_line_of(["generate.py", folder, "--prompt", "x"], f"{folder}: its weight gpt_neox.embed_in.weight {said}")
+
+    linked = crafted("linked")
+    (tmp_path / "outside.safetensors").write_bytes((linked / "model.safetensors").read_bytes())
+    (linked / "model.safetensors").unlink()
+    (linked / "model.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    one_line_of(["generate.py", linked, "--prompt", "x"],
+                f"{linked}: its weight file is 'model.safetensors', a symlink out of {linked}")
+    repo = tmp_path / "hub" / "models--x--tiny"  # the hub cache: each file a link into blobs/
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    for path in hf_model.iterdir():
+        shutil.copy(path, repo / "blobs" / path.name)
+        (repo / "snapshots" / "abc" / path.name).symlink_to(f"../../blobs/{path.name}")
+    assert load_hf_pretrained(repo / "snapshots" / "abc")[1].keys() == load_hf_pretrained(hf_model)[1].keys()
+
+    data = make_shards(tmp_path / "data", n_files=3, rows=16)
+    one_line_of(["train.py", "--config", "demo", "--output-dir", tmp_path / "out", "--data-dir", data, "--set",
+                 f"init_from={tmp_path / 'one-position'}", *[a for s in TINY for a in ("--set", s)]],
+                f"{tmp_path / 'one-position'}/config.json: max_position_embeddings is 1, not at least 2")
+
+
+def tiny_checkpoint(root: Path, model: dict | None = None, config: dict | None = None) -> Path:
+    """A checkpoint of the tiny model (its weights as built, by the real writer) whose trainer_state.json holds
+    `model` as the model record (default: the tiny model's) and `config` as the run's config."""
+    from configs.model_config import get_model_spec
+    from utils.checkpoint.format import CheckpointPayload, checkpoint_name, write_checkpoint
+    from utils.model import build_model
+
+    spec = get_model_spec("tiny")
+    state = {"step": 1, "epoch": 0, "tokens": 8, "world_size": 1, "model": spec.to_dict() if model is None else model,
+             **({} if config is None else {"config": config})}
+    payload = CheckpointPayload(build_model(spec, seed=0).state_dict(), {"rng": [{}]}, state)
+    return write_checkpoint(root, checkpoint_name(0, 1, 1), payload)
+
+
+@pytest.mark.slow
+def test_a_crafted_model_record_in_trainer_state_json_is_one_line(tmp_path, hf_model):
+    """trainer_state.json's model record: heads not dividing the width, a NaN rotary share, a negative eps, an
+    unknown activation, a string where a flag goes, one position, a vocabulary larger than the weights: one line
+    naming the file and field, in-process and through generate.py (each was a traceback)."""
+    from configs.model_config import get_model_spec
+    from utils.model.hf import load_checkpoint_model
+
+    tiny = get_model_spec("tiny").to_dict()
+    tokenizer = hf_model.parent / "tokenizer.json"
+    if not tokenizer.exists():
+        from tests.test_prepare_data import bpe_tokenizer
+
+        bpe_tokenizer(tokenizer, vocab=300)
+    load_checkpoint_model(tiny_checkpoint(tmp_path / "good"))  # as the engine writes it: fine
+    cases = [
+        ({"num_attention_heads": 5}, "model.hidden_size is 64, not a multiple of num_attention_heads (5)"),
+        ({"rotary_pct": float("nan")}, "model.rotary_pct is nan, not a number in (0, 1]"),
+        ({"layer_norm_eps": -1e-5}, "model.layer_norm_eps is -1e-05, not a positive finite number"),
+        ({"hidden_act": "bogus"}, "model.hidden_act is 'bogus', not an activation transformers knows"),
+        ({"use_parallel_residual": "false"}, "model.use_parallel_residual is 'false', not true or false"),
+        ({"max_position_embeddings": 1}, "model.max_position_embeddings is 1, not an integer of at least 2"),
+        ({"vocab_size": 1000}, "its weights do not match its trainer_state.json's model record (wrong shape"),
+    ]
+    for i, (change, said) in enumerate(cases):
+        checkpoint = tiny_checkpoint(tmp_path / str(i), tiny | change)
+        with pytest.raises(UserError) as e:
+            load_checkpoint_model(checkpoint)
+        assert str(checkpoint) in str(e.value) and said in str(e.value), str(e.value)
+        if i in (3, 6):
+            one_line_of(["generate.py", checkpoint, "--prompt", "x", "--tokenizer", tokenizer], said)
+
+
+@pytest.mark.slow
+def test_a_crafted_config_or_optimizer_state_is_one_line_when_resuming(tmp_path):
+    """trainer_state.json's "config": "x", and an optimizer.pt whose moments have another shape than their
+    parameters (its manifest rewritten to match): a resume stops before step 3 in one line naming the file
+    (real train.py runs). The first was a traceback; the second loaded, and failed at the first step."""
+    data = make_shards(tmp_path / "data", n_files=3, rows=16)
+    out = tmp_path / "out"
+    run(train_cmd(out, data, "max_steps=2", "save_steps=2"), env_for_runs())
+    (checkpoint,) = (out / "checkpoints").iterdir()
+    resume = train_cmd(out, data, "max_steps=4", "save_steps=2", extra=("--resume", "latest"))
+    saved = {name: (checkpoint / name).read_bytes() for name in ("trainer_state.json", "optimizer.pt", "manifest.json")}
+
+    state = json.loads(saved["trainer_state.json"])
+    (checkpoint / "trainer_state.json").write_text(json.dumps({**state, "config": "x"}))
+    refresh_manifest(checkpoint, "trainer_state.json")
+    line = one_error_line(run(resume, env_for_runs(), check=False))
+    assert f"checkpoint {checkpoint}: trainer_state.json: config is 'x', not an object" in line, line
+
+    for name, raw in saved.items():
+        (checkpoint / name).write_bytes(raw)
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    first = optimizer["state"][0]
+    first["exp_avg"] = torch.zeros(3, 3)
+    torch.save(optimizer, checkpoint / "optimizer.pt")
+    refresh_manifest(checkpoint, "optimizer.pt")
+    proc = run(resume, env_for_runs(), check=False)
+    line = one_error_line(proc)
+    assert f"checkpoint {checkpoint}: its weights or optimizer state do not fit this model (the saved optimizer's " \
+           f"exp_avg of gpt_neox.embed_in.weight has shape (3, 3), the parameter (512, 64))" in line, line
+    assert "Step 3" not in proc.stdout
+
+
+# -------------------------------------------------------------- 9: issue 41: a dataset's files past their checks
+
+@pytest.mark.slow
+def test_a_crafted_dataset_json_or_a_changed_tokenizer_is_one_line_before_step_1(tmp_path, gcs_emulator):
+    """dataset.json nested past the parser's depth (in a folder, and streamed from gs://), a shard path holding
+    a NUL, a tokenizer.json that is not the one its dataset.json records (sha256): one line naming the file,
+    before step 1 (in-process, and real train.py runs against the GCS emulator). The first two were tracebacks;
+    the third trained to the end with ids that meant other text."""
+    from tests.test_prepare_data import bpe_tokenizer
+    from tests.test_streaming import upload
+    from utils.data.dataset_info import DatasetInfo, DatasetInfoError
+    from utils.data.prepare import prepare
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(60)))
+    data = tmp_path / "data"
+    prepare([str(corpus)], str(bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)), data, shard_tokens=1024)
+    good = (data / "dataset.json").read_text()
+    nested = tmp_path / "nested"
+    shutil.copytree(data, nested)
+    (nested / "dataset.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DatasetInfoError, match=re.escape(f"{nested / 'dataset.json'} is not a readable dataset "
+                                                         f"description (ValueError: nested too deeply to parse)")):
+        DatasetInfo.load(nested)
+    url = upload(nested, f"gs://{gcs_emulator.bucket}/nested")
+
+    def train(data_dir) -> list[str]:
+        return train_cmd(tmp_path / "out", data_dir, "max_steps=2", "seq_len=32", f"data_cache_dir={tmp_path / 'c'}")
+
+    line = one_error_line(run(train(url), env_for_runs(), check=False))
+    assert f"{url}/dataset.json is not a readable dataset description (ValueError: nested too deeply" in line, line
+
+    crafted = json.loads(good)
+    crafted["shards"][0]["path"] = "part-00000/a\0b.npz"
+    (nested / "dataset.json").write_text(json.dumps(crafted))
+    with pytest.raises(DatasetInfoError, match=r"shards\[0\].path is 'part-00000/a\\x00b.npz', not the relative path"):
+        DatasetInfo.load(nested)
+
+    bpe_tokenizer(data / "tokenizer.json", vocab=320)  # another tokenizer, in place of the one the shards were made with
+    proc = run(train(data), env_for_runs(), check=False)
+    line = one_error_line(proc)
+    recorded = json.loads(good)["tokenizer"]["sha256"]
+    assert f"{data / 'tokenizer.json'} has sha256 " in line and f"not the {recorded[:16]}... that " \
+           f"{data / 'dataset.json'} records: the shards were made with another tokenizer" in line, line
+    assert "Step 1" not in proc.stdout and not (tmp_path / "out" / "checkpoints").exists()

@@ -3,10 +3,12 @@ show exists in the real entry points (their `--help`) and the config's field def
 resolves; nothing points outside the repository; the configuration reference is the generated one.
 
 The README's quick start and own-data blocks are also run as written (tests/test_demo.py,
-tests/test_first_day.py); here every other block is checked without running it."""
+tests/test_first_day.py); and every page's commands are run in reading order after the quick start, at toy
+size, in a fresh copy of the repository (tests/docs_walk.py, a slow test)."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shlex
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 import yaml
 
 from configs.training_config import PRESETS, ConfigError, is_config_file, parse_overrides
-from tests.conftest import REPO_ROOT, make_subprocess_env
+from tests.conftest import REPO_ROOT, Emulator, make_subprocess_env
 
 DOC_FILES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("**/*.md"))]
 SHELL_BLOCK = re.compile(r"```(?:bash|sh|shell|console)\n(.*?)```", re.S)
@@ -199,6 +201,37 @@ def test_the_check_fails_on_an_option_renamed_or_a_field_unknown(tmp_path):
         + ", ".join(PRESETS) + ")"]
     # after `--`, start_training.sh's arguments are train.py's
     assert check_page("```bash\n./start_training.sh --config demo -- --output-dir x --max-stepz 3\n```\n", "P.md")
+
+
+@pytest.mark.slow
+def test_every_page_s_commands_run_as_written_after_the_quick_start(tmp_path):
+    """README.md and docs/ walked in reading order in a fresh copy of the repository (tests/docs_walk.py):
+    every command a CPU can run exits 0 at toy size (the paths it names exist by then, no run is refused
+    over another's folder), and nothing is left in the repository outside the folders git ignores."""
+    from tests.docs_walk import DEFAULT_MAX_STEPS, MAX_STEPS_ENV, fresh_clone, left_in_the_repository, reader_files
+    from tests.docs_walk import walk
+
+    (tmp_path / "clone").mkdir()
+    clone = fresh_clone(tmp_path / "clone")
+    reader_files(clone)
+    bucket = Emulator(bucket="my-bucket")  # the pages' bucket
+    try:
+        ran, skipped = walk(clone, int(os.environ.get(MAX_STEPS_ENV, DEFAULT_MAX_STEPS)), bucket.bucket, bucket.url)
+    finally:
+        bucket.stop()
+    for command in ran:
+        print(f"ran     {command.seconds:6.1f} s  {command.page}: {command.shown}")
+    for command in skipped:
+        print(f"skipped ({command.skipped})  {command.page}: {command.shown}")
+    shown = [command.shown for command in ran]
+    for expected in ("./start_training.sh --config demo", "prepare_data.py --input corpus/ --tokenizer my-tokenizer/",
+                     "generate.py runs/cpu/final_model", "--set model=llama-demo", "--tokenizer models/llama-3.2-1b",
+                     "--config demo --cpu --gpus 2", "scripts/evaluate.py", "spike_guard=rollback",
+                     "scripts/plot_run.py", "--upload gs://my-bucket/datasets/mine",
+                     "download_training_data.py --source gs://my-bucket/datasets/mine",
+                     "--tokenizer my-tokenizer/ --output gs://my-bucket/datasets/mine"):
+        assert any(expected in line for line in shown), f"no command with {expected!r} ran: {shown}"
+    assert left_in_the_repository(clone) == []
 
 
 def relative_links(text: str) -> list[str]:

@@ -204,6 +204,24 @@ def test_plot_run_draws_every_run_s_curves_against_tokens(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: ") and not (tmp_path / "x.png").exists()
 
 
+def test_plot_run_writes_into_the_run_s_folder_and_nothing_where_it_is_run(tmp_path):
+    """Without -o the figure goes into the first run's folder (curves.png; curves-vs-NAME.png with others),
+    never into the folder it is run from (the repository, for the docs' commands)."""
+    for name in ("demo", "cpu"):
+        (tmp_path / "runs" / name / "logs").mkdir(parents=True)
+        rows = [{"step": s, "tokens": 100 * s, "loss": 8 / s, "lr": 1e-3, "tokens_per_sec": 50.0} for s in (1, 2)]
+        (tmp_path / "runs" / name / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    here = tmp_path / "repository"
+    here.mkdir()
+    script = str(REPO_ROOT / "scripts" / "plot_run.py")
+    for runs, written in (([tmp_path / "runs" / "demo"], tmp_path / "runs" / "demo" / "curves.png"),
+                          ([tmp_path / "runs" / "demo", tmp_path / "runs" / "cpu" / "logs" / "metrics.jsonl"],
+                           tmp_path / "runs" / "demo" / "curves-vs-cpu.png")):
+        proc = run([sys.executable, script, *map(str, runs)], make_subprocess_env(), cwd=here, timeout=120)
+        assert proc.stdout.startswith(f"wrote {written} (") and written.read_bytes()[:4] == b"\x89PNG"
+        assert list(here.iterdir()) == []
+
+
 def test_export_of_a_tokenizer_without_an_end_of_document_token(tmp_path):
     """A tokenizer nobody named an EOS for still goes out whole (no ids invented); a GPT-2-shaped one gets
     its <|endoftext|> as BOS, EOS and padding."""
@@ -227,3 +245,82 @@ def test_export_of_a_tokenizer_without_an_end_of_document_token(tmp_path):
     found = ExportTokenizer.find(gpt2_style_tokenizer(tmp_path / "gpt2" / "tokenizer.json"))
     assert (found.bos, found.eos, found.pad) == ("<|endoftext|>",) * 3
     assert ExportTokenizer.find(tmp_path / "nothing") is None
+
+
+def digits_text_and_ids(tokenizer_file: Path) -> tuple[str, list[int]]:
+    """Text with numbers and its ids by the tokenizer the data was prepared with; that tokenizer keeps some
+    multi-digit number in one token (so a tokenizer that splits digits one by one would differ)."""
+    from tokenizers import Tokenizer
+
+    text = "x = 12345 + 678\nfor i in range(100):\n    total += i * 2024  # 3.14159"
+    trained = Tokenizer.from_file(str(tokenizer_file))
+    ids = trained.encode(text, add_special_tokens=False).ids
+    assert any(sum(c.isdigit() for c in trained.id_to_token(i)) >= 2 for i in ids)
+    return text, ids
+
+
+def test_an_export_names_the_tokenizer_it_was_trained_with_and_no_other_s_files(tmp_path):
+    """GPT-NeoX and Llama exports into a folder holding another tokenizer's files (vocab.json, merges.txt,
+    special_tokens_map.json): those are gone; tokenizer_config.json names PreTrainedTokenizerFast (loadable
+    by transformers 4 and 5); AutoTokenizer encodes numbers as the training tokenizer does; nothing else."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from configs import get_model_spec
+    from utils.model import build_model
+    from utils.model.hf import export_hf
+
+    tokenizer = gpt2_style_tokenizer(tmp_path / "mine" / "tokenizer.json")
+    text, ids = digits_text_and_ids(tokenizer)
+    for name in ("tiny", "llama-tiny"):
+        spec = replace(get_model_spec(name), vocab_size=50257)
+        out = tmp_path / name
+        out.mkdir()
+        for stale in ("vocab.json", "merges.txt", "special_tokens_map.json"):
+            (out / stale).write_text("{}")
+        warnings = []
+        export_hf(build_model(spec, seed=0).state_dict(), spec, out, tokenizer=tokenizer, warn=warnings.append)
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                         "tokenizer.json", "tokenizer_config.json"], name
+        assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+        assert AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False)["input_ids"] == ids, name
+        assert warnings == [], warnings
+
+
+@pytest.mark.slow
+def test_a_qwen2_model_trained_with_the_demo_s_tokenizer_exports_a_tokenizer_that_encodes_as_training_did(
+        tmp_path, subprocess_env):
+    """init_from a Qwen2 directory (transformers' Qwen2ForCausalLM: its AutoTokenizer default, Qwen2Tokenizer,
+    splits numbers digit by digit), trained on the demo's data and its BPE: AutoTokenizer encodes numbers as
+    that BPE does, on final_model/ itself or, where the installed transformers picks its own class by the
+    model_type whatever tokenizer_config.json names, on final_model/tokenizer/, which the run's warning names."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from configs import get_model_spec
+    from tests.trainkit import train_cmd
+    from utils.model.families import family
+
+    spec = replace(get_model_spec("llama-tiny"), vocab_size=2048, max_position_embeddings=128, qkv_bias=True)
+    fam = family("llama")
+    fam.causal_lm_class(spec)(fam.hf_config(spec)).save_pretrained(tmp_path / "qwen2-toy")
+    assert json.loads((tmp_path / "qwen2-toy" / "config.json").read_text())["model_type"] == "qwen2"
+    out = tmp_path / "run"
+    proc = run(train_cmd(out, tmp_path / "data", "max_steps=2", "save_steps=2", "demo_data=true",
+                         f"init_from={tmp_path / 'qwen2-toy'}"), make_subprocess_env(), timeout=600)
+    final = out / "final_model"
+    text, ids = digits_text_and_ids(tmp_path / "data" / "tokenizer.json")
+    assert json.loads((final / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert not (final / "vocab.json").exists() and not (final / "merges.txt").exists()
+    loaded = AutoTokenizer.from_pretrained(final)
+    if loaded(text, add_special_tokens=False)["input_ids"] == ids:
+        assert not (final / "tokenizer").exists()
+        return
+    warning = next(line for line in proc.stderr.splitlines() if "AutoTokenizer loads" in line)
+    assert f"as its {type(loaded).__name__}" in warning and f"tokenizer={final / 'tokenizer'}" in warning, warning
+    assert warning in (out / "logs" / "training.log").read_text()
+    alone = AutoTokenizer.from_pretrained(final / "tokenizer")
+    assert alone(text, add_special_tokens=False)["input_ids"] == ids
+    assert alone.eos_token == "<|endoftext|>" and alone.padding_side == "left"

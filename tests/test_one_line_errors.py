@@ -5,6 +5,7 @@ runs every command-line entry point against bad inputs and asserts no traceback 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainkit import REPO_ROOT, make_shards
+from tests.trainkit import REPO_ROOT, make_shards, train_cmd
 from utils.io import files
 from utils.checkpoint.format import CheckpointPayload, checkpoint_name, write_checkpoint
 from utils.errors import DiskFullError, UserError
@@ -25,18 +26,6 @@ NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 def as_nobody_ok() -> bool:
     return os.getuid() == 0 and shutil.which("setpriv") is not None
-
-
-@pytest.fixture
-def open_tmp():
-    """A temporary directory an unprivileged user can reach (pytest's own are root-only)."""
-    import tempfile
-
-    path = Path(tempfile.mkdtemp(prefix="hardening-"))
-    os.chmod(path, 0o755)
-    yield path
-    subprocess.run(["chmod", "-R", "u+rwx", str(path)], capture_output=True)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def fake_checkpoint(root: Path, step: int, extra_files: dict | None = None) -> Path:
@@ -465,7 +454,172 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
                    [py, "generate.py", str(crafted), "--prompt", "x"])]
     cases += tool_cases(tmp)
     cases += text_cases(tmp)
+    cases += crafted_input_cases(tmp)
     return cases
+
+
+def crafted_input_cases(tmp: Path) -> list[tuple[str, list]]:
+    """Issue 41's inputs: crafted model, checkpoint, dataset and prepare files, and numbers past their ranges."""
+    py, root = sys.executable, tmp / "issue41"
+    data = make_shards(root / "data", n_files=3, rows=16)
+    train = [py, "train.py", "--config", "demo", "--output-dir", str(root / "out")]
+    for setting in ("model=tiny", "compile_model=false", "mixed_precision=no", "val_files=1",
+                    "dataloader_num_workers=0"):
+        train += ["--set", setting]
+    from tests.test_prepare_data import bpe_tokenizer
+
+    tokenizer = bpe_tokenizer(root / "bpe.json", vocab=300)  # so that each gets as far as its crafted file
+    generate = [py, "generate.py", "--prompt", "x", "--tokenizer", str(tokenizer)]
+    cases = [(f"train: {what}", train + ["--data-dir", str(folder)])
+             for what, folder in dataset_cases(root, data, tokenizer)]
+    cases += [(f"generate: an HF directory whose {what}", generate + [str(folder)]) for what, folder in hf_cases(root)]
+    cases += [(f"generate: a checkpoint whose trainer_state.json has {what}", generate + [str(folder)])
+              for what, folder in record_cases(root)]
+    run_out = root / "run"
+    run_py(train_cmd(run_out, data, "max_steps=1", "save_steps=1")[1:], timeout=300).check_returncode()
+    cases += [(f"train: resume from a checkpoint whose {what}",
+               train + ["--data-dir", str(data), "--resume", str(where)]) for what, where in resume_cases(root, run_out)]
+    config = root / "config"
+    config.mkdir()
+    (config / "binary.yaml").write_text("base: demo\nrun_name: !!binary aGVsbG8=\n")
+    (config / "yes.yaml").write_text("base: demo\nmixed_precision: yes\n")
+    from tests.test_settings import huge_head_model
+
+    cases += [
+        ("train: init_from an HF directory of one position", train + ["--data-dir", str(data), "--set",
+                                                                       f"init_from={root / 'hf-one-position'}"]),
+        ("train: a gradient norm past fp32 at step 1",
+         train + ["--data-dir", str(data), "--set", "max_steps=2", "--set",
+                  f"init_from={huge_head_model(root / 'huge-head')}"]),
+        ("train: --set max_steps=<400 digits>", train + ["--data-dir", str(data), "--set", "max_steps=" + "9" * 400]),
+        ("train: --set z_loss=1e30", train + ["--data-dir", str(data), "--set", "z_loss=1e30"]),
+        ("train: a config file with !!binary", [py, "train.py", "--config", str(config / "binary.yaml")]),
+        ("train: mixed_precision: yes in a config file", [py, "train.py", "--config", str(config / "yes.yaml")]),
+    ]
+    for i, (_, argv) in enumerate(cases):  # each run its own output folder: they run two at a time
+        if "--output-dir" in argv:
+            argv[argv.index("--output-dir") + 1] = str(root / f"out-{i}")
+    return cases + prepare_cases(root)
+
+
+def dataset_cases(root: Path, data: Path, tokenizer: Path) -> list[tuple[str, Path]]:
+    """Data folders whose dataset.json is nested 100,000 deep, names a shard path holding a NUL, or records the
+    sha256 of another tokenizer than the tokenizer.json beside it (`tokenizer`)."""
+    from tests.test_crafted_files import write_dataset
+
+    folders = {}
+    for name in ("nested", "nul", "tokenizer"):
+        folders[name] = root / f"data-{name}"
+        shutil.copytree(data, folders[name])
+    train_shards = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.npz"))
+    (folders["nested"] / "dataset.json").write_text("[" * 100_000 + "]" * 100_000)
+    with_nul = json.loads(write_dataset(folders["nul"], train_shards, []).joinpath("dataset.json").read_text())
+    with_nul["shards"][0]["path"] += "\0x"
+    (folders["nul"] / "dataset.json").write_text(json.dumps(with_nul))
+    described = json.loads(write_dataset(folders["tokenizer"], train_shards, []).joinpath("dataset.json").read_text())
+    described["tokenizer"]["sha256"] = "0" * 64
+    (folders["tokenizer"] / "dataset.json").write_text(json.dumps(described))
+    shutil.copy(tokenizer, folders["tokenizer"] / "tokenizer.json")
+    return [("dataset.json is nested 100,000 deep", folders["nested"]),
+            ("dataset.json names a shard path holding a NUL", folders["nul"]),
+            ("tokenizer.json is not the one dataset.json records", folders["tokenizer"])]
+
+
+def hf_cases(root: Path) -> list[tuple[str, Path]]:
+    """HF directories (the tiny GPT-NeoX) past their config check: see test_crafted_files."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.trainkit import tiny_hf_model
+
+    good = tiny_hf_model(root / "hf-good")
+    config = json.loads((good / "config.json").read_text())
+    crafted = {"config.json is nested": "[" * 100_000 + "]" * 100_000,
+               "max_position_embeddings is 1": {"max_position_embeddings": 1},
+               "rope factor is 'nan'": {"rope_parameters": {**config["rope_parameters"], "factor": "nan"}},
+               "rope factor is 0": {"rope_parameters": {**config["rope_parameters"], "factor": 0}},
+               "weights are int32": lambda w: {k: v.int() for k, v in w.items()},
+               "weights hold NaN": lambda w: {k: v.fill_(float("nan")) for k, v in w.items()},
+               "model.safetensors is a symlink out of it": None}
+    cases = []
+    for i, (what, change) in enumerate(crafted.items()):
+        folder = root / ("hf-one-position" if i == 1 else f"hf-{i}")
+        shutil.copytree(good, folder)
+        if isinstance(change, (str, dict)):
+            (folder / "config.json").write_text(change if isinstance(change, str) else json.dumps({**config, **change}))
+        elif change is not None:
+            save_file(change(load_file(str(folder / "model.safetensors"))), str(folder / "model.safetensors"))
+        else:
+            (folder / "model.safetensors").rename(root / "outside.safetensors")
+            (folder / "model.safetensors").symlink_to(root / "outside.safetensors")
+        cases.append((what, folder))
+    return cases
+
+
+def record_cases(root: Path) -> list[tuple[str, Path]]:
+    """Checkpoints of the tiny model whose trainer_state.json's model record is crafted."""
+    from configs.model_config import get_model_spec
+    from tests.test_crafted_files import tiny_checkpoint
+
+    tiny = get_model_spec("tiny").to_dict()
+    crafted = {"heads not dividing hidden_size": {"num_attention_heads": 5},
+               "a NaN rotary_pct": {"rotary_pct": math.nan},
+               "a negative eps": {"layer_norm_eps": -1e-5}, "an unknown activation": {"hidden_act": "bogus"},
+               "a string boolean": {"use_parallel_residual": "false"}, "one position": {"max_position_embeddings": 1},
+               "a vocabulary larger than its weights": {"vocab_size": 1000}}
+    return [(what, tiny_checkpoint(root / f"record-{i}", tiny | change))
+            for i, (what, change) in enumerate(crafted.items())]
+
+
+def resume_cases(root: Path, run_out: Path) -> list[tuple[str, Path]]:
+    """Copies of a real run's checkpoint whose trainer_state.json's config is "x", or whose optimizer.pt holds a
+    moment of another shape than its parameter (the manifest rewritten to match)."""
+    from tests.test_crafted_files import refresh_manifest
+
+    (checkpoint,) = (run_out / "checkpoints").iterdir()
+    copies = []
+    for name in ("config", "optimizer"):
+        copy = root / f"resume-{name}" / checkpoint.name
+        shutil.copytree(checkpoint, copy)
+        if name == "config":
+            state = json.loads((copy / "trainer_state.json").read_text())
+            (copy / "trainer_state.json").write_text(json.dumps({**state, "config": "x"}))
+            refresh_manifest(copy, "trainer_state.json")
+        else:
+            optimizer = torch.load(copy / "optimizer.pt", weights_only=True)
+            optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+            torch.save(optimizer, copy / "optimizer.pt")
+            refresh_manifest(copy, "optimizer.pt")
+        copies.append(copy)
+    return [("trainer_state.json's config is 'x'", copies[0]),
+            ("optimizer.pt has a moment of the wrong shape", copies[1])]
+
+
+def prepare_cases(root: Path) -> list[tuple[str, list]]:
+    """prepare_data.py with --partition-mb 1e308, on a staging area whose completion record names a symlinked
+    shard, and on a finished output whose dataset.json lists a shard that is not there."""
+    from utils.data.prepare import prepare
+
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(40)))
+    args = ["--input", str(corpus), "--tokenizer", str(root / "bpe.json"), "--shard-tokens", "1024", "--val-fraction",
+            "0"]
+    done = root / "prepared"
+    prepare([str(corpus)], str(root / "bpe.json"), done, shard_tokens=1024, val_fraction=0.0)  # as the CLI's
+    described = json.loads((done / "dataset.json").read_text())
+    staging = root / ".linked.staging"
+    (staging / "p00000").mkdir(parents=True)
+    shutil.copy(done / "plan.json", staging / "plan.json")
+    (staging / "p00000" / "shard-00000.npz").symlink_to(done / described["shards"][0]["path"])
+    record = {"partition": 0, "plan": described["fingerprint"], "documents": described["documents"],
+              "documents_empty": 0, "tokens": described["tokens"], "validation": {"documents": 0, "tokens": 0},
+              "shards": [{**described["shards"][0], "path": "shard-00000.npz"}]}
+    (staging / "p00000" / "done.json").write_text(json.dumps(record))
+    (done / described["shards"][-1]["path"]).unlink()
+    prepare_py = [sys.executable, "prepare_data.py", "--no-progress", "--workers", "1", *args]
+    return [("prepare: --partition-mb 1e308",
+             prepare_py + ["--output", str(root / "p-big"), "--partition-mb", "1e308"]),
+            ("prepare: a completion record naming a symlinked shard", prepare_py + ["--output", str(root / "linked")]),
+            ("prepare: a reused output whose dataset.json lists a missing shard", prepare_py + ["--output", str(done)])]
 
 
 def text_cases(tmp: Path) -> list[tuple[str, list]]:

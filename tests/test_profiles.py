@@ -24,6 +24,26 @@ def test_profiles_keep_the_per_process_batch():
     assert apply_profile(cfg, PROFILES["conservative"]).optimizer_state_dtype == "bf16"
 
 
+@pytest.mark.parametrize("model, length", [("llama-3.2-1b", 8192), ("qwen2.5-0.5b", 8192), ("qwen2.5-1.5b", 8192),
+                                           ("smollm2-135m", 8192), ("gpt-neox-1.2b", 2048), ("demo", 128)])
+def test_a_run_and_the_memory_plan_take_one_default_length(model, length):
+    """seq_len unset: the model's positions, at most 8,192 (Llama 3.2: its 8,192-token context before rope
+    scaling, of 131,072 positions; Qwen2.5: 32,768 and 131,072 capped); the memory plan counts the same."""
+    from configs.profiles import memory_plan
+
+    spec = get_model_spec(model)
+    assert get_training_config("demo", {"model": model}).seq_len_for(spec) == length
+    assert memory_plan(spec) == memory_plan(spec, seq_len=length)
+
+
+def test_the_default_length_is_a_model_s_context_before_rope_scaling():
+    from dataclasses import replace
+
+    spec = replace(get_model_spec("llama-3.2-1b"), rope_scaling=(8.0, 1.0, 4.0, 4096))
+    assert get_training_config("demo").seq_len_for(spec) == 4096
+    assert get_training_config("demo", {"model": "llama-3.2-1b", "seq_len": 16384}).seq_len_for(spec) == 16384
+
+
 def test_auto_is_a_no_op_on_cpu_and_off_keeps_config():
     cfg = get_training_config("production")
     assert resolve_profile(cfg, "cpu", None) == (cfg, None)

@@ -19,7 +19,7 @@ import torch
 
 from configs.model_config import ConfigError
 from configs.training_config import TrainingConfig, get_training_config, parse_overrides, read_config_file
-from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd, train_rows
+from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, tiny_hf_model, train_cmd, train_rows
 
 
 def one_error_line(proc) -> str:
@@ -40,8 +40,13 @@ def shards(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("setting, rule", [
     ("learning_rate=nan", "learning_rate=nan must be a finite number within (0, 1e12]"),
     ("adam_beta2=1.5", "adam_beta2=1.5 must be a finite number within [0, 1)"),
-    ("adam_eps=-1", "adam_eps=-1.0 must be a finite number greater than 0"),
-    ("max_grad_norm=-1", "max_grad_norm=-1.0 must be a finite number at least 0"),
+    ("adam_eps=-1", "adam_eps=-1.0 must be a finite number within (0, 1]"),
+    ("max_grad_norm=-1", "max_grad_norm=-1.0 must be a finite number within [0, 1e6]"),
+    # issue 41: every loss term and coefficient has a range (z_loss=1e30 trained to loss=0.0000 and exported)
+    ("z_loss=1e30", "z_loss=1e+30 must be a finite number within [0, 1]"),
+    ("adam_eps=10", "adam_eps=10.0 must be a finite number within (0, 1]"),
+    ("max_grad_norm=1e30", "max_grad_norm=1e+30 must be a finite number within [0, 1e6]"),
+    ("spike_threshold=1e9", "spike_threshold=1000000000.0 must be a finite number within (0, 1000]"),
 ])
 def test_numbers_that_cannot_train_are_one_line_through_train_py(tmp_path, subprocess_env, shards, setting, rule):
     proc = run(train_cmd(tmp_path / "out", shards, setting, "max_steps=2"), subprocess_env, check=False)
@@ -82,23 +87,50 @@ def test_max_grad_norm_zero_is_no_clipping_and_the_norm_is_still_logged(tmp_path
     norm is logged either way (two runs, 10 s)."""
     sets = ("max_steps=3", "save_steps=100")
     runs = {}
-    for norm in ("0", "1e30"):
+    for norm in ("0", "1e6"):  # 1e6: the largest norm it takes (issue 41), far above this toy run's
         out = tmp_path / norm
         run(train_cmd(out, shards, *sets, f"max_grad_norm={norm}"), subprocess_env)
         runs[norm] = (train_rows(out), load_weights(out / "final_model" / "model.safetensors"))
-    (zero, w0), (huge, w1) = runs["0"], runs["1e30"]
+    (zero, w0), (huge, w1) = runs["0"], runs["1e6"]
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     assert [zero[s]["loss"] for s in (1, 2, 3)] == [huge[s]["loss"] for s in (1, 2, 3)]
     assert zero[3]["loss"] < zero[1]["loss"] - 0.05 and all(zero[s]["grad_norm"] > 0 for s in (1, 2, 3))
 
 
 def test_a_non_finite_loss_in_fp32_says_fp32_and_does_not_advise_fp32(tmp_path, subprocess_env, shards):
-    proc = run(train_cmd(tmp_path / "out", shards, "learning_rate=1e12", "warmup_steps=0", "max_grad_norm=1e30",
+    proc = run(train_cmd(tmp_path / "out", shards, "learning_rate=1e12", "warmup_steps=0", "max_grad_norm=0",
                          "max_steps=6", "logging_steps=3", "save_steps=100"), subprocess_env, check=False)
     line = one_error_line(proc)
     assert "non-finite loss at step" in line and "(fp32 precision)" in line and "learning_rate" in line
     assert "--mixed-precision" not in line
     assert "fp32 precision, compile=off" in proc.stdout and "no precision" not in proc.stdout + proc.stderr
+
+
+def huge_head_model(path: Path) -> Path:
+    """A tiny HF GPT-NeoX whose head is 1e20 times too large: a finite loss (about 1e20), and a gradient norm
+    past what fp32 holds at the first step."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_hf_model(path)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["embed_out.weight"] *= 1e20
+    save_file(weights, str(path / "model.safetensors"))
+    return path
+
+
+def test_a_non_finite_gradient_norm_stops_the_run_as_a_non_finite_loss_does(tmp_path, subprocess_env, shards):
+    """init_from a model whose head is 1e20 times too large: the loss stays finite (about 1e20) but the gradient
+    norm overflows fp32 at step 1. The run stops in one line naming the step, exit 2, nothing saved or exported,
+    as for a non-finite loss (real train.py); it trained on with grad_norm null (clipping zeroed each update)
+    and exported."""
+    model = huge_head_model(tmp_path / "huge-head")
+    out = tmp_path / "out"
+    proc = run(train_cmd(out, shards, f"init_from={model}", "max_steps=3", "save_steps=1"), subprocess_env, check=False)
+    line = one_error_line(proc)
+    assert re.fullmatch(r"error: non-finite gradient norm \(its loss \d\.\d+e\+\d\d\) at step 1 \(fp32 precision\); no "
+                        r"checkpoint was written for it\. .*", line), line
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+    assert not (out / "final_model").exists()
 
 
 # ------------------------------------------------------------------------------ 6: settings on resume

@@ -10,6 +10,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -27,7 +28,7 @@ from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.loader import MixtureBatchSampler, RankSlice, Readers, ResumableLoader, source_schedule
 from utils.data.mixture import MixtureError, Shuffle, block_permutation
 from utils.data.source import CacheBudget, CacheTooSmall, OpenRequest, Source
-from utils.data.stream_source import StreamError
+from utils.data.stream_source import StreamError, bytes_under
 from utils.errors import UserError
 
 SEQ, VOCAB = 32, 364  # the tokenizer's ids (prepare_data.py's dataset.json says so)
@@ -70,18 +71,6 @@ def bucket(gcs_emulator, prepared) -> str:
 def request(cache_dir: Path, shuffle: Shuffle, cache_gb: float = 0.0, rank: int = 0) -> OpenRequest:
     return OpenRequest(SEQ, VOCAB, log=lambda _line: None, rank=rank, shuffle=shuffle, step_sequences=8,
                        cache_dir=str(cache_dir), cache=CacheBudget(cache_gb))
-
-
-def cache_bytes(folder: Path) -> int:
-    """Bytes of the files under `folder` now (one renamed or removed while it looks is skipped)."""
-    total = 0
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            try:
-                total += os.stat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                pass
-    return total
 
 
 class MediaLog:
@@ -501,7 +490,7 @@ def test_blocks_within_a_small_cache_an_outage_stops_with_a_checkpoint_and_a_res
 
     def watch():  # the cache's bytes, every 2 ms; GCS goes away once the streamed run has trained a step
         while not done.is_set():
-            peak[0] = max(peak[0], cache_bytes(cache) if cache.exists() else 0)
+            peak[0] = max(peak[0], bytes_under(cache) if cache.exists() else 0)
             rows = tmp_path / "gs" / "logs" / "metrics.jsonl"
             if not outage.is_set() and rows.exists() and '"loss"' in rows.read_text():
                 gcs_emulator.stop()
@@ -600,3 +589,49 @@ def test_two_ranks_read_disjoint_sequences_and_each_fetches_only_what_it_reads(
     for row in trace:
         batch = next(one)
         assert row["ranks"] == [[zlib.crc32(batch[0].numpy().tobytes())], [zlib.crc32(batch[1].numpy().tobytes())]]
+
+
+# --------------------------------------------------------- issue 41: a cache disk full of earlier runs' shards
+
+@pytest.mark.slow
+def test_data_cache_gb_makes_room_on_a_disk_full_of_what_earlier_runs_left(gcs_emulator, prepared, tmp_path,
+                                                                           subprocess_env):
+    """A 100 kB disk (a tmpfs) that an earlier run's cached shards fill; a run of another dataset with the
+    advice followed (data_cache_gb within the disk) trains to the end: the earlier run's shards make room first,
+    its description stays (real train.py runs, the GCS emulator). It stopped for no space whatever the bound."""
+    env = {**subprocess_env, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
+    first, second = (upload(prepared, f"gs://{gcs_emulator.bucket}/{name}") for name in ("first", "second"))
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        blocks = ["shuffle=blocks", "shuffle_block_shards=2", f"data_cache_dir={mount}"]
+        train(tmp_path / "first", first, env, *blocks, check=False)  # unbounded: stops when the disk is full
+        left = mount / gcs_emulator.bucket / "first"
+        assert shutil.disk_usage(mount).free < 8192 and list((left / "rank-0").rglob("*.npz"))
+        proc = train(tmp_path / "second", second, env, *blocks, f"data_cache_gb={34_000 / 1e9}")
+        assert (tmp_path / "second" / "final_model").is_dir() and "Traceback" not in proc.stderr
+        assert not list((left / "rank-0").rglob("*.npz")) and (left / DATASET_FILE).is_file()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_cache_folder_this_user_may_not_write_is_a_permissions_line(bucket, open_tmp):
+    """data_cache_dir in another user's folder: one line naming it, its owner and what to do about permissions
+    (a real unprivileged process, the GCS emulator); it was given the advice for a full disk."""
+    from tests.test_one_line_errors import NOBODY, as_nobody_ok, run_py
+
+    if not as_nobody_ok():
+        pytest.skip("needs root and setpriv to run as an unprivileged user")
+    cache = open_tmp / "cache"
+    cache.mkdir()  # root's, 0755
+    code = ("from utils.errors import UserError; from utils.data.source import Source\n"
+            "from utils.data.stream_source import description_dir\n"
+            f"try: description_dir(Source('data', path={bucket!r}), {str(cache)!r})\n"
+            "except UserError as e: print('error:', e)")
+    proc = run_py(["-c", code], user=NOBODY)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: cannot write {cache}/{bucket[5:].split('/')[0]} (Permission denied) ({cache} is owned by root); " \
+           f"set data_cache_dir to a folder you may write" in proc.stdout, proc.stdout
+    assert "free space" not in proc.stdout

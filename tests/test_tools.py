@@ -282,8 +282,8 @@ def test_plot_run_into_a_directory_writes_a_named_file_inside_it(one_run, tmp_pa
 
     (tmp_path / "plots").mkdir()
     assert plot_run.main([str(one_run), "-o", str(tmp_path / "plots")]) == 0
-    assert f"wrote {tmp_path / 'plots' / 'runs.png'} (" in capsys.readouterr().out
-    assert (tmp_path / "plots" / "runs.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"wrote {tmp_path / 'plots' / 'curves.png'} (" in capsys.readouterr().out
+    assert (tmp_path / "plots" / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "plots.png").exists()
     assert plot_run.main([str(one_run), "-o", str(tmp_path / "curves")]) == 0  # no extension: .png, said
     assert f"wrote {tmp_path / 'curves.png'} (" in capsys.readouterr().out and (tmp_path / "curves.png").is_file()

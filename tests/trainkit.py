@@ -64,6 +64,15 @@ def load_weights(path: Path) -> dict:
     return load_file(str(path))
 
 
+def tiny_hf_model(path: Path) -> Path:
+    """A tiny GPT-NeoX (the tiny model's shape) as transformers saves it: config.json + model.safetensors."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=256, max_position_embeddings=64)).save_pretrained(path)
+    return path
+
+
 def gpt2_style_tokenizer(path: Path, size: int = 50257) -> Path:
     """A GPT-2-shaped byte-level BPE tokenizer.json built locally (no hub download): 256 byte tokens, 50,000
     merges of byte pairs (common characters first) and `<|endoftext|>` as id 50256: 50,257 ids, as GPT-2

@@ -9,5 +9,5 @@
 - `upload`: the background thread that sends finished checkpoints to GCS;
 - `resume`: a `--resume` value -> a verified local checkpoint (downloading one from GCS if need be).
 
-May import: utils, utils.io, utils.runtime, utils.training, utils.data.
+May import: utils, utils.io, utils.runtime, utils.training, configs, utils.data.
 """

@@ -503,7 +503,7 @@ def read_checkpoint(path, map_location="cpu", verify: bool = True, objects: bool
                     "state dicts (tensors, containers, numbers, strings, numpy arrays) as checkpoint objects"
                 ) from e
     try:
-        trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
+        trainer_state = files.parse_json((path / TRAINER_STATE_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: cannot read {TRAINER_STATE_FILE}: {e}") from e
     check_trainer_state(path, trainer_state, manifest)
@@ -516,30 +516,38 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
 
 def check_trainer_state(path: Path, state, manifest: dict) -> None:
     """trainer_state.json's values (a checkpoint may come from a bucket, or be crafted) before anything uses
-    them: step, tokens and epoch non-negative integers, world_size a positive one, the model record's shape
-    positive integers that the checkpoint's weight files can hold (a crafted shape would have generate.py or
-    the export allocate it). CheckpointError naming the file and field."""
+    them: step, tokens and epoch non-negative integers, world_size a positive one, the run record's config an
+    object, its strategy a string and its seq_len and global batch positive integers, the model record's fields
+    of their types and ranges (configs/model_config.py check_model_record) and a shape the checkpoint's weight
+    files can hold (a crafted shape would have generate.py or the export allocate it). CheckpointError naming
+    the file and field."""
+    from configs.model_config import check_model_record
+
     where = f"checkpoint {path}: {TRAINER_STATE_FILE}"
+    advice = "the checkpoint is corrupt or crafted: resume from another one"
 
     def bad(field: str, value, want: str):
-        raise CheckpointError(f"{where}: {field} is {value!r}, not {want}; the checkpoint is corrupt or crafted: "
-                              f"resume from another one")
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise CheckpointError(f"{where}: {field} is {shown}, not {want}; {advice}")
 
     if not isinstance(state, dict):
         bad("the file", type(state).__name__, "an object")
-    for field, least in (("step", 0), ("tokens", 0), ("epoch", 0), ("world_size", 1)):
-        if field in state or field == "step":
+    for field, least in (("step", 0), ("tokens", 0), ("epoch", 0), ("world_size", 1), ("seq_len", 1),
+                         ("global_batch_sequences", 1)):
+        if field == "step" or state.get(field) is not None:
             value = state.get(field)
             if type(value) is not int or value < least:
                 bad(field, value, f"an integer of at least {least}")
+    for field, kind, want in (("config", dict, "an object of training-config fields"), ("strategy", str, "a string")):
+        if field in state and not isinstance(state[field], kind):
+            bad(field, state[field], want)
     model = state.get("model")
     if model is None:
         return
-    if not isinstance(model, dict):
-        bad("model", model, "an object")
-    for field in _SHAPE_FIELDS:
-        if field in model and (type(model[field]) is not int or model[field] < 1):
-            bad(f"model.{field}", model[field], "a positive integer")
+    try:
+        check_model_record(model)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}; {advice}") from None
     if all(field in model for field in _SHAPE_FIELDS[:5]):
         h, layers, inter = model["hidden_size"], model["num_hidden_layers"], model["intermediate_size"]
         parameters = model["vocab_size"] * h + layers * (4 * h * h + 2 * h * inter)  # at least (one embedding)

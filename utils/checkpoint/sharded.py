@@ -426,7 +426,9 @@ def load_full(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_s
 
 def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
     """torch's optimizer state dict (parameters numbered 0..N-1 across its groups) -> the same keyed by
-    parameter name, using this optimizer's groups, which hold the same parameters in the same order."""
+    parameter name, using this optimizer's groups, which hold the same parameters in the same order. A state
+    tensor (a moment, a momentum buffer) of another shape than its parameter is refused here, naming both:
+    torch would load it and fail at the first step."""
     names = {}  # the state dict's names: wrappers (activation checkpointing) leave them as the model's own
     for name, p in model.state_dict(keep_vars=True).items():
         names.setdefault(id(p), name)  # a tied weight keeps its first name, as named_parameters() gives it
@@ -438,11 +440,21 @@ def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, 
         if len(saved_group["params"]) != len(group["params"]):
             raise ValueError("the saved optimizer's parameter groups hold other parameters than this model's")
         fqns = [names[id(p)] for p in group["params"]]
-        for number, fqn in zip(saved_group["params"], fqns):
+        for number, fqn, param in zip(saved_group["params"], fqns, group["params"]):
             if number in saved["state"]:
                 state[fqn] = saved["state"][number]
+                _check_state_shapes(fqn, param, state[fqn])
         groups.append({**saved_group, "params": fqns})
     return {"state": state, "param_groups": groups}
+
+
+def _check_state_shapes(name: str, param: torch.Tensor, saved) -> None:
+    if not isinstance(saved, dict):
+        raise ValueError(f"the saved optimizer state of {name} is {type(saved).__name__}, not a mapping")
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"the saved optimizer's {key} of {name} has shape {tuple(value.shape)}, the parameter "
+                             f"{tuple(param.shape)}")
 
 
 def read_full_model_state(directory) -> dict[str, torch.Tensor]:

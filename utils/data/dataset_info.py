@@ -17,11 +17,13 @@ with the partition that made it) and `validation` (absent in datasets prepared b
 held-out documents', with the rate applied (`fraction`, raised for a small corpus). Datasets prepared
 before partitions have `"stride"` there instead and no `partitions`. It carries no timestamp, so the same
 corpus prepared twice gives the same bytes. Every path it names (shards, the
-tokenizer) is relative and stays inside its folder, symlinks followed; `load` refuses one that leaves it.
+tokenizer) is relative and stays inside its folder, symlinks followed; `load` refuses one that leaves it,
+and a tokenizer file there other than the one it records (sha256: the shards' ids would mean other text).
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -73,13 +75,14 @@ class DatasetInfo:
         return self.path.parent / self.raw["tokenizer"].get("file", TOKENIZER_FILE)
 
     @classmethod
-    def load(cls, data_dir) -> "DatasetInfo | None":
-        """The dataset.json in `data_dir`, or None when there is none."""
+    def load(cls, data_dir, check_tokenizer: bool = True) -> "DatasetInfo | None":
+        """The dataset.json in `data_dir`, or None when there is none; with `check_tokenizer`, its tokenizer file
+        must be the one it records (check_tokenizer)."""
         path = Path(data_dir) / FILE
         if not path.is_file():
             return None
         try:
-            raw = json.loads(path.read_text())
+            raw = files.parse_json(path.read_text())
             _check_fields(path, raw)
             tok = raw["tokenizer"]
             info = cls(path=path, vocab_size=int(tok["vocab_size"]), eos_id=int(tok["eos_id"]),
@@ -90,12 +93,15 @@ class DatasetInfo:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DatasetInfoError(f"{path} is not a readable dataset description ({type(exc).__name__}: {exc}); "
                                    f"rerun prepare_data.py or remove the file") from None
-        if raw.get("format") != FORMAT or int(raw.get("version", 0)) > VERSION:
+        version = raw.get("version", 0)
+        if raw.get("format") != FORMAT or type(version) is not int or version > VERSION:
             raise DatasetInfoError(f"{path}: format {raw.get('format')!r} version {raw.get('version')} is not "
                                    f"{FORMAT!r} up to version {VERSION}; update the code or rerun prepare_data.py")
         if info.vocab_size < 1 or not 0 <= info.eos_id < info.vocab_size:
             raise DatasetInfoError(f"{path}: vocab_size {info.vocab_size} and eos_id {info.eos_id} do not fit together")
         info._check_paths()
+        if check_tokenizer:
+            info.check_tokenizer()
         return info
 
     def _check_paths(self) -> None:
@@ -112,6 +118,22 @@ class DatasetInfo:
                 raise DatasetInfoError(f"{self.path}: {entry} names {rel!r}, which leaves {self.path.parent} (an "
                                        f"absolute path, '..' or a symlink out); a dataset names only files inside "
                                        f"its folder: fix the entry or rerun prepare_data.py")
+
+
+    def check_tokenizer(self) -> None:
+        """The tokenizer file beside the shards is the one they were made with (the sha256 prepare_data.py
+        recorded): another one would train, sample and export with ids that mean other text. Checked where the
+        file is there (a streamed dataset's may not be)."""
+        import hashlib
+
+        recorded, file = self.tokenizer_sha256, self.tokenizer_file
+        if recorded is None or not file.is_file():
+            return
+        actual = hashlib.sha256(file.read_bytes()).hexdigest()
+        if actual != recorded:
+            raise DatasetInfoError(f"{file} has sha256 {actual[:16]}..., not the {recorded[:16]}... that {self.path} "
+                                   f"records: the shards were made with another tokenizer; put back the "
+                                   f"{file.name} prepare_data.py wrote beside them, or prepare the data again")
 
 
 def _check_fields(path: Path, raw) -> None:
@@ -133,6 +155,9 @@ def _check_fields(path: Path, raw) -> None:
         bad("tokenizer", raw.get("tokenizer") if isinstance(raw, dict) else raw, "an object")
     count(raw["tokenizer"].get("vocab_size"), "tokenizer.vocab_size")
     count(raw["tokenizer"].get("eos_id"), "tokenizer.eos_id")
+    digest = raw["tokenizer"].get("sha256")
+    if digest is not None and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+        bad("tokenizer.sha256", digest, "a sha256 (64 hex digits)")
     count(raw.get("documents"), "documents")
     count(raw.get("tokens"), "tokens")
     if raw.get("dtype") not in ALLOWED_DTYPES:
@@ -151,7 +176,8 @@ def _check_fields(path: Path, raw) -> None:
             if not isinstance(shard, dict):
                 bad(field, shard, "an object")
             rel = shard.get("path")
-            if not isinstance(rel, str) or not rel or rel == "." or PurePosixPath(rel).as_posix() != rel:
+            if (not isinstance(rel, str) or not rel or rel == "." or "\0" in rel
+                    or PurePosixPath(rel).as_posix() != rel):
                 bad(f"{field}.path", rel, "the relative path of a file (as part-00000/shard-00000.npz)")
             tokens, size = count(shard.get("tokens"), f"{field}.tokens"), count(shard.get("bytes"), f"{field}.bytes")
             if not isinstance(shard.get("crc32c", ""), str):

@@ -3,20 +3,22 @@ of the dataset), behind one small interface so that partitions and the merge are
 
 Names are relative to the output's parent: `NAME/...` is the dataset, `.NAME.staging/...` the staging
 area beside it (the plan, each partition's shards and completion record). Hidden, so neither a training
-run nor `download_training_data.py` of the dataset's prefix ever reads it. The merge assembles the dataset
-under `assembly`: on disk inside the staging folder, renamed into place whole by `finish()`; in a bucket,
-where nothing renames a folder, straight under `NAME/`, where `dataset.json`, written last, says it is done.
+run nor `download_training_data.py` of the dataset's prefix ever reads it. On disk, a name read, sized or
+moved is a regular file of its folder, never a symlink (a bucket's objects are nothing else). The merge
+assembles the dataset under `assembly`: on disk inside the staging folder, renamed into place whole by
+`finish()`; in a bucket, where nothing renames a folder, straight under `NAME/`, where `dataset.json`,
+written last, says it is done.
 """
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from utils.io import files
-
 
 
 def output_store(output: str | Path) -> "LocalOutput | BucketOutput":
@@ -37,8 +39,11 @@ class LocalOutput:
 
     @contextmanager
     def scratch(self, folder: str) -> Iterator[Path]:
-        """A local folder to write `folder`'s files in; `publish` then puts each in place."""
+        """A local folder to write `folder`'s files in; `publish` then puts each in place. A symlink in its
+        place is no folder of prepare's: it goes, and the folder is made (nothing is written where it leads)."""
         path = self.base / folder
+        if path.is_symlink():
+            path.unlink()
         path.mkdir(parents=True, exist_ok=True)
         yield path
 
@@ -48,11 +53,23 @@ class LocalOutput:
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(local, target)
 
-    def read_bytes(self, name: str) -> bytes | None:
-        try:
-            return (self.base / name).read_bytes()
-        except FileNotFoundError:
+    def regular_file(self, name: str) -> Path | None:
+        """`name`'s path when it is a regular file inside its top folder (the dataset, or the staging area), else
+        None: nothing there, or a symlink, or a file reached through a symlinked folder inside it. The files
+        prepare made are none of those, and a crafted completion record naming one would otherwise have the merge
+        publish (and --upload send) whatever it points at."""
+        top, _, rest = name.partition("/")
+        if rest and not files.inside(self.base / top, rest):
             return None
+        try:
+            return self.base / name if stat.S_ISREG(os.lstat(self.base / name).st_mode) else None
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """A regular file's bytes (regular_file), or None."""
+        path = self.regular_file(name)
+        return None if path is None else path.read_bytes()
 
     def write_bytes(self, name: str, data: bytes) -> None:
         (self.base / name).parent.mkdir(parents=True, exist_ok=True)
@@ -60,10 +77,9 @@ class LocalOutput:
         files.set_default_mode(self.base / name)
 
     def size(self, name: str) -> int | None:
-        try:
-            return (self.base / name).stat().st_size
-        except FileNotFoundError:
-            return None
+        """A regular file's size (regular_file), or None."""
+        path = self.regular_file(name)
+        return None if path is None else path.lstat().st_size
 
     def move(self, source: str, dest: str) -> None:
         (self.base / dest).parent.mkdir(parents=True, exist_ok=True)

@@ -353,9 +353,10 @@ def _move_shard(store, partition: int, source: str, dest: str, size: int) -> Non
     if store.size(source) == size:
         store.move(source, dest)
     elif store.size(dest) != size:  # not moved by an earlier, interrupted merge either
-        raise PrepareError(f"{store.url(source)}: missing or not the {size:,} bytes its partition's record says; "
-                           f"remove {store.url(partition_folder(store, partition))}/done.json and run the same "
-                           f"command again to redo partition {partition}")
+        raise PrepareError(f"{store.url(source)}: missing, not a regular file of its partition's folder (a symlink), "
+                           f"or not the {size:,} bytes its partition's record says; remove "
+                           f"{store.url(partition_folder(store, partition))}/done.json and run the same command again "
+                           f"to redo partition {partition}")
 
 
 def _validation_piece(store, partition: int, record: dict) -> np.ndarray:
@@ -363,11 +364,14 @@ def _validation_piece(store, partition: int, record: dict) -> np.ndarray:
 
     name = f"{partition_folder(store, partition)}/{VAL_PIECE}"
     raw = store.read_bytes(name)
-    if not bytes_match(raw, record["validation"]["bytes"], record["validation"]["crc32c"]):
-        raise PrepareError(f"{store.url(name)}: missing or not what its partition's record says; remove "
-                           f"{store.url(partition_folder(store, partition))}/done.json and run the same command "
-                           f"again to redo partition {partition}")
-    return np.load(io.BytesIO(raw), allow_pickle=False)["input_ids"]
+    try:
+        if bytes_match(raw, record["validation"]["bytes"], record["validation"]["crc32c"]):
+            return np.load(io.BytesIO(raw), allow_pickle=False)["input_ids"]
+    except Exception:  # noqa: BLE001 - not a shard (zipfile, numpy and KeyError alike): the same line below
+        pass
+    raise PrepareError(f"{store.url(name)}: missing, not a regular file of its partition's folder (a symlink), or "
+                       f"not what its partition's record says; remove {store.url(partition_folder(store, partition))}"
+                       f"/done.json and run the same command again to redo partition {partition}")
 
 
 def _staged_plan(store) -> str | None:
@@ -376,17 +380,50 @@ def _staged_plan(store) -> str | None:
 
 
 def _finished(store, plan: Plan) -> dict | None:
+    """The output's dataset.json when it was made under `plan` and is whole (_check_reused), else None."""
     from utils.data.dataset_info import _check_fields
 
     description = json_object(store.read_bytes(f"{store.name}/{DATASET_FILE}"))
     if description is None or description.get("fingerprint") != plan.digest:
         return None
     _check_fields(store.url(f"{store.name}/{DATASET_FILE}"), description)  # read for the report: its counts
-    if type(description.get("documents_empty")) is not int or description["documents_empty"] < 0:
-        raise PrepareError(f"{store.url(f'{store.name}/{DATASET_FILE}')}: documents_empty is "
-                           f"{description.get('documents_empty')!r}, not a non-negative integer; remove the file and "
-                           f"run the same command again")
+    _check_reused(store, description)
     return description
+
+
+def _check_reused(store, description: dict) -> None:
+    """A finished output taken as done (its dataset.json names this plan) is what the merge writes: its counts add
+    up, its shards are the merge's names in order, and each is there, a regular file of the size listed
+    (a crafted or damaged dataset.json would otherwise be reported done, and uploaded, as it stands)."""
+    where = store.url(f"{store.name}/{DATASET_FILE}")
+
+    def bad(problem: str):
+        raise PrepareError(f"{where}: {problem}; remove {store.output} (or the file) and run the same command again")
+
+    validation = description.get("validation")
+    if not isinstance(validation, dict) or not isinstance(validation.get("shards"), list):
+        bad("validation is missing or has no shard list")
+    for key, value in (("documents_empty", description.get("documents_empty")),
+                       ("validation.documents", validation.get("documents")),
+                       ("validation.tokens", validation.get("tokens"))):
+        if type(value) is not int or value < 0:
+            bad(f"{key} is {value!r}, not a non-negative integer")
+    splits = (("shards", "", description["shards"]), ("validation.shards", f"{VAL_FOLDER}/", validation["shards"]))
+    for listing, folder, shards in splits:
+        for k, shard in enumerate(shards):
+            if shard["path"] != shard_name(folder, k):
+                bad(f"{listing}[{k}].path is {shard['path']!r}, not {shard_name(folder, k)!r} (the merge's name)")
+    val_tokens = sum(s["tokens"] for s in validation["shards"])
+    if validation["tokens"] != val_tokens or description["tokens"] != val_tokens + sum(
+            s["tokens"] for s in description["shards"]):
+        bad(f"its token counts do not add up (tokens {description['tokens']:,}, validation.tokens "
+            f"{validation['tokens']:,}, its shards' {val_tokens + sum(s['tokens'] for s in description['shards']):,})")
+    listed = [s for _, _, shards in splits for s in shards]
+    sizes = threaded_map(lambda s: store.size(f"{store.name}/{s['path']}"), listed, STORE_THREADS, "prepare-reuse")
+    wrong = next((s for s, size in zip(listed, sizes) if size != s["bytes"]), None)
+    if wrong is not None:
+        bad(f"it lists {wrong['path']}, which is missing, not a regular file (a symlink) or not its {wrong['bytes']:,} "
+            f"bytes")
 
 
 def upload(output: Path, url: str) -> int:

@@ -13,10 +13,12 @@ is `data_cache_dir/BUCKET/PREFIX/rank-R/` (locked for the run; files a previous 
 once they pass the checks). The loader hands it this rank's schedule of reads (ReadAhead,
 utils/data/source.py); a coordinating thread walks the schedule ahead of the loop, as far as the cache's
 share of `data_cache_gb` allows, and a few threads download the shards in the order they are first read,
-each verified (size and crc32c against dataset.json, utils/storage.download_verified, retried) and checked
+each verified (size and crc32c against dataset.json, utils/io/storage.download_verified, retried) and checked
 against the shard format (ids below the vocabulary, the sequences dataset.json promised) under a hidden
 name before it is renamed into place. A shard no micro-batch of the window reads any more is removed when
-room is needed, so files on disk + downloads in flight never exceed the share.
+room is needed, so files on disk + downloads in flight never exceed the share. The cache is the engine's:
+what finished runs left in its other rank-R/ folders (those no live run holds) makes room first, when the
+disk cannot hold this process's share of `data_cache_gb` or a dataset's description (`evict_leftovers`).
 
 DataLoader workers never fetch: they read only what this process fetched. A micro-batch goes to a worker
 only once the fetcher holds its files (`handed_out`); the worker waits for a file's final name to appear
@@ -32,6 +34,7 @@ takes room in the cache.
 """
 from __future__ import annotations
 
+import fcntl
 import io
 import itertools
 import math
@@ -54,8 +57,8 @@ from utils.data.index import DataDirError, ShardIndex
 from utils.data.shards import INPUT_KEY, ShardError, ShardInfo, ShardLayout, check_header, check_vocab, inspect_shard, read_layout
 from utils.data.source import GB, CacheBudget, DataUnavailable, OpenRequest, Source, SourceType
 from utils.data.tokenizer import FILE as TOKENIZER_FILE
-from utils.errors import THREAD_FAILED, BackgroundFailure, UserError
-from utils.io.lock import OutputDirLock
+from utils.errors import THREAD_FAILED, BackgroundFailure, DiskFullError, UserError
+from utils.io.lock import LOCK_FILE, OutputDirLock
 from utils.io.storage import (RemoteObject, StorageError, bytes_match, download_verified, file_crc32c, gs_url, join_name,
                            make_client, parse_gs_url, read_object, short_error, thread_client)
 
@@ -67,6 +70,9 @@ POLL_S = 0.005  # how often a DataLoader worker looks for a file the fetcher has
 UNAVAILABLE = ".unavailable"  # the empty note beside a file the fetcher gave up on (the line why stays in-process)
 LOCK_ROOM = 4096  # bytes kept out of the cache's share for its lock file
 WAIT_SLICE_S = 0.5  # a wait on the fetcher's threads: between two slices it looks for a dead thread and a stop signal
+DESCRIPTION_ROOM = 16 << 20  # room made on a full cache disk for a tokenizer.json (Llama 3's: 9 MB) and dataset.json
+CACHE_FULL_ADVICE = ("free space there, set data_cache_dir to a folder on a disk with room, or lower data_cache_gb to "
+                     "what it holds")
 
 
 class StreamError(UserError):
@@ -91,38 +97,87 @@ _DESCRIBED_LOCK = threading.Lock()
 
 def description_dir(source: Source, cache_dir: str) -> Path:
     """The local folder holding the dataset's dataset.json and tokenizer.json: fetched there from the bucket
-    (once per process, written atomically, so the node's processes may race)."""
+    (once per process, written atomically, so the node's processes may race). On a disk full of what earlier
+    runs left in the cache, their shards make room first (evict_leftovers)."""
     url = source.path.rstrip("/")
     with _DESCRIBED_LOCK:
         if (url, cache_dir) in _DESCRIBED:
             return _DESCRIBED[url, cache_dir]
         bucket, prefix = parse_gs_url(url)
-        folder = cache_root(cache_dir) / bucket / prefix
-        client = make_client()
+        root, client = cache_root(cache_dir), make_client()
         description = read_object(client, gs_url(bucket, join_name(prefix, DATASET_FILE)))
         if description is None:
             raise StreamError(f"{url}/{DATASET_FILE} not found: training from gs:// reads the dataset description "
                               f"prepare_data.py writes (every shard's size and crc32c); prepare the data with --output "
                               f"{url}, or download the shards (download_training_data.py) and train from the copy")
-        advice = ("free space there, set data_cache_dir to a folder on a disk with room, or lower data_cache_gb to what "
-                  "it holds")
-        with files.write_guard(folder, advice=advice):
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except (NotADirectoryError, FileExistsError):
-                raise StreamError(f"data_cache_dir {cache_root(cache_dir)}: {folder} cannot be made there (a file is in "
-                                  f"the way); set data_cache_dir to a folder") from None
-            files.write_bytes(folder / DATASET_FILE, description)
-            try:
-                info = DatasetInfo.load(folder)
-            except DatasetInfoError as exc:  # named as the bucket's file, not its cached copy
-                raise DatasetInfoError(str(exc).replace(str(folder / DATASET_FILE), f"{url}/{DATASET_FILE}")) from None
-            tokenizer = info.raw["tokenizer"].get("file", TOKENIZER_FILE)
-            text = read_object(client, gs_url(bucket, join_name(prefix, tokenizer)))
-            if text is not None:
-                files.write_bytes(folder / tokenizer, text)
+        try:
+            folder = _fetch_description(client, url, root, description)
+        except DiskFullError:
+            if not evict_leftovers(root, None, len(description) + DESCRIPTION_ROOM)[1]:
+                raise
+            folder = _fetch_description(client, url, root, description)
         _DESCRIBED[url, cache_dir] = folder
         return folder
+
+
+def _fetch_description(client, url: str, root: Path, description: bytes) -> Path:
+    """dataset.json (`description`) and the tokenizer.json it names, from the bucket into its folder under the
+    cache's `root`, checked as the bucket's files (their errors name them). Returns the folder."""
+    bucket, prefix = parse_gs_url(url)
+    folder = root / bucket / prefix
+    with files.write_guard(folder, advice=CACHE_FULL_ADVICE, denied_advice="set data_cache_dir to a folder you may "
+                                                                           "write"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except (NotADirectoryError, FileExistsError):
+            raise StreamError(f"data_cache_dir {root}: {folder} cannot be made there (a file is in the way); set "
+                              f"data_cache_dir to a folder") from None
+        files.write_bytes(folder / DATASET_FILE, description)
+        try:
+            info = DatasetInfo.load(folder, check_tokenizer=False)  # a stale cached tokenizer is replaced below
+            tokenizer = info.raw["tokenizer"].get("file", TOKENIZER_FILE)
+            text = read_object(client, gs_url(bucket, join_name(prefix, tokenizer)))
+            if text is None:
+                (folder / tokenizer).unlink(missing_ok=True)
+            else:
+                files.write_bytes(folder / tokenizer, text)
+            info.check_tokenizer()
+        except DatasetInfoError as exc:  # named as the bucket's files, not their cached copies
+            raise DatasetInfoError(str(exc).replace(str(folder), url)) from None
+    return folder
+
+
+def evict_leftovers(root: Path, keep: Path | None, need: int) -> tuple[int, int]:
+    """Removes shards earlier runs left in the cache under `root` (each rank-R/ folder no live run holds, but
+    `keep`), least recently written first, until the disk has `need` bytes free or none is left. The cache is
+    the engine's: a bound (data_cache_gb) or a full disk would otherwise fail on what finished runs left there.
+    Returns (bytes, files) removed."""
+    if files.free_bytes(root) >= need:
+        return 0, 0
+    held, leftovers = [], []
+    try:
+        for lock_path in sorted(root.glob(f"**/rank-*/{LOCK_FILE}")):
+            if lock_path.parent == keep:
+                continue
+            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not written to: the disk may have no room
+            except BlockingIOError:  # a live run streams there
+                os.close(fd)
+                continue
+            held.append(fd)
+            leftovers += [p for p in lock_path.parent.rglob("*") if p.name != LOCK_FILE and p.is_file()
+                          and not p.is_symlink()]
+        freed = count = 0
+        for path in sorted(leftovers, key=lambda p: p.stat().st_mtime):
+            if files.free_bytes(root) >= need:
+                break
+            freed, count = freed + path.stat().st_size, count + 1
+            path.unlink()
+        return freed, count
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------- opening
@@ -159,6 +214,12 @@ def open_stream(source: Source, request: OpenRequest) -> tuple["StreamedShards",
     request.cache.reserve(source.name, need, f"source {source.name} ({url}) under {shuffle.describe()} reads "
                                              f"{'all ' if at_once == len(sizes) else 'up to '}{at_once} of its "
                                              f"{len(sizes)} shards at once, {need / GB:.3g} GB")
+    share = _fetch_budget(request.cache, source.name, described)
+    if share is not None:  # data_cache_gb: the disk holds this process's share, what earlier runs left going first
+        freed, count = evict_leftovers(cache_root(request.cache_dir), cache, share - bytes_under(cache))
+        if count:
+            request.log(f"data: removed {count} shard file(s), {freed / 1e6:,.1f} MB, that earlier runs left in "
+                        f"{cache_root(request.cache_dir)}, to make room for this run's share of data_cache_gb")
     fetcher = ShardFetcher(url, cache, [entries[s.path] for s in train.shards], request.seq_len, request.vocab_size,
                            budget=lambda: _fetch_budget(request.cache, source.name, described), log=request.log)
     return StreamedShards(train, url, fetcher), RemoteValidation(val, url, [entries[s.path] for s in val.shards])
@@ -581,14 +642,19 @@ class ShardFetcher:
 
     def _measure(self) -> None:
         """Bytes under the cache folder now (partial downloads included): the peak is what the run reports."""
-        total = 0
-        for dirpath, _, names in os.walk(self.folder):
-            for name in names:
-                try:
-                    total += os.stat(os.path.join(dirpath, name)).st_size
-                except OSError:
-                    pass
-        self.peak_bytes = max(self.peak_bytes, total)
+        self.peak_bytes = max(self.peak_bytes, bytes_under(self.folder))
+
+
+def bytes_under(folder: Path) -> int:
+    """Bytes of the files under `folder` now (one removed while it looks is skipped)."""
+    total = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 # ------------------------------------------------------------------------------------------------- reading

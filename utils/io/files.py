@@ -8,8 +8,9 @@ any untouched for an hour (a live writer keeps touching its file; hostnames chan
 restarts). Temporaries this process is writing are registered, so a cleanup pass in another thread, or in
 a later process that reuses this pid (PID 1 in a container, every time), never deletes a live one.
 
-Also the one walk over a directory tree (`walk_once`) and the one test that a path a file names (a
-checkpoint's manifest, a dataset.json) stays inside its folder (`inside`).
+Also the one walk over a directory tree (`walk_once`), the one test that a path a file names (a
+checkpoint's manifest, a dataset.json) stays inside its folder (`inside`), and the one parse of a JSON file
+that may be crafted (`parse_json`: too deep a nesting is a ValueError like any other malformed text).
 """
 from __future__ import annotations
 
@@ -282,9 +283,10 @@ def disk_full_guard(path, needed_bytes: int | None = None, advice: str = RESUME_
 
 
 @contextmanager
-def write_guard(path, advice: str, needed_bytes: int | None = None) -> Iterator[None]:
+def write_guard(path, advice: str, needed_bytes: int | None = None, denied_advice: str | None = None) -> Iterator[None]:
     """`disk_full_guard`, and a write this user may not make (another user's folder or file) as one
-    UserError naming the path, its owner and `advice`, instead of a PermissionError traceback."""
+    UserError naming the path, its owner and `denied_advice` (default: `advice`, where one piece of advice
+    fits both), instead of a PermissionError traceback."""
     from utils.errors import UserError
 
     try:
@@ -292,7 +294,7 @@ def write_guard(path, advice: str, needed_bytes: int | None = None) -> Iterator[
             yield
     except PermissionError as exc:
         where = exc.filename or path
-        raise UserError(f"cannot write {where} ({exc.strerror}){owner_of(where)}; {advice}") from None
+        raise UserError(f"cannot write {where} ({exc.strerror}){owner_of(where)}; {denied_advice or advice}") from None
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -314,10 +316,22 @@ def is_disk_full(exc: BaseException) -> bool:
 def inside(root, rel) -> bool:
     """Whether `rel`, a path a file in `root` names (a manifest entry, dataset.json's tokenizer), stays in
     `root`: relative, no `..`, and no symlink on the way that leads out."""
-    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+    if not isinstance(rel, str) or not rel or "\0" in rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
         return False
     real_root = Path(root).resolve()
     return (real_root / rel).resolve().is_relative_to(real_root)
+
+
+def parse_json(text: str | bytes):
+    """JSON text (from a file that may come from a bucket, or be crafted) -> its value. Every malformed text is
+    a ValueError, one nested past the parser's depth too (json raises RecursionError there, which no handler
+    of ValueError catches)."""
+    import json
+
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
 
 
 def walk_once(root) -> Iterator[tuple[str, list[str], list[str]]]:

@@ -10,7 +10,6 @@ own class of the family (`save_pretrained`), so `AutoModelForCausalLM.from_pretr
 """
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,20 @@ from utils.io import files
 from utils.data.tokenizer import TokenizerError
 
 EXPORT_SHARD_SIZE = "5GB"  # larger exports are sharded safetensors with an index json, as transformers writes them
+# What an export's tokenizer_config.json names: the tokenizer that reads tokenizer.json as it is, in transformers 4
+# and 5 (transformers 5 writes its own "TokenizersBackend", which transformers 4 cannot load).
+EXPORT_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+# Other tokenizers' files, which transformers would read beside tokenizer.json: an export that writes a tokenizer
+# removes them, so none of another tokenizer's (an earlier export's, an init_from model's) stays beside it.
+FOREIGN_TOKENIZER_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "added_tokens.json",
+                           "special_tokens_map.json")
+# Where an export also puts the tokenizer alone when transformers' AutoTokenizer would load the model directory
+# with a class of its own (it picks one by config.json's model_type: Qwen2Tokenizer for qwen2, whatever
+# tokenizer_config.json names), which encodes differently from the tokenizer the model was trained with.
+TOKENIZER_ALONE = "tokenizer"
+# Text that tells tokenizers apart: digits (Qwen2's splits numbers digit by digit), spaces, newlines, accents, CJK.
+PROBE_TEXT = ("In 2024, 12,345.67 units cost $1,999 (x=1e-5; don't)\n\tcafé naïve 東京 -- done!  ok\n"
+              "def f(a, b):\n    return a**2 + b//3  # 100%")
 
 
 class HFLoadError(ConfigError):
@@ -40,7 +53,7 @@ def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec,
     directory = Path(directory).expanduser()
     config_path = directory / "config.json"
     try:
-        config = json.loads(config_path.read_text())
+        config = files.parse_json(config_path.read_text())
     except FileNotFoundError:
         raise HFLoadError(f"{where}{directory}: no config.json there; give an HF model directory "
                           f"(config.json + model.safetensors)") from None
@@ -82,6 +95,7 @@ _HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "max_position_embeddings")
 _HF_MAX_SIZE = 2**31  # beyond any model's vocabulary, width, depth or context
 _HF_POSITIVE_NUMBERS = ("layer_norm_eps", "rms_norm_eps", "rope_theta", "rotary_emb_base", "initializer_range")
+_HF_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor")  # of rope_parameters
 _HF_FLAGS = ("use_parallel_residual", "attention_bias", "tie_word_embeddings", "mlp_bias", "use_sliding_window")
 
 
@@ -89,8 +103,9 @@ def check_hf_config(config: dict, source: str) -> None:
     """An HF config.json's values (the directory may come from a bucket, or be crafted) before a family reads
     them: the sizes positive integers (a JSON number, not a string or 1.5) below 2**31, hidden_size divisible
     by num_attention_heads and that by num_key_value_heads, head_dim a positive integer, norms' eps, rotary
-    bases and initializer_range positive finite numbers, the rotary share in (0, 1], flags true/false, BOS and
-    EOS ids inside the vocabulary. ConfigError naming the file and field."""
+    bases, rope scaling factors and initializer_range positive finite numbers, at least 2 positions, the rotary
+    share in (0, 1], flags true/false, BOS and EOS ids inside the vocabulary. ConfigError naming the file and
+    field."""
     import math
 
     def bad(field: str, value, want: str):
@@ -109,16 +124,21 @@ def check_hf_config(config: dict, source: str) -> None:
     for field in ("num_key_value_heads", "head_dim"):
         if config.get(field) is not None:
             size(field, config[field])
+    if config["max_position_embeddings"] < 2:  # one position has no next token to predict
+        bad("max_position_embeddings", config["max_position_embeddings"], "at least 2")
     heads = config["num_attention_heads"]
     if config["hidden_size"] % heads:
         bad("hidden_size", config["hidden_size"], f"a multiple of num_attention_heads ({heads})")
     if config.get("num_key_value_heads") and heads % config["num_key_value_heads"]:
         bad("num_attention_heads", heads, f"a multiple of num_key_value_heads ({config['num_key_value_heads']})")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     if not isinstance(rope, dict):
-        bad("rope_parameters" if config.get("rope_parameters") else "rope_scaling", rope, "an object")
+        bad(rope_field, rope, "an object")
+    if rope.get("original_max_position_embeddings") is not None:
+        size(f"{rope_field}.original_max_position_embeddings", rope["original_max_position_embeddings"])
     numbers = [(f, config[f]) for f in _HF_POSITIVE_NUMBERS if config.get(f) is not None]
-    numbers += [(f"rope_parameters.{f}", rope[f]) for f in ("rope_theta",) if rope.get(f) is not None]
+    numbers += [(f"{rope_field}.{f}", rope[f]) for f in _HF_ROPE_NUMBERS if rope.get(f) is not None]
     for field, value in numbers:
         if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
             bad(field, value, "a positive finite number")
@@ -162,11 +182,12 @@ def _weight_files(directory: Path, where: str) -> list[Path]:
     for single, index_name in (("model.safetensors", "model.safetensors.index.json"),
                                ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         if (directory / single).is_file():
+            _check_inside(directory, single, f"{where}{directory}: its weight file is")
             return [directory / single]
         index = directory / index_name
         if index.is_file():
             try:
-                named = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                named = sorted(set(files.parse_json(index.read_text())["weight_map"].values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise HFLoadError(f"{where}{index}: unreadable shard index ({exc})") from None
             for rel in named:
@@ -192,8 +213,8 @@ def _check_inside(directory: Path, rel, what: str) -> None:
     real = (directory / rel).resolve()
     blobs = directory.resolve().parent.parent / "blobs" if directory.resolve().parent.name == "snapshots" else None
     if blobs is None or not real.is_relative_to(blobs.resolve()):
-        raise HFLoadError(f"{what} {rel!r}, a symlink out of {directory} (to {real}); an index names only the weight "
-                          f"files beside it: copy them in (cp -L)")
+        raise HFLoadError(f"{what} {rel!r}, a symlink out of {directory} (to {real}); a model directory's weight files "
+                          f"are its own (or the hub cache's blobs/): copy them in (cp -L)")
 
 
 def engine_names(state: dict[str, torch.Tensor], spec: ModelSpec | None = None) -> dict[str, torch.Tensor]:
@@ -203,12 +224,22 @@ def engine_names(state: dict[str, torch.Tensor], spec: ModelSpec | None = None) 
     return (family_of(spec) if spec is not None else family("gpt_neox")).from_hf_state(state)
 
 
-def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source, option: str = "init_from") -> None:
-    """One line naming what is missing or of the wrong shape, before a model tries to load it."""
+def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source, option: str = "init_from",
+                  impl: str = "native", described: str = "its config.json") -> None:
+    """One line naming what is missing, of the wrong shape (against `impl`'s model of `spec`), not floating point
+    or not finite, before a model tries to load it."""
     from utils.model import build_model
 
+    where = f"{option + ' ' if option else ''}{source}"
+    for name, tensor in state.items():
+        if not tensor.is_floating_point():
+            raise HFLoadError(f"{where}: its weight {name} is {tensor.dtype}, not floating point; the weights are "
+                              f"corrupt or not a model's")
+        if not bool(torch.isfinite(tensor).all()):
+            raise HFLoadError(f"{where}: its weight {name} holds NaN or infinite values; the weights are corrupt "
+                              f"(a diverged run's, or damaged): use another checkpoint or download them again")
     with torch.device("meta"):
-        expected = build_model(spec, seed=0).state_dict()
+        expected = build_model(spec, seed=0, impl=impl).state_dict()
     if spec.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -218,8 +249,7 @@ def check_weights(spec: ModelSpec, state: dict[str, torch.Tensor], source, optio
     if missing or unexpected or wrong:
         parts = [f"missing {missing[:3]}" if missing else "", f"unexpected {unexpected[:3]}" if unexpected else "",
                  f"wrong shape {wrong[:3]}" if wrong else ""]
-        raise HFLoadError(f"{option + ' ' if option else ''}{source}: its weights do not match its config.json ("
-                          + "; ".join(p for p in parts if p) + ")")
+        raise HFLoadError(f"{where}: its weights do not match {described} (" + "; ".join(p for p in parts if p) + ")")
 
 
 def to_transformers(state: dict[str, torch.Tensor], spec: ModelSpec, special_ids: dict | None = None):
@@ -245,14 +275,22 @@ def load_checkpoint_model(checkpoint) -> tuple[ModelSpec, dict[str, torch.Tensor
     record = dict(payload.trainer_state.get("model") or {})
     record.pop("padded_vocab_size", None)
     try:
-        spec = ModelSpec(**record)
+        spec = ModelSpec(**record)  # its fields' types and ranges: read_checkpoint checked them
     except TypeError as exc:
         raise ConfigError(f"{checkpoint}: its trainer_state.json has no usable model record ({exc})") from None
+    from transformers.activations import ACT2FN
+
+    if spec.hidden_act not in ACT2FN:
+        raise ConfigError(f"checkpoint {checkpoint}: trainer_state.json: model.hidden_act is {spec.hidden_act[:80]!r}, "
+                          f"not an activation transformers knows; the checkpoint is corrupt or crafted")
     weights = payload.model_state
     if weights is None:  # sharded (strategy=fsdp): every rank's shards, reassembled in this process
         from utils.checkpoint.sharded import read_full_model_state
 
         weights = read_full_model_state(checkpoint)
+    impl = (payload.trainer_state.get("config") or {}).get("model_impl")  # the model it was trained as
+    check_weights(spec, weights, checkpoint, option="", impl="hf" if impl == "hf" else "native",
+                  described="its trainer_state.json's model record")
     return spec, weights, payload.trainer_state
 
 
@@ -315,14 +353,44 @@ class ExportTokenizer:
         return {"bos_token_id": hf_tokenizer.bos_token_id, "eos_token_id": hf_tokenizer.eos_token_id,
                 "pad_token_id": hf_tokenizer.pad_token_id}
 
+    def save(self, hf_tokenizer, out_dir: Path) -> None:
+        """tokenizer.json and tokenizer_config.json (naming EXPORT_TOKENIZER_CLASS) into `out_dir`, and no
+        other tokenizer's files there."""
+        for name in FOREIGN_TOKENIZER_FILES:
+            (out_dir / name).unlink(missing_ok=True)
+        hf_tokenizer.save_pretrained(out_dir)
+        config_file = out_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        config["tokenizer_class"] = EXPORT_TOKENIZER_CLASS
+        config.pop("backend", None)  # transformers 5's marker for its own class name
+        files.write_text(config_file, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
-def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenizer=None) -> Path:
+    def auto_tokenizer_class_if_other(self, directory: Path) -> str | None:
+        """The class transformers' AutoTokenizer loads `directory` with when it does not encode PROBE_TEXT as
+        this tokenizer does (the ids a model trained on this tokenizer's data expects); None when it does."""
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # no advice about the class it picked, nor about the probe's length
+        try:
+            loaded = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            theirs = loaded(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        ours = self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False).ids
+        return None if theirs == ours else type(loaded).__name__
+
+
+def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenizer=None, warn=None) -> Path:
     """Writes `state` as an HF model directory (through transformers' class), files readable by others.
 
-    With a tokenizer (`tokenizer`: an ExportTokenizer, or where `ExportTokenizer.find` looks), its full files are written through
-    transformers' PreTrainedTokenizerFast (tokenizer.json, tokenizer_config.json with the special tokens),
-    so `AutoTokenizer.from_pretrained(DIR)` needs no guessing, and config.json / generation_config.json carry
-    its BOS, EOS and padding ids."""
+    With a tokenizer (`tokenizer`: an ExportTokenizer, or where `ExportTokenizer.find` looks), its files are
+    written through transformers' PreTrainedTokenizerFast (tokenizer.json, tokenizer_config.json naming that class
+    and the special tokens), so `AutoTokenizer.from_pretrained(DIR)` loads that tokenizer, and config.json /
+    generation_config.json carry its BOS, EOS and padding ids. Where the installed transformers' AutoTokenizer
+    would still load DIR with a class of its own that encodes otherwise (a qwen2 model_type: Qwen2Tokenizer),
+    DIR/tokenizer/ holds the tokenizer alone and `warn` (default: stderr) gets one line saying so."""
     out_dir = Path(out_dir)
     found = (tokenizer if isinstance(tokenizer, ExportTokenizer) or tokenizer is None
              else ExportTokenizer.find(tokenizer))
@@ -337,12 +405,36 @@ def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenize
     model.generation_config = GenerationConfig.from_model_config(model.config)
     with quiet_progress():
         model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=EXPORT_SHARD_SIZE)
-    if hf_tokenizer is not None:
-        hf_tokenizer.save_pretrained(out_dir)
-    for path in out_dir.iterdir():
+    if found is not None:
+        write_tokenizer(found, hf_tokenizer, out_dir, model.config.model_type, warn or _warn_on_stderr)
+    for path in [*out_dir.iterdir(), *(out_dir / TOKENIZER_ALONE).glob("*")]:
         if path.is_file():
             files.set_default_mode(path)
     return out_dir
+
+
+def write_tokenizer(found: ExportTokenizer, hf_tokenizer, out_dir: Path, model_type: str, warn) -> None:
+    """The tokenizer's files into the model directory; where AutoTokenizer would load them there with a class
+    of transformers' own that encodes otherwise, also into DIR/tokenizer/ alone, said in one `warn` line."""
+    found.save(hf_tokenizer, out_dir)
+    other = found.auto_tokenizer_class_if_other(out_dir)
+    alone = out_dir / TOKENIZER_ALONE
+    if other is None:
+        if alone.is_dir():
+            files.remove_tree(alone)  # an earlier export's, needed no longer
+        return
+    found.save(hf_tokenizer, alone)
+    warn(f"warning: transformers' AutoTokenizer loads {out_dir} as its {other} (chosen by config.json's model_type "
+         f"'{model_type}', whatever tokenizer_config.json names), which does not encode text as the tokenizer this "
+         f"model was trained with; {alone} holds that tokenizer alone: AutoTokenizer.from_pretrained there, or "
+         f"lm-evaluation-harness --model_args pretrained={out_dir},tokenizer={alone} (generate.py and "
+         f"scripts/evaluate.py read it themselves)")
+
+
+def _warn_on_stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr)
 
 
 @contextmanager

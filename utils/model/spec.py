@@ -1,12 +1,13 @@
 """The architecture a run builds: the `model` preset, or with `init_from` the HF directory's own, with the
-vocabulary a prepared dataset's tokenizer sets (its dataset.json)."""
+vocabulary a prepared dataset's tokenizer sets (its dataset.json), and the length it trains at (`seq_len`, or
+`configs.training_config.default_seq_len`: said in one line where it is shorter than the model's positions)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from configs import get_model_spec
-from configs.training_config import check_seq_len
+from configs.training_config import check_seq_len, default_seq_len
 from utils.data.dataset_info import DatasetInfo
 from utils.errors import UserError
 from utils.model.hf import check_weights, load_hf_pretrained
@@ -51,4 +52,9 @@ def resolve_model_spec(settings: ModelSettings, described: Path, log):
                  f"embedding rows")
         spec = replace(spec, vocab_size=info.vocab_size)
     check_seq_len(settings.seq_len, spec)
-    return spec, settings.seq_len or spec.max_position_embeddings, weights
+    length, why = (settings.seq_len, "") if settings.seq_len else default_seq_len(spec)
+    if length < spec.max_position_embeddings and not settings.seq_len:
+        scaling = " and the rope scaling" if spec.rope_scaling else ""
+        log.info(f"seq_len not set: training at {length:,} tokens a sequence ({why}); final_model/ keeps all "
+                 f"{spec.max_position_embeddings:,} positions{scaling}; --set seq_len=N trains at another length")
+    return spec, length, weights

@@ -5,10 +5,12 @@ trackers (`report_to`: tensorboard, wandb, mlflow, several, or none) are acceler
 full resolved config as hyperparameters; every numeric field of a row is logged against the optimizer step,
 and TensorBoard also gets each training scalar against tokens seen (`by_tokens/...`).
 
-`MetricsWindow` owns the per-step losses since the last log line, the non-finite check, the time they
-took (minus eval and checkpoint time, which are reported on their own rows) and the row they become. A step
-the spike guard skipped (utils/training/spike_guard.py) counts for time and tokens, but its loss is left out of the
-row's mean and of the non-finite check (its own spike row has it), and the row says how many were skipped.
+`MetricsWindow` owns the per-step losses and gradient norms since the last log line, the non-finite check
+(a loss or a gradient norm that is not finite stops the run, in one line naming the step; fp16's gradient
+norms are its grad scaler's to judge), the time they took (minus eval and checkpoint time, which are reported
+on their own rows) and the row they become. A step the spike guard skipped (utils/training/spike_guard.py) counts for
+time and tokens, but its loss is left out of the row's mean and of the non-finite check (its own spike row
+has it), and the row says how many were skipped.
 
 A full disk while writing logs is one line (DiskFullError) naming the file, not a chain of tracebacks.
 """
@@ -272,12 +274,13 @@ class MetricsWindow:
 
     def _new_window(self, first_step: int) -> None:
         self.losses: list[torch.Tensor] = []
+        self.grad_norms: list[torch.Tensor] = []  # each step's, when add() is given it
         self.z_losses: list[torch.Tensor] = []
         self.skipped: list[int] = []  # indices into losses of the steps whose update was skipped
         self.first_step = first_step
         self.data_wait_s = self.window_s = 0.0
 
-    def add(self, step_loss: torch.Tensor, skipped: bool = False) -> None:
+    def add(self, step_loss: torch.Tensor, grad_norm: torch.Tensor | None = None, skipped: bool = False) -> None:
         if self.first_step_s is None and self.process_started is not None:  # once: imports, setup, compile
             if self.accelerator.device.type == "cuda":
                 torch.cuda.synchronize(self.accelerator.device)
@@ -290,6 +293,8 @@ class MetricsWindow:
             self.z_losses.append(z)
             step_loss = step_loss - z
         self.losses.append(step_loss)
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm.detach().float().reshape(()))
         self.trained_steps += 1
         waited = self._data_wait() - self._waited
         self._waited += waited
@@ -316,19 +321,25 @@ class MetricsWindow:
         return tokens, self.trained_s, tps, mfu(tps, self.flops_per_token, self.peak, self.accelerator.num_processes)
 
     def checked_losses(self) -> torch.Tensor:
-        """Per-step losses averaged over ranks (one host sync); stops the run at the first non-finite one
-        that was not skipped, on every rank alike."""
+        """Per-step losses averaged over ranks (one host sync); stops the run at the first step not skipped
+        whose loss, or gradient norm (the same on every rank: taken after the all-reduce), is not finite, on
+        every rank alike. Under fp16 a non-finite norm is the grad scaler's: it skips that step itself."""
         if not self.losses:
             return torch.zeros(0)
-        losses = self.accelerator.reduce(torch.stack(self.losses), reduction="mean").float().cpu()
-        bad = ~torch.isfinite(losses)
+        checks_norms = self.precision != "fp16" and len(self.grad_norms) == len(self.losses)
+        rows = [torch.stack(self.losses).float()] + ([torch.stack(self.grad_norms)] if checks_norms else [])
+        values = self.accelerator.reduce(torch.stack(rows), reduction="mean").cpu()
+        losses = values[0]
+        bad = ~torch.isfinite(values).all(dim=0)
         bad[self.skipped] = False
         bad = bad.nonzero()
         if bad.numel():
+            k = int(bad[0])
+            what = "loss" if not math.isfinite(losses[k]) else f"gradient norm (its loss {float(losses[k]):.4g})"
             fp32 = "" if self.precision == "fp32" else " with --mixed-precision no"
-            raise NonFiniteLoss(f"non-finite loss at step {self.first_step + int(bad[0])} ({self.precision} "
-                                f"precision); no checkpoint was written for it. Lower learning_rate{fp32} and "
-                                f"start again, or resume (--resume auto) if this run saved a checkpoint before it")
+            raise NonFiniteLoss(f"non-finite {what} at step {self.first_step + k} ({self.precision} precision); no "
+                                f"checkpoint was written for it. Lower learning_rate{fp32} and start again, or "
+                                f"resume (--resume auto) if this run saved a checkpoint before it")
         return losses
 
     def row(self, step: int, tokens: int, lr: float, grad_norm: torch.Tensor) -> dict:

@@ -124,7 +124,7 @@ class StepTiming(Callback):
         self.window.begin_step()
 
     def post_step(self, run) -> None:
-        self.window.add(run.step_loss, skipped=not run.applied)
+        self.window.add(run.step_loss, run.grad_norm, skipped=not run.applied)
 
     def on_rewind(self, run) -> None:
         self.window.restart(run.state.step + 1)

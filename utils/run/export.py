@@ -30,7 +30,8 @@ def export_final_model(model, spec, described: Path, state, output_dir: Path, pa
                     f"OUT --tokenizer PATH (the tokenizer.json the data was prepared with)")
     with files.write_guard(output_dir / layout.FINAL_MODEL, advice="the checkpoints are intact: export one with "
                            "scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into a folder you may write"):
-        export_dir = export_hf(weights, spec, output_dir / layout.FINAL_MODEL, tokenizer=tokenizer)
+        export_dir = export_hf(weights, spec, output_dir / layout.FINAL_MODEL, tokenizer=tokenizer,
+                               warn=log.warning)
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
     log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")
@@ -53,7 +54,7 @@ def finished_run(resume_path: Path, max_steps: int, described: Path, output_dir:
         else:
             spec, weights, _ = load_checkpoint_model(resume_path)
             has_tokenizer = (described / DATASET_FILE).is_file() or (described / TOKENIZER_FILE).is_file()
-            export_hf(weights, spec, final, tokenizer=described if has_tokenizer else resume_path)
+            export_hf(weights, spec, final, tokenizer=described if has_tokenizer else resume_path, warn=log.warning)
             log.info(f"The run already finished at step {step} ({resume_path.name}); final_model/ was missing: "
                      f"exported it to {final}")
     accelerator.wait_for_everyone()
