@@ -15,10 +15,11 @@ from pathlib import Path
 import yaml
 
 from configs.model_config import ConfigError, get_model_spec
-from utils.training.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
-from utils.training.optim import OPTIMIZERS as OPTIMIZER_REGISTRY
-from utils.training.schedules import SCHEDULES
 from utils.observe.trackers import TRACKERS
+from utils.training.optim import MUON_SCALES as OPTIMIZER_MUON_SCALES
+from utils.training.optim import OPTIMIZERS as OPTIMIZER_REGISTRY
+from utils.training.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
+from utils.training.schedules import SCHEDULES
 
 MIXED_PRECISION_MODES = ("bf16", "fp16", "fp8", "no")
 MODEL_IMPLS = ("native", "hf")
@@ -27,6 +28,7 @@ MEMORY_PROFILES = ("auto", "off", "conservative", "balanced", "aggressive")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # utils/training/optim/: the registry
 MUON_NS_DTYPES = ("auto", "bf16", "fp32")  # utils/training/optim/muon.py: ns_dtype_for
+MUON_SCALES = tuple(OPTIMIZER_MUON_SCALES)  # utils/training/optim: torch's adjust_lr_fn by name
 INITS = ("hf", "neox")  # utils/model/init.py: init_weights
 STRATEGIES = ("ddp", "fsdp")  # utils/parallel/strategies.py: one class each
 # utils/model/activation_checkpointing.py applies them; configs/profiles.py counts their memory
@@ -43,8 +45,8 @@ TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # it names metrics: eval/
 CHOICES = {"mixed_precision": MIXED_PRECISION_MODES, "model_impl": MODEL_IMPLS, "attention": ATTENTION,
            "spike_guard": SPIKE_GUARDS, "activation_checkpointing": ACTIVATION_CHECKPOINTING,
            "strategy": STRATEGIES, "profile": MEMORY_PROFILES, "optimizer_state_dtype": OPTIMIZER_STATE_DTYPES,
-           "optimizer": OPTIMIZERS, "muon_ns_dtype": MUON_NS_DTYPES, "init": INITS, "lr_schedule": LR_SCHEDULES,
-           "shuffle": SHUFFLES, "decay_shape": DECAY_SHAPES}
+           "optimizer": OPTIMIZERS, "muon_ns_dtype": MUON_NS_DTYPES, "muon_scale": MUON_SCALES, "init": INITS,
+           "lr_schedule": LR_SCHEDULES, "shuffle": SHUFFLES, "decay_shape": DECAY_SHAPES}
 # what `--resume` takes (train.py and the launcher's help both show this list)
 RESUME_FORMS = ("auto", "latest", "a checkpoint name", "a local path", "a gs:// URL")
 
@@ -180,6 +182,11 @@ class TrainingConfig:
     muon_momentum: float = _field(0.95, "optimizer=muon: Muon's (Nesterov) momentum", "[0, 1)")
     muon_ns_dtype: str = _field("auto", "optimizer=muon: Newton-Schulz's precision, bf16 (torch's) | fp32 | auto "
                                         "(fp32 when mixed_precision=no, else bf16)")
+    muon_scale: str = _field("moonlight", "optimizer=muon: each matrix's update scaled to AdamW's RMS, 0.2 * "
+                                          "sqrt(max(rows, cols)), so learning_rate serves both (moonlight), or "
+                                          "by sqrt(max(1, rows / cols)) (original: wants a larger learning_rate)")
+    cautious_weight_decay: bool = _field(False, "optimizer=muon: decay a block matrix's entries only where the "
+                                                "update moves them towards zero too (modded-nanogpt)")
     init: str = _field("hf", "fresh weights: hf (normal, std initializer_range) | neox (GPT-NeoX small_init + "
                              "wang_init, as Pythia); init_from and resumes are unaffected")
     z_loss: float = _field(0.0, "auxiliary z-loss coefficient (z_loss * logsumexp^2, OLMo uses 1e-4; above 1 the z "

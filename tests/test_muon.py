@@ -6,16 +6,16 @@ import math
 
 import pytest
 import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from configs import get_model_spec, get_training_config
 from configs.profiles import RunShape, memory_plan
+from configs.training_config import ConfigError
 from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd, train_rows
 from utils.model import build_model
-from configs.training_config import ConfigError
-from torch.optim._muon import _zeropower_via_newtonschulz
-from utils.training.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonWithAdamW, muon_parameters, newton_schulz
 from utils.training.optim import OptimizerSettings, build_optimizer
 from utils.training.optim.adamw import BF16MomentAdamW
+from utils.training.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonWithAdamW, muon_parameters, newton_schulz
 
 SPEC = get_model_spec("tiny")
 
@@ -32,8 +32,11 @@ def _train(model, opt, batches):
         opt.zero_grad(set_to_none=True)
 
 
-def test_muon_is_torchs_muon_for_block_matrices_and_adamw_for_the_rest():
-    cfg = get_training_config("demo", {"model": "tiny", "optimizer": "muon", "muon_ns_dtype": "bf16"})
+@pytest.mark.parametrize("scale, adjust_lr_fn", [("moonlight", "match_rms_adamw"), ("original", "original")])
+def test_muon_is_torchs_muon_for_block_matrices_and_adamw_for_the_rest(scale, adjust_lr_fn):
+    """muon_scale names torch's adjust_lr_fn: moonlight (the default) its match_rms_adamw, original its own."""
+    cfg = get_training_config("demo", {"model": "tiny", "optimizer": "muon", "muon_ns_dtype": "bf16",
+                                       "muon_scale": scale})
     model = build_model(SPEC, seed=0)
     opt = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
     assert isinstance(opt, MuonWithAdamW) and opt.ns_dtype == torch.bfloat16
@@ -49,7 +52,7 @@ def test_muon_is_torchs_muon_for_block_matrices_and_adamw_for_the_rest():
     ids = {id(p) for p in matrices}
     rest = [p for p in ref.parameters() if id(p) not in ids]
     torch_muon = torch.optim.Muon(matrices, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw")
+                                  momentum=cfg.muon_momentum, adjust_lr_fn=adjust_lr_fn)
     adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
                               lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
@@ -60,6 +63,8 @@ def test_muon_is_torchs_muon_for_block_matrices_and_adamw_for_the_rest():
         ref.zero_grad(set_to_none=True)
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match="muon_scale='rms'"):
+        get_training_config("demo", {"optimizer": "muon", "muon_scale": "rms"})
 
 
 def test_newton_schulz_precision_follows_the_run_and_fp32_does_not_amplify_last_bit_differences():

@@ -5,6 +5,7 @@
 - `schedules`: the LR schedule registry (`lr_schedule=`, `decay_shape=`), plain functions of the step;
 - `lr_scheduler`: the scheduler that applies them once per optimizer step;
 - `spike_guard`: the loss-spike guard (warn, skip, rollback);
+- `weight_average`: an average of the weights over the end of a run (tail, ema);
 - `state`: TrainState (step, tokens) and RngState.
 
 May import: utils, utils.io, utils.runtime.

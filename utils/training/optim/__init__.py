@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from utils.settings import Settings
 
 OPTIMIZERS: dict[str, str] = {"adamw": "adamw", "muon": "muon"}  # name -> module of this package
+# `muon_scale` -> torch.optim.Muon's adjust_lr_fn: moonlight scales each matrix's update to AdamW's RMS
+# (0.2 * sqrt(max(rows, cols))), so that AdamW's learning rate and weight decay serve Muon too; original is
+# Keller Jordan's sqrt(max(1, rows / cols)), which wants its own, larger learning rate
+MUON_SCALES: dict[str, str] = {"moonlight": "match_rms_adamw", "original": "original"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class OptimizerSettings(Settings):
     adam_eps: float
     muon_momentum: float
     muon_ns_dtype: str
+    muon_scale: str
+    cautious_weight_decay: bool
     optimizer_state_dtype: str
     mixed_precision: str  # muon_ns_dtype=auto follows it
 

@@ -41,9 +41,9 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from utils.training.optim import OptimizerSettings, adamw
+from utils.training.optim import MUON_SCALES, OptimizerSettings, adamw
+from utils.training.optim.adamw import state_dtype as adamw_state_dtype
 
-ADJUST_LR_FN = "match_rms_adamw"
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults
 NS_STEPS, NS_EPS = 5, 1e-7
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -80,9 +80,7 @@ def build(model: nn.Module, settings: OptimizerSettings, fused: bool) -> MuonWit
     """Muon for the blocks' weight matrices, the AdamW `optimizer=adamw` would be for everything else."""
     muon = muon_parameters(model)
     rest = adamw.build(model, settings, fused, skip=frozenset(id(p) for p in muon))
-    return MuonWithAdamW(muon, rest, lr=settings.learning_rate, weight_decay=settings.weight_decay,
-                         momentum=settings.muon_momentum, state_dtype=adamw.state_dtype(settings),
-                         ns_dtype=ns_dtype_for(settings.muon_ns_dtype, settings.mixed_precision))
+    return MuonWithAdamW(muon, rest, settings)
 
 
 def muon_parameters(model: nn.Module) -> list[torch.Tensor]:
@@ -96,15 +94,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """Muon for `muon_params`, the given `adamw` optimizer for its own parameters (see the module
     docstring). `param_groups`: AdamW's groups, then one Muon group (`"muon": True`)."""
 
-    def __init__(self, muon_params: list[torch.Tensor], adamw: torch.optim.Optimizer, lr: float,
-                 weight_decay: float, momentum: float = 0.95, nesterov: bool = True,
-                 state_dtype: torch.dtype = torch.float32, ns_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, muon_params: list[torch.Tensor], adamw: torch.optim.Optimizer, settings: OptimizerSettings):
         self.adamw = adamw
-        self.state_dtype = state_dtype
-        self.ns_dtype = ns_dtype  # Newton-Schulz's (module docstring); not in the state dict: a run's setting
-        muon_group = dict(params=list(muon_params), lr=lr, weight_decay=weight_decay, momentum=momentum,
-                          nesterov=nesterov, ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=NS_STEPS,
-                          adjust_lr_fn=ADJUST_LR_FN, muon=True)
+        self.state_dtype = adamw_state_dtype(settings)
+        # Newton-Schulz's (module docstring); not in the state dict: a run's setting
+        self.ns_dtype = ns_dtype_for(settings.muon_ns_dtype, settings.mixed_precision)
+        lr = settings.learning_rate
+        muon_group = dict(params=list(muon_params), lr=lr, weight_decay=settings.weight_decay,
+                          momentum=settings.muon_momentum, nesterov=True, ns_coefficients=NS_COEFFICIENTS,
+                          eps=NS_EPS, ns_steps=NS_STEPS, adjust_lr_fn=MUON_SCALES[settings.muon_scale],
+                          cautious=settings.cautious_weight_decay, muon=True)
         super().__init__([muon_group], dict(lr=lr))
         self.param_groups = list(adamw.param_groups) + self.param_groups
         self._link()
@@ -171,7 +170,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
             update = grad.lerp(blended, momentum) if group["nesterov"] else blended
             update = _orthogonalise(update, group, self.ns_dtype)
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
-            p.mul_(1 - lr * wd)
+            if group.get("cautious"):  # decay only where the step moves the weight towards zero as well
+                p.mul_(1 - (lr * wd) * (update * p >= 0).to(p.dtype))
+            else:
+                p.mul_(1 - lr * wd)
             p.add_(update, alpha=-adjusted_lr)
 
 
