@@ -157,7 +157,7 @@ if ! cmp -s utils/quiet_imports.py "$site_dir/neox_quiet_imports.py"; then
     echo "import neox_quiet_imports" > "$site_dir/neox_quiet_imports.pth"
 fi
 
-# The Slurm tests (tests/test_slurm.py) start a real one-node cluster: as root with apt-get (a CI machine, a
+# The Slurm tests (tests/e2e/test_slurm.py) start a real one-node cluster: as root with apt-get (a CI machine, a
 # container), the dev set installs Debian's Slurm and munge once; elsewhere those tests skip, saying why.
 if [[ "$dev" -eq 1 && "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1 && ! command -v slurmctld >/dev/null 2>&1; then
     step "installing Slurm and munge for the Slurm tests (apt-get)"

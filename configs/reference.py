@@ -3,7 +3,7 @@
 `python -m configs.reference` writes docs/configuration.md: every field with its type, default, range and
 help text, grouped by the section comments of `TrainingConfig`'s body (`# data`, `# optimisation`, ...), then
 the presets and the values each sets. It reads the same metadata `train.py --help` prints, so the page
-cannot disagree with `--help`; tests/test_docs.py checks that the committed page is current
+cannot disagree with `--help`; tests/e2e/test_docs.py checks that the committed page is current
 (`python -m configs.reference --check` does the same from the shell)."""
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import pytest
 
 from configs.training_config import PRESETS
 from tests.conftest import REPO_ROOT
-from tests.test_docs import shell_commands, split_words
+from tests.e2e.test_docs import shell_commands, split_words
 
 MAX_STEPS_ENV = "DOCS_WALK_MAX_STEPS"
 DEFAULT_MAX_STEPS = 6

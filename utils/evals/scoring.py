@@ -1,5 +1,5 @@
 """Scoring as lm-evaluation-harness scores (its `hf` model, 0-shot), so the numbers are the ones a user gets
-from `lm_eval --model hf` on the exported model (tests/test_evals.py checks it against lm-eval itself).
+from `lm_eval --model hf` on the exported model (tests/unit/evals/test_evals.py checks it against lm-eval itself).
 
 Tokenization (`RequestEncoder`, lm-eval's `_encode_pair` and `tok_encode`): whitespace at the end of the
 context moves to the front of the continuation; the whole string context + continuation is encoded and

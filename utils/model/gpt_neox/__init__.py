@@ -38,7 +38,7 @@ PRESETS = (
               num_attention_heads=16, intermediate_size=8192, max_position_embeddings=2048),
     # The Pythia suite (EleutherAI): its exact shapes, 2048 positions, rotary on 25% of each head, parallel
     # residual, untied head, 50304 embedding rows (50432 for 6.9b: its tokenizer's 50277 ids, padded).
-    # Parameter counts, as published (tests/test_fsdp.py checks them): 162.3M, 405.3M, 1.012B, 1.415B,
+    # Parameter counts, as published (tests/e2e/test_fsdp.py checks them): 162.3M, 405.3M, 1.012B, 1.415B,
     # 2.775B, 6.857B.
     _pythia("160m", 768, 12, 12, 50304), _pythia("410m", 1024, 24, 16, 50304), _pythia("1b", 2048, 16, 8, 50304),
     _pythia("1.4b", 2048, 24, 16, 50304), _pythia("2.8b", 2560, 32, 32, 50304), _pythia("6.9b", 4096, 32, 32, 50432),

@@ -2,7 +2,7 @@
 shared blocks (utils/model/common/).
 
 The same math as transformers' `GPTNeoXForCausalLM` (checked at toy size against it, both ways, in
-tests/test_families.py) for every GPT-NeoX / Pythia configuration: partial rotary embeddings with any
+tests/unit/model/test_families.py) for every GPT-NeoX / Pythia configuration: partial rotary embeddings with any
 base, parallel or sequential residual, LayerNorm eps, biases on or off, untied (or tied) head, padded
 vocabulary. Parameter names, their order and the fused per-head QKV layout are transformers' own, so a
 checkpoint of either implementation (optimizer state included) loads into the other unchanged, and HF

@@ -9,7 +9,7 @@ same iteration (same coefficients, same operations) in float32 and is the defaul
 (`mixed_precision=no`: the CPU presets and the tests). Why: rounding the update to bf16 (2^-8 relative)
 turns a difference in the gradients' last fp32 bits (sums in another order: 1 process, DDP's all-reduce,
 FSDP's reduce-scatter) into a bf16 rounding flip of whole elements, so fp32 runs on 1 process, 2 DDP
-ranks and 2 FSDP ranks agreed only to ~1e-5; in fp32 they agree to 1e-6 (tests/test_muon.py). Cost: the
+ranks and 2 FSDP ranks agreed only to ~1e-5; in fp32 they agree to 1e-6 (tests/unit/training/test_muon.py). Cost: the
 fp32 iteration's matmuls, ~15 per matrix per step, at fp32 speed (on a GPU ~2x bf16's time for them; on
 the CPU, where bf16 matmuls are not faster, about the same).
 

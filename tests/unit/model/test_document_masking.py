@@ -80,7 +80,7 @@ def test_the_first_token_after_an_eos_does_not_see_the_previous_document():
 @torch.no_grad()
 def test_flex_attention_block_mask_matches_the_dense_mask(position_reset):
     """Forward only: FlexAttention has no backward on the CPU (the CUDA path, with gradients, is in
-    tests/test_gpu.py)."""
+    tests/e2e/test_gpu.py)."""
     packed = torch.cat([doc(9, 1), doc(12, 2), doc(20, 3)])[None].repeat(2, 1)
     dense, flex = masked_model(position_reset, flex=False), masked_model(position_reset, flex=True)
     assert torch.allclose(dense.logits(packed), flex.logits(packed), atol=1e-5, rtol=0)

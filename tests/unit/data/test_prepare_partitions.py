@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_prepare_data import PREPARE, corpus, prepare, text, tokenizer, tree  # noqa: F401 (fixtures)
+from tests.e2e.test_prepare_data import PREPARE, corpus, prepare, text, tokenizer, tree  # noqa: F401 (fixtures)
 from tests.trainkit import REPO_ROOT
 from utils.data.corpus import list_inputs, read_documents
 from utils.data.partition import cut

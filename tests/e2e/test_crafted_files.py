@@ -200,7 +200,7 @@ def test_torch_load_is_weights_only_everywhere():
 # ----------------------------------------------------------------- 2: paths a file names stay in its folder
 
 def test_manifest_objects_and_symlinked_files_stay_in_the_checkpoint(tmp_path):
-    from tests.test_one_line_errors import fake_checkpoint
+    from tests.e2e.test_one_line_errors import fake_checkpoint
     from utils.checkpoint.format import CheckpointError, read_checkpoint, verify_checkpoint
 
     torch.save({"secret": torch.ones(2)}, tmp_path / "outside.pt")
@@ -331,7 +331,7 @@ def test_a_folder_with_dataset_json_holds_exactly_the_shards_it_lists(tmp_path):
 # ------------------------------------------------------------------------ 4: a key other users can read
 
 def test_a_key_other_users_can_read_is_said_once_never_its_contents(tmp_path, monkeypatch, capsys):
-    from tests.test_storage import fake_service_account
+    from tests.unit.io.test_storage import fake_service_account
     from utils.io import storage
 
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
@@ -407,7 +407,7 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_the_earlier_checkpoin
 def test_a_crafted_manifest_json_is_refused_naming_the_field(tmp_path):
     """manifest.json: a string where an int goes, a negative size, a list where an object goes, a path out of
     the checkpoint; in-process for each, and through generate.py (a real process: exit 2, one line)."""
-    from tests.test_one_line_errors import fake_checkpoint
+    from tests.e2e.test_one_line_errors import fake_checkpoint
     from utils.checkpoint.format import CheckpointError, read_checkpoint
 
     checkpoint = fake_checkpoint(tmp_path / "ckpts", 2)
@@ -490,7 +490,7 @@ def test_a_crafted_plan_or_dataset_json_in_prepares_output_is_never_trusted(tmp_
     this run's, never the file's); a crafted one (nested past the parser's depth, a list, a digest that is a
     number) is discarded and the dataset made afresh, and a crafted dataset.json under the plan's own
     fingerprint is one line naming the field, never a report of its numbers (real processes)."""
-    from tests.test_prepare_data import bpe_tokenizer
+    from tests.e2e.test_prepare_data import bpe_tokenizer
     from utils.data.partition import staged_plan_digest
 
     assert staged_plan_digest(None) is None
@@ -520,7 +520,7 @@ def test_a_crafted_plan_or_dataset_json_in_prepares_output_is_never_trusted(tmp_
 
 def small_prepare(tmp_path: Path, out: Path, *extra: str) -> list[str]:
     """prepare_data.py's command for a small corpus (one partition, no validation split unless `extra` asks)."""
-    from tests.test_prepare_data import bpe_tokenizer
+    from tests.e2e.test_prepare_data import bpe_tokenizer
 
     corpus = tmp_path / "corpus.jsonl"
     if not corpus.exists():
@@ -725,7 +725,7 @@ def test_a_crafted_model_record_in_trainer_state_json_is_one_line(tmp_path, hf_m
     tiny = get_model_spec("tiny").to_dict()
     tokenizer = hf_model.parent / "tokenizer.json"
     if not tokenizer.exists():
-        from tests.test_prepare_data import bpe_tokenizer
+        from tests.e2e.test_prepare_data import bpe_tokenizer
 
         bpe_tokenizer(tokenizer, vocab=300)
     load_checkpoint_model(tiny_checkpoint(tmp_path / "good"))  # as the engine writes it: fine
@@ -787,8 +787,8 @@ def test_a_crafted_dataset_json_or_a_changed_tokenizer_is_one_line_before_step_1
     a NUL, a tokenizer.json that is not the one its dataset.json records (sha256): one line naming the file,
     before step 1 (in-process, and real train.py runs against the GCS emulator). The first two were tracebacks;
     the third trained to the end with ids that meant other text."""
-    from tests.test_prepare_data import bpe_tokenizer
-    from tests.test_streaming import upload
+    from tests.e2e.test_prepare_data import bpe_tokenizer
+    from tests.unit.data.test_streaming import upload
     from utils.data.dataset_info import DatasetInfo, DatasetInfoError
     from utils.data.prepare import PrepareOptions, prepare
 

@@ -1,7 +1,7 @@
 """Downstream evals (utils/evals/, scripts/evaluate.py, `eval_tasks`): the readers of the published layouts,
 the config forms, lm-evaluation-harness itself as the reference for scores and log-likelihoods, and the
 evals in a 2-rank FSDP run against scripts/evaluate.py on its sharded checkpoint. The demo model's scores
-(trained and untrained, in the loop and through scripts/evaluate.py) are checked in tests/test_demo.py."""
+(trained and untrained, in the loop and through scripts/evaluate.py) are checked in tests/e2e/test_demo.py."""
 from __future__ import annotations
 
 import json

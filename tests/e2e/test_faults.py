@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_checkpoint import BlackHole  # a GCS that accepts connections and never answers
-from tests.trainkit import make_shards, metrics, run, train_cmd, train_rows
+from tests.trainkit import REPO_ROOT, make_shards, metrics, run, train_cmd, train_rows
 from utils.checkpoint.format import list_checkpoints, verify_checkpoint
 from utils.io import files
 from utils.io.lock import LOCK_FILE, OutputDirLock
@@ -35,7 +35,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
     data = make_shards(root / "data")
     out = root / "out"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
     run(train_cmd(out, data, "per_device_train_batch_size=4", "max_steps=4", "save_steps=2"), env)
     return data, out
 
@@ -131,7 +131,7 @@ def test_printed_upload_command_then_resume_from_gcs(tmp_path, subprocess_env, g
     command = re.findall(r"upload it with: (python -m utils\.checkpoint\.upload \S+ \S+)$", proc.stderr, re.M)[-1]
     subprocess_env["STORAGE_EMULATOR_HOST"] = gcs_emulator.url
     up = subprocess.run(command.replace("python", sys.executable, 1).split(), env=subprocess_env,
-                        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert up.returncode == 0, up.stderr
     fresh = tmp_path / "fresh"
     proc = run(train_cmd(fresh, data, "per_device_train_batch_size=2", "max_steps=5", f"gcs_bucket={gcs_emulator.bucket}",
@@ -184,8 +184,8 @@ def test_an_unreadable_newest_checkpoint_is_skipped(trained, tmp_path):
             f"print('LATEST', find_latest_local({str(root)!r}).name)")
     # root without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH obeys file permissions like any user
     proc = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-c", code],
-                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert proc.returncode == 0, proc.stderr
     assert f"skipping checkpoint {newest.name}" in proc.stdout and "check its permissions" in proc.stdout
     assert f"LATEST {list_checkpoints(root)[-2].name}" in proc.stdout

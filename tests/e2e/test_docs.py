@@ -2,8 +2,8 @@
 show exists in the real entry points (their `--help`) and the config's field definitions; every relative link
 resolves; nothing points outside the repository; the configuration reference is the generated one.
 
-The README's quick start and own-data blocks are also run as written (tests/test_demo.py,
-tests/test_first_day.py); and every page's commands are run in reading order after the quick start, at toy
+The README's quick start and own-data blocks are also run as written (tests/e2e/test_demo.py,
+tests/e2e/test_first_day.py); and every page's commands are run in reading order after the quick start, at toy
 size, in a fresh copy of the repository (tests/docs_walk.py, a slow test)."""
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_preemption import launcher_cmd, leftovers, wait_for_steps
+from tests.e2e.test_preemption import launcher_cmd, leftovers, wait_for_steps
 from tests.trainkit import REPO_ROOT, TINY, make_shards, run, train_cmd, train_rows
 from utils.checkpoint.format import list_checkpoints, verify_checkpoint
 from utils.runtime.signals import parent_pid
@@ -425,7 +425,7 @@ def test_a_checkpoint_of_another_shape_of_the_same_named_model_is_said_plainly()
     (["--config", "demo", "--gpus", "3"], "--gpus 3: asked for 3 GPU(s) but no NVIDIA GPU is visible"),
 ])
 def test_the_launcher_s_usage_errors_are_one_line_and_exit_2(tmp_path, subprocess_env, args, fragment):
-    from tests.test_launcher import fake_gpus
+    from tests.e2e.test_launcher import fake_gpus
 
     proc = subprocess.run([str(REPO_ROOT / "start_training.sh"), *args], env=fake_gpus(tmp_path, subprocess_env, 0),
                           capture_output=True, text=True, timeout=60)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_prepare_data import bpe_tokenizer, text
+from tests.e2e.test_prepare_data import bpe_tokenizer, text
 from tests.trainkit import REPO_ROOT, TINY, metrics, run, train_rows
 from utils.data import build
 from utils.data.dataset_info import FILE as DATASET_FILE
@@ -620,7 +620,7 @@ def test_data_cache_gb_makes_room_on_a_disk_full_of_what_earlier_runs_left(gcs_e
 def test_a_cache_folder_this_user_may_not_write_is_a_permissions_line(bucket, open_tmp):
     """data_cache_dir in another user's folder: one line naming it, its owner and what to do about permissions
     (a real unprivileged process, the GCS emulator); it was given the advice for a full disk."""
-    from tests.test_one_line_errors import NOBODY, as_nobody_ok, run_py
+    from tests.e2e.test_one_line_errors import NOBODY, as_nobody_ok, run_py
 
     if not as_nobody_ok():
         pytest.skip("needs root and setpriv to run as an unprivileged user")

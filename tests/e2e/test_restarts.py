@@ -233,7 +233,7 @@ def test_a_launcher_killed_during_a_restart_wait_leaves_nothing_running(tmp_path
     """`kill -9` of start_training.sh while its supervisor (a session of its own) waits to restart the ranks:
     the supervisor relaunched every rank 8 s later and trained on, holding the folder's lock with nobody
     watching. Now it restarts nothing: 20 s later no process of the run is left."""
-    from tests.test_preemption import leftovers
+    from tests.e2e.test_preemption import leftovers
 
     data, out, log = make_shards(tmp_path / "data"), tmp_path / "out", tmp_path / "out.log"
     proc = start(launcher_cmd(out, data, "--max-restarts", "2", "--restart-delay", "8", sets=["max_steps=1000"]),

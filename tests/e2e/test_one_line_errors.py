@@ -197,7 +197,7 @@ def test_a_tracker_without_its_package_is_one_line_and_others_keep_working(monke
 
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):
-    from tests.test_prepare_data import bpe_tokenizer
+    from tests.e2e.test_prepare_data import bpe_tokenizer
 
     root = tmp_path_factory.mktemp("prep")
     (root / "corpus").mkdir()
@@ -268,7 +268,7 @@ def test_sigterm_during_prepare_leaves_no_worker_tracebacks(tmp_path):
     import signal
     import time
 
-    from tests.test_prepare_data import bpe_tokenizer
+    from tests.e2e.test_prepare_data import bpe_tokenizer
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -466,7 +466,7 @@ def crafted_input_cases(tmp: Path) -> list[tuple[str, list]]:
     for setting in ("model=tiny", "compile_model=false", "mixed_precision=no", "val_files=1",
                     "dataloader_num_workers=0"):
         train += ["--set", setting]
-    from tests.test_prepare_data import bpe_tokenizer
+    from tests.e2e.test_prepare_data import bpe_tokenizer
 
     tokenizer = bpe_tokenizer(root / "bpe.json", vocab=300)  # so that each gets as far as its crafted file
     generate = [py, "generate.py", "--prompt", "x", "--tokenizer", str(tokenizer)]
@@ -483,7 +483,7 @@ def crafted_input_cases(tmp: Path) -> list[tuple[str, list]]:
     config.mkdir()
     (config / "binary.yaml").write_text("base: demo\nrun_name: !!binary aGVsbG8=\n")
     (config / "yes.yaml").write_text("base: demo\nmixed_precision: yes\n")
-    from tests.test_settings import huge_head_model
+    from tests.e2e.test_settings import huge_head_model
 
     cases += [
         ("train: init_from an HF directory of one position", train + ["--data-dir", str(data), "--set",
@@ -505,7 +505,7 @@ def crafted_input_cases(tmp: Path) -> list[tuple[str, list]]:
 def dataset_cases(root: Path, data: Path, tokenizer: Path) -> list[tuple[str, Path]]:
     """Data folders whose dataset.json is nested 100,000 deep, names a shard path holding a NUL, or records the
     sha256 of another tokenizer than the tokenizer.json beside it (`tokenizer`)."""
-    from tests.test_crafted_files import write_dataset
+    from tests.e2e.test_crafted_files import write_dataset
 
     folders = {}
     for name in ("nested", "nul", "tokenizer"):
@@ -558,7 +558,7 @@ def hf_cases(root: Path) -> list[tuple[str, Path]]:
 def record_cases(root: Path) -> list[tuple[str, Path]]:
     """Checkpoints of the tiny model whose trainer_state.json's model record is crafted."""
     from configs.model_config import get_model_spec
-    from tests.test_crafted_files import tiny_checkpoint
+    from tests.e2e.test_crafted_files import tiny_checkpoint
 
     tiny = get_model_spec("tiny").to_dict()
     crafted = {"heads not dividing hidden_size": {"num_attention_heads": 5},
@@ -573,7 +573,7 @@ def record_cases(root: Path) -> list[tuple[str, Path]]:
 def resume_cases(root: Path, run_out: Path) -> list[tuple[str, Path]]:
     """Copies of a real run's checkpoint whose trainer_state.json's config is "x", or whose optimizer.pt holds a
     moment of another shape than its parameter (the manifest rewritten to match)."""
-    from tests.test_crafted_files import refresh_manifest
+    from tests.e2e.test_crafted_files import refresh_manifest
 
     (checkpoint,) = (run_out / "checkpoints").iterdir()
     copies = []
@@ -625,7 +625,7 @@ def prepare_cases(root: Path) -> list[tuple[str, list]]:
 def text_cases(tmp: Path) -> list[tuple[str, list]]:
     """Issue 32's text inputs: a lone surrogate or deeply nested JSON in a corpus line or a task file,
     non-finite --partition-mb, an unknown evaluate.py --device."""
-    from tests.test_prepare_data import bpe_tokenizer
+    from tests.e2e.test_prepare_data import bpe_tokenizer
 
     tokenizer = bpe_tokenizer(tmp / "bpe.json")
     nested = '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
@@ -656,7 +656,7 @@ def crafted_sharded_checkpoint(root: Path) -> Path:
     """A sharded checkpoint (the tiny model's record, no weights) whose dcp/.metadata is a pickle that would
     create `root/code-ran`."""
     from configs.model_config import get_model_spec
-    from tests.test_crafted_files import RunsCode
+    from tests.e2e.test_crafted_files import RunsCode
 
     root.mkdir(parents=True)
     (root / "metadata").write_bytes(pickle.dumps(RunsCode(root / "code-ran")))
@@ -760,7 +760,7 @@ def test_download_refuses_max_files_zero_and_negative(capsys):
 
 @pytest.fixture
 def two_sources(gcs_emulator):
-    from tests.test_download import shard_bytes
+    from tests.e2e.test_download import shard_bytes
     from utils.io.storage import make_client
 
     bucket = make_client().bucket(gcs_emulator.bucket)

@@ -2,7 +2,7 @@
 built here: exact token and EOS counts, byte-identical output whatever --workers, training on a partitioned
 result, the validation split the same however the corpus is cut, uint32 shards for a big vocabulary, upload
 then download byte for byte, a run killed after some partitions finished by a rerun doing only the rest,
-bad input. tests/test_prepare_partitions.py has the plan, the merge, the bucket output and Ray."""
+bad input. tests/unit/data/test_prepare_partitions.py has the plan, the merge, the bucket output and Ray."""
 from __future__ import annotations
 
 import gzip
