@@ -8,7 +8,8 @@ learning rates, against recipes (an optimizer, an init, levers), each at its own
     python benchmarks/bench_convergence.py --config cpu --set data_dir=data/pydocs ...
 
 A recipe is `OPTIMIZER+INIT[+LEVER...][:sweep][@FRACTION]`: adamw | muon, hf | neox, levers `wsd`
-(lr_schedule=wsd instead of the preset's cosine) and `cautious` (cautious_weight_decay). A recipe without
+(lr_schedule=wsd instead of the preset's cosine), `cautious` (cautious_weight_decay) and `qknorm` (the model with
+qk_norm: a norm on each head of q and k, OLMo 2's placement). A recipe without
 levers is swept over its optimizer's rates (`--adamw-lrs`, `--muon-lrs`); one with levers runs at the best
 rate of the same recipe without them (a lever is measured at its optimizer's best rate), or of a listed swept
 recipe holding some of its levers (`muon+neox+wsd:sweep` sets the rate of `muon+neox+wsd+cautious`), or is
@@ -57,7 +58,8 @@ from configs.training_config import parse_overrides
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 BASELINE = "adamw+hf"
-LEVERS = {"wsd": {"lr_schedule": "wsd"}, "cautious": {"cautious_weight_decay": True}}
+LEVERS = {"wsd": {"lr_schedule": "wsd"}, "cautious": {"cautious_weight_decay": True}, "qknorm": {}}
+MODEL_LEVERS = {"qknorm": {"qk_norm": True}}  # a lever of the model's spec: QK-norm (OLMo 2's placement)
 OPTIMIZERS, INITS = ("adamw", "muon"), ("hf", "neox")
 
 
@@ -100,6 +102,9 @@ class Recipe:
             out |= LEVERS[lever]
         return out
 
+    def model_settings(self) -> dict:
+        return {k: v for lever in self.levers for k, v in MODEL_LEVERS.get(lever, {}).items()}
+
 
 def load_rows(data_dir: Path, seq_len: int, val_files: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(train rows, validation rows) of seq_len tokens: each shard's tokens cut into rows; a prepared
@@ -141,7 +146,8 @@ class Contender:
 
         self.cfg = dataclasses.replace(cfg, **recipe.settings(), seed=seed, learning_rate=lr,
                                        max_steps=max(1, round(cfg.max_steps * recipe.fraction)))
-        self.model = build_model(spec, seed=seed, impl="native", init=recipe.init)
+        self.model = build_model(dataclasses.replace(spec, **recipe.model_settings()), seed=seed, impl="native",
+                                 init=recipe.init)
         self.schedule = ScheduleSettings.of(self.cfg)
         self.optimizer = build_optimizer(self.model, OptimizerSettings.of(self.cfg), fused=False)
         self.scheduler = build_scheduler(self.optimizer, self.schedule)
