@@ -22,8 +22,8 @@ tokens/s and step time; per contender the median over `--repeats` rounds is prin
            documents end with id 0 after ~DOC_TOKENS tokens on average): what document masking costs,
            `document/engine` (FlexAttention's block mask on CUDA, SDPA with a dense mask on the CPU). Only
            with `--only`, e.g. `--only engine,document`.
-- bare:    utils.model.build_model + utils.training.optim.build_optimizer, lr_scheduler.build_scheduler, batches already in
-           device memory, forward/backward/clip/step/zero_grad, one `.item()` at the end: the ceiling.
+- bare:    utils.model.build_model + utils.training.optim.build_optimizer, lr_scheduler.build_scheduler, batches already
+           in device memory, forward/backward/clip/step/zero_grad, one `.item()` at the end: the ceiling.
 
 Schedules. `rounds` (default on CUDA) runs the contenders one after another, order rotated each round.
 `slices` (default on CPU) starts a round's contenders together and lets one run at a time, round-robin
@@ -175,7 +175,8 @@ def apply_engine_profile(s: dict, device_gib: float | None) -> None:
 
     cfg, profile = resolve_profile(get_training_config("production", engine_overrides(s)), s["device"], device_gib)
     s.update(micro_batch=cfg.per_device_train_batch_size, accum=cfg.gradient_accumulation_steps,
-             activation_checkpointing=CheckpointingSettings.of(cfg).policy[0], optimizer_state_dtype=cfg.optimizer_state_dtype,
+             activation_checkpointing=CheckpointingSettings.of(cfg).policy[0],
+             optimizer_state_dtype=cfg.optimizer_state_dtype,
              profile_used=profile.name if profile else "none")
 
 
@@ -586,7 +587,8 @@ def render(summary: dict) -> str:
         f"model {s['model']} ({meta['params_m']:.2f}M params), micro-batch {s['micro_batch']} x accum {s['accum']} x "
         f"seq {s['seq_len']} = {s['micro_batch'] * s['accum'] * s['seq_len']:,} tokens/step, "
         f"precision {s['precision']}, "
-        f"model_impl {s['impl']}, compile {'on' if s['compile'] else 'off'}, workers {s['workers']}, threads {s['threads'] or 'default'}, "
+        f"model_impl {s['impl']}, compile {'on' if s['compile'] else 'off'}, workers {s['workers']}, "
+        f"threads {s['threads'] or 'default'}, "
         f"memory profile {s['profile']} -> {s['profile_used']} (activation checkpointing "
         f"{s['activation_checkpointing']}, AdamW moments {s['optimizer_state_dtype']})",
         f"timing: {s['warmup']} warm-up + {s['steps']} timed steps in windows of {s['log_every']}, median window "

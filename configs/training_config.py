@@ -167,7 +167,8 @@ class TrainingConfig:
                                   "(0, 1e12]")
     min_lr_ratio: float = _field(0.1, "the schedule decays to learning_rate * min_lr_ratio at max_steps", "[0, 1]")
     warmup_steps: int = _field(500, "linear warmup steps", "[0, inf)")
-    lr_schedule: str = _field("cosine", "after warmup: cosine | wsd (stable, then decay at the end) | linear | constant")
+    lr_schedule: str = _field("cosine",
+                              "after warmup: cosine | wsd (stable, then decay at the end) | linear | constant")
     decay_steps: int = _field(0, "wsd: decay over the last N steps (0: decay_fraction of max_steps)", "[0, inf)")
     decay_fraction: float = _field(0.2, "wsd: the share of max_steps the decay takes when decay_steps is 0",
                                    "[0, 1]")

@@ -194,7 +194,8 @@ class RunLogger:
         return Path(getattr(self._tensorboard, "log_dir", None) or self.log_dir)
 
     def write_samples(self, step: int, tokens: int, samples: list[tuple[str, str]]) -> None:
-        """Samples of the model's text (utils/evals/sampling.py): logs/samples.jsonl, the log, TensorBoard's text tab."""
+        """Samples of the model's text (utils/evals/sampling.py): logs/samples.jsonl, the log, TensorBoard's text
+        tab."""
         if not self.is_main:
             return
         if layout.SAMPLES not in self._files:
