@@ -79,7 +79,8 @@ def test_memory_plan_counts_the_policies_in_order():
     from configs.profiles import RunShape, memory_plan
 
     spec = get_model_spec("gpt-neox-1.2b")
-    plans = {p: memory_plan(spec, RunShape(micro_batch=4, checkpointing=p)).activations for p in ACTIVATION_CHECKPOINTING}
+    plans = {p: memory_plan(spec, RunShape(micro_batch=4, checkpointing=p)).activations
+             for p in ACTIVATION_CHECKPOINTING}
     assert plans["full"] < plans["every_k"] < plans["none"] and plans["full"] < plans["selective"] < plans["none"]
     out = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "memory_plan.py"),
                           "--activation-checkpointing", "selective"], capture_output=True, text=True)

@@ -193,8 +193,10 @@ def test_memory_plan_matches_the_profile_budget_and_shards_under_fsdp():
     # a 24 GB card: DDP must fall back to bf16 moments; sharded over 2 GPUs the balanced profile fits
     assert choose_profile(23.6, spec, "ddp", 2).name == "conservative"
     assert choose_profile(23.6, spec, "fsdp", 2).name == "balanced"
-    assert not memory_plan(get_model_spec("pythia-6.9b"), RunShape(strategy="ddp", micro_batch=1, checkpointing="full")).fits(80)
-    assert memory_plan(get_model_spec("pythia-6.9b"), RunShape(strategy="fsdp", world_size=8, micro_batch=2, checkpointing="full")).fits(80)
+    assert not memory_plan(get_model_spec("pythia-6.9b"),
+                           RunShape(strategy="ddp", micro_batch=1, checkpointing="full")).fits(80)
+    assert memory_plan(get_model_spec("pythia-6.9b"),
+                       RunShape(strategy="fsdp", world_size=8, micro_batch=2, checkpointing="full")).fits(80)
     out = subprocess.run([str(REPO_ROOT / ".venv" / "bin" / "python"), str(REPO_ROOT / "scripts" / "memory_plan.py"),
                           "--model", "pythia-6.9b", "--world-size", "8"], capture_output=True, text=True)
     assert out.returncode == 1 and "does NOT fit" in out.stdout and "weights (fp32)" in out.stdout
@@ -256,7 +258,8 @@ def start_two_nodes(outs: list[Path], data: Path, *sets: str, extra: tuple = (),
 
 def two_nodes(*args, **kwargs) -> list[tuple]:
     """start_two_nodes, run to the end: (exit code, stdout, stderr) per node."""
-    return [(p.returncode, *out) for p, out in [(p, p.communicate(timeout=300)) for p in start_two_nodes(*args, **kwargs)]]
+    return [(p.returncode, *out)
+            for p, out in [(p, p.communicate(timeout=300)) for p in start_two_nodes(*args, **kwargs)]]
 
 
 @pytest.mark.slow

@@ -337,7 +337,8 @@ def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition(
                   b"Traceback (most recent call last):\n  File \"train.py\", line 1\nValueError: a real bug\n",
                   b"W1123 12:00:00.0 1 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 9 "
                   b"closing signal SIGTERM\n",
-                  b"Traceback (most recent call last):\n  File \"run.py\", line 9, in main\n    raise ChildFailedError(\n"
+                  b"Traceback (most recent call last):\n  File \"run.py\", line 9, in main\n"
+                  b"    raise ChildFailedError(\n"
                   b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\ntrain.py FAILED\n"):
         f.feed(chunk)
     f.close()
@@ -354,7 +355,8 @@ def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition(
     # node 1 after node 0 ended the run with status 1: torch's C++ dump and exit-barrier traceback -> one line
     sink = io.BytesIO()
     f = StderrFilter(sink)
-    agent = b"E1123 22:28:36.382000 21157 .venv/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py:1008] "
+    agent = (b"E1123 22:28:36.382000 21157 .venv/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/"
+             b"api.py:1008] ")
     f.feed(b"warning: this node's shards did not reach GCS\n"
            b"[W1123 22:28:36.742 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed: Failed to recv, got 0 bytes.\n"
            b"Exception raised from recvBytes at /__w/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 (most recent "
