@@ -36,7 +36,7 @@ def measure(spec, policy: str, every: int, ids: torch.Tensor, device: torch.devi
     apply_activation_checkpointing(model, policy, every)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     times = []
-    for i in range(repeats + 1):  # the first is a warm-up: first-call allocations and kernels
+    for _ in range(repeats + 1):  # the first is a warm-up: first-call allocations and kernels
         started = time.perf_counter()
         with autocast:
             model(ids).backward()

@@ -121,7 +121,10 @@ def resolve_settings(args, cuda: bool) -> dict:
     schedule = args.schedule or ("rounds" if cuda or not hasattr(signal, "SIGSTOP") else "slices")
     if schedule == "slices" and not hasattr(signal, "SIGSTOP"):
         raise SystemExit("error: --schedule slices needs POSIX signals; use --schedule rounds")
-    pick = lambda given, on_cuda, on_cpu: given if given is not None else (on_cuda if cuda else on_cpu)
+
+    def pick(given, on_cuda, on_cpu):
+        return given if given is not None else (on_cuda if cuda else on_cpu)
+
     s = {
         "model": model,
         "steps": pick(args.steps, 30, 600),
@@ -568,7 +571,10 @@ def worker_main(args) -> int:
 
 
 def render(summary: dict) -> str:
-    fmt = lambda v, f: "null" if v is None else format(v, f)
+
+    def fmt(v, f):
+        return "null" if v is None else format(v, f)
+
     lines = ["| contender | tokens/s | step ms | MFU | peak mem GiB | data wait % | CPU ms/step | first step s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in summary["median"].items():

@@ -617,7 +617,9 @@ def read_config_file(path) -> tuple[str | None, dict]:
         raw = load_settings_text(text, json_format=path.suffix.lower() == ".json")
     except RefusedSetting as exc:
         raise ConfigError(f"--config {path}: {exc}") from None
-    except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError: both say where
+    except Exception as exc:  # noqa: BLE001 - any parser failure on the user's file is one line
+        # yaml.YAMLError / json.JSONDecodeError: both say where; odd YAML (`!!bool maybe`, a list as a key) also
+        # raises KeyError, TypeError or ValueError from inside the loader
         first = str(exc).replace("\n", " ")
         raise ConfigError(f"--config {path}: not valid {path.suffix.lstrip('.').upper()} ({first})") from None
     if raw is None:  # an empty file (or only comments) would silently train the default 1.2B model

@@ -135,6 +135,6 @@ def test_policies_give_the_same_gradients_on_two_processes(strategy, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {p: {k: torch.tensor(v) for k, v in g.items()} for p, g in json.loads(out.read_text()).items()}
     assert set(results) == set(ACTIVATION_CHECKPOINTING)
-    for policy, grads in results.items():
+    for _policy, grads in results.items():
         assert_same_grads(results["none"], grads)
     assert any(g.abs().sum() > 0 for g in results["none"].values())

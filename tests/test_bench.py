@@ -30,7 +30,7 @@ def test_bench_table_has_every_contender(tmp_path, subprocess_env):
 
     rows = {m[1]: m for m in ROW.finditer(proc.stdout)}
     assert set(rows) == {"engine", "trainer", "naive", "bare", "fsdp", "document"}, proc.stdout
-    for name, m in rows.items():
+    for _name, m in rows.items():
         tokens_per_s, step_ms = float(m[2].replace(",", "")), float(m[3])
         assert tokens_per_s > 0 and step_ms > 0, m[0]
         assert abs(tokens_per_s * step_ms / 1e3 - 16 * 32) / (16 * 32) < 0.01, m[0]  # 512 tokens per step

@@ -63,7 +63,7 @@ def test_an_in_memory_source_trains_through_the_loader_and_resumes_exactly():
     model = build_model(get_model_spec("tiny"), seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for step in range(30):
+    for _ in range(30):
         loss = model(next(loader))
         loss.backward()
         optimizer.step()

@@ -266,7 +266,7 @@ def two_nodes(*args, **kwargs) -> list[tuple]:
 def test_two_nodes_without_a_shared_output_dir_or_a_bucket_are_refused(tmp_path, subprocess_env):
     """Without a bucket the checkpoint could be complete nowhere: the run stops before training."""
     outs = [tmp_path / "node0", tmp_path / "node1"]
-    for code, stdout, stderr in two_nodes(outs, make_shards(tmp_path / "data"), "max_steps=2", env=subprocess_env):
+    for code, _stdout, stderr in two_nodes(outs, make_shards(tmp_path / "data"), "max_steps=2", env=subprocess_env):
         assert code != 0
         assert "is not shared" in stderr and "cannot see it" in stderr and "gcs_bucket" in stderr, stderr[-2000:]
     assert not (outs[0] / "logs" / "metrics.jsonl").exists() or \
@@ -284,7 +284,7 @@ def test_two_nodes_with_local_disks_complete_each_checkpoint_in_gcs(runs, emulat
     sets = (*STEPS, "per_device_train_batch_size=1", "gradient_accumulation_steps=2",
             f"gcs_bucket={emulator.bucket}", "run_name=nodes")
     first = two_nodes(nodes, data, *sets, env=env)
-    for code, stdout, stderr in first:
+    for code, _stdout, stderr in first:
         assert code == 0, stderr[-3000:]
     assert "each node writes its ranks' checkpoint shards to its own disk and uploads them" in first[0][1]
     expected, rows = train_rows(runs["a"]), train_rows(nodes[0])
@@ -324,7 +324,7 @@ def test_two_nodes_with_local_disks_complete_each_checkpoint_in_gcs(runs, emulat
     shutil.rmtree(checkpoint(nodes[0], 8))
     before = len(metrics(nodes[0]))
     results = two_nodes(nodes, data, *sets, extra=("--resume", "auto"), env=env)
-    for code, stdout, stderr in results:
+    for code, _stdout, stderr in results:
         assert code == 0, stderr[-3000:]
     assert "holds only the shards its node wrote; downloading the whole checkpoint" in results[0][1]
     resumed = {r["step"]: r for r in metrics(nodes[0])[before:] if "loss" in r}

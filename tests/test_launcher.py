@@ -251,19 +251,19 @@ def test_set_is_passed_and_the_precision_reaches_accelerate(launcher, subprocess
     proc = subprocess.run([str(launcher), "--config", "production", "--cpu", "--set", "mixed_precision=no",
                            "--set", "save_steps=7", "--dry-run"], env=subprocess_env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("+ "))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("+ "))
     args = shlex.split(line[2:])
     assert args[args.index("--mixed_precision") + 1] == "no"  # from --set, not the preset's bf16
     assert args[args.index("--set") + 1] == "mixed_precision=no" and "save_steps=7" in args
     fp8 = subprocess.run([str(launcher), "--config", "production", "--cpu", "--mixed-precision", "fp8", "--dry-run"],
                          env=subprocess_env, capture_output=True, text=True)
-    args = shlex.split(next(l for l in fp8.stdout.splitlines() if l.startswith("+ "))[2:])
+    args = shlex.split(next(ln for ln in fp8.stdout.splitlines() if ln.startswith("+ "))[2:])
     assert args[args.index("--mixed_precision") + 1] == "bf16"  # fp8 runs torchao's float8 inside bf16
     # a config warning (warmup longer than the run) is not taken for the precision
     short = subprocess.run([str(launcher), "--config", "demo", "--cpu", "--set", "max_steps=4", "--dry-run"],
                            env=subprocess_env, capture_output=True, text=True)
     assert short.returncode == 0, short.stderr
-    args = shlex.split(next(l for l in short.stdout.splitlines() if l.startswith("+ "))[2:])
+    args = shlex.split(next(ln for ln in short.stdout.splitlines() if ln.startswith("+ "))[2:])
     assert args[args.index("--mixed_precision") + 1] == "no"
 
 
@@ -309,7 +309,7 @@ def test_torchrun_runs_train_py_directly(subprocess_env, tmp_path, repo_root):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=repo_root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) on cpu" in proc.stdout and max(train_rows(out)) == 3
-    final = [json.loads(l) for l in (out / "logs" / "metrics.jsonl").read_text().splitlines() if '"final"' in l]
+    final = [json.loads(row) for row in (out / "logs" / "metrics.jsonl").read_text().splitlines() if '"final"' in row]
     assert final and final[-1]["weights_in_sync"] is True and len(final[-1]["weight_sums"]) == 2
 
 

@@ -262,8 +262,11 @@ def test_upload_then_download_reproduces_it_byte_for_byte(corpus, tokenizer, tmp
     mirror = tmp_path / "mirror"
     run([sys.executable, str(REPO_ROOT / "download_training_data.py"), "--source", url, "--dest", str(mirror),
          "--no-progress"], subprocess_env)
-    tree = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
-                      if p.is_file() and not p.name.startswith(".")}
+
+    def tree(d):
+        return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
+                if p.is_file() and not p.name.startswith(".")}
+
     assert tree(mirror) == tree(data)
 
 
@@ -281,7 +284,10 @@ def test_a_run_killed_after_some_partitions_is_finished_by_a_rerun_doing_only_th
     out = tmp_path / "out"
     proc = subprocess.Popen(PREPARE + [str(a) for a in args + ["--output", out, "--no-progress"]],
                             env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = lambda: sorted((tmp_path / ".out.staging").glob("p*/done.json"))
+
+    def records():
+        return sorted((tmp_path / ".out.staging").glob("p*/done.json"))
+
     deadline = time.time() + 120
     while not records():
         assert proc.poll() is None and time.time() < deadline, "never finished a partition"
@@ -405,7 +411,7 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, subprocess_env, tokeniz
     proc = prepare(["--input", *inputs, "--tokenizer", tok, "--output", out, "--workers", 1, *extra], subprocess_env,
                    check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and re.search(fragment, lines[0]), proc.stderr
     assert not out.exists()
 
@@ -480,7 +486,7 @@ def test_a_document_over_the_bound_is_one_line_before_it_is_read_whole(tmp_path,
     out = tmp_path / "out"
     proc, peak_mb = _prepare_measured(corpus, tokenizer, out, subprocess_env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and re.search(where, lines[0]) and "split it" in lines[0], proc.stderr[-2000:]
     assert peak_mb < 700, f"prepare peaked at {peak_mb:.0f} MB"
     assert not out.exists()

@@ -65,7 +65,7 @@ def test_a_plan_cuts_jsonl_and_parquet_anywhere_reads_each_document_once_and_kee
 
 
 def test_merge_refuses_a_missing_completion_record_naming_it_and_a_rerun_redoes_only_that_partition(
-        corpus, tokenizer, tmp_path, monkeypatch, subprocess_env):
+        corpus, tokenizer, tmp_path, monkeypatch, subprocess_env):  # noqa: F811 - pytest fixtures imported above
     from utils.data import prepare as prep
     from utils.data.prepare import PrepareOptions
 
@@ -97,7 +97,7 @@ def test_merge_refuses_a_missing_completion_record_naming_it_and_a_rerun_redoes_
 
 
 def test_output_straight_to_a_bucket_holds_the_same_bytes_and_inputs_can_come_from_one(
-        corpus, tokenizer, tmp_path, subprocess_env, gcs_emulator):
+        corpus, tokenizer, tmp_path, subprocess_env, gcs_emulator):  # noqa: F811 - pytest fixtures imported above
     from utils.data.prepare import PrepareOptions
     from utils.data.prepare import prepare as prepare_in_process
     from utils.io.storage import upload_directory
@@ -119,7 +119,10 @@ def test_output_straight_to_a_bucket_holds_the_same_bytes_and_inputs_can_come_fr
     upload_directory(client, root, f"gs://{gcs_emulator.bucket}/corpus", last=())
     prepare_in_process([f"gs://{gcs_emulator.bucket}/corpus"], str(tokenizer), tmp_path / "from-bucket",
                        PrepareOptions(**settings))
-    shards = lambda files: {name: data for name, data in files.items() if name.endswith(".npz")}
+
+    def shards(files):
+        return {name: data for name, data in files.items() if name.endswith(".npz")}
+
     assert shards(tree(tmp_path / "from-bucket")) == shards(reference) and len(shards(reference)) >= 5
 
 
@@ -145,8 +148,8 @@ def ray_task_workers(root_pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_killed(tokenizer, tmp_path,
-                                                                                    subprocess_env):
+def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_killed(
+        tokenizer, tmp_path, subprocess_env):  # noqa: F811 - a pytest fixture imported above
     from utils.data.prepare import PrepareOptions
     from utils.data.prepare import prepare as prepare_in_process
 
@@ -181,7 +184,8 @@ def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_kil
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_a_killed_ray_driver_leaves_no_ray_process(tokenizer, tmp_path, subprocess_env, sig):
+def test_a_killed_ray_driver_leaves_no_ray_process(
+        tokenizer, tmp_path, subprocess_env, sig):  # noqa: F811 - a pytest fixture imported above
     """prepare with a local Ray, SIGKILLed mid-partition (the OOM killer): within 30 s nothing of its Ray
     session runs any more (GCS server, raylet, agents, log monitor, workers), and its temp dir is gone.
     SIGTERM: the same, and prepare itself ends within seconds with its interrupted line (exit 130)."""

@@ -295,7 +295,7 @@ def test_retry_call_does_not_retry_404_or_403():
     for exc in (api_exceptions.NotFound("gone"), api_exceptions.Forbidden("no")):
         calls = []
 
-        def failing(exc=exc):
+        def failing(exc=exc, calls=calls):
             calls.append(1)
             raise exc
 

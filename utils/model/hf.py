@@ -73,7 +73,8 @@ def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec,
         except pickle.UnpicklingError:
             raise HFLoadError(f"{where}{shard}: cannot read it (it holds more than tensors, and unpickling that could "
                               f"run code; convert it to model.safetensors where you trust it)") from None
-        except Exception as exc:  # safetensors / torch raise their own error types for truncated or foreign files
+        except Exception as exc:  # noqa: BLE001 - any reader failure on a bad file is one line
+            # safetensors / torch raise their own error types for truncated or foreign files
             raise HFLoadError(f"{where}{shard}: cannot read it "
                               f"({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
     return spec, family_of(spec).hf().from_hf_state(state)

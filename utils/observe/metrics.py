@@ -84,7 +84,7 @@ def _nvml_handle(index: int):
 
         pynvml.nvmlInit()
         return pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a probe: any NVML failure means no GPU stats
         return None
 
 
@@ -130,7 +130,8 @@ class RunLogger:
         config = {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in config.items()}
         try:
             accelerator.init_trackers(run_name, config=config, init_kwargs=init_kwargs)
-        except Exception as exc:  # a tracker that cannot start (no login, no server) must not stop training
+        except Exception as exc:  # noqa: BLE001 - any tracker failure is a warning
+            # a tracker that cannot start (no login, no server) must not stop training
             names = ", ".join(getattr(t, "name", str(t)) for t in accelerator.log_with)
             self.warning(f"warning: trackers {names} disabled: {type(exc).__name__}: {exc}")
             return
