@@ -9,7 +9,8 @@ times forward + backward (median of --repeats, after one warm-up), and prints th
 alive for the backward (`saved_activation_bytes`: every tensor created during the forward that is still alive after
 it, parameters and input excluded; measured in a pass of its own), their share of `none`'s, the step time
 and its ratio to `none`'s, and the memory plan's estimate for the same shape (configs/profiles.py: bf16, and
-it adds the one block being recomputed, which is transient and not in the measured figure). fp32 on the CPU, bf16 autocast on CUDA.
+it adds the one block being recomputed, which is transient and not in the measured figure). fp32 on the CPU, bf16
+autocast on CUDA.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def measure(spec, policy: str, every: int, ids: torch.Tensor, device: torch.devi
     apply_activation_checkpointing(model, policy, every)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     times = []
-    for i in range(repeats + 1):  # the first is a warm-up: first-call allocations and kernels
+    for _ in range(repeats + 1):  # the first is a warm-up: first-call allocations and kernels
         started = time.perf_counter()
         with autocast:
             model(ids).backward()
@@ -72,7 +73,8 @@ def main(argv=None) -> int:
           f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}")
     print(f"{'policy':<10} {'saved MB':>10} {'of none':>8} {'step ms':>9} {'time x':>7} {'plan MB (bf16)':>15}")
     for r in rows:
-        plan = memory_plan(spec, RunShape(micro_batch=args.micro_batch, seq_len=args.seq_len, checkpointing=r["policy"], checkpointing_every=args.every)).activations
+        plan = memory_plan(spec, RunShape(micro_batch=args.micro_batch, seq_len=args.seq_len, checkpointing=r["policy"],
+                                          checkpointing_every=args.every)).activations
         r["plan_bytes"] = plan
         print(f"{r['policy']:<10} {r['saved_bytes'] / 1e6:>10.2f} {r['saved_bytes'] / base['saved_bytes']:>8.2f} "
               f"{r['step_s'] * 1e3:>9.1f} {r['step_s'] / base['step_s']:>7.2f} {plan / 1e6:>15.2f}")

@@ -49,7 +49,8 @@ def make_shards(data_dir: Path, files: int, rows: int, seq_len: int, vocab: int)
         np.savez(data_dir / f"part-{i % 2}" / f"shard-{i:03d}.npz", input_ids=ids)
 
 
-def run_train(out: Path, data: Path, args, sets: list[str], env: dict, allow_upload_failure: bool = False) -> list[dict]:
+def run_train(out: Path, data: Path, args, sets: list[str], env: dict,
+              allow_upload_failure: bool = False) -> list[dict]:
     cmd = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "production", "--output-dir", str(out),
            "--data-dir", str(data), "--set", f"model={args.model}", "--set", f"mixed_precision={args.precision}",
            "--set", f"compile_model={str(args.compile).lower()}", "--set", "logging_steps=1",
@@ -183,13 +184,15 @@ def main() -> int:
     if server is not None:
         server.stop()
 
-    print(f"# Checkpoint cost ({args.strategy}): model {args.model}, micro-batch {args.micro_batch} x seq {args.seq_len}, "
+    print(f"# Checkpoint cost ({args.strategy}): model {args.model}, "
+          f"micro-batch {args.micro_batch} x seq {args.seq_len}, "
           f"{args.precision}, {args.steps} steps, a checkpoint every {args.save_every}, "
           f"{args.repeats} interleaved rounds (medians)")
     print(f"device: {'cuda ' + __import__('torch').cuda.get_device_name(0) if cuda else 'cpu ' + platform.processor()}"
           f" ({os.cpu_count()} cores), date {date.today()}")
     print(f"command: python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}\n")
-    print("| run | median step (ms) | mean step (ms) | checkpoints | median loop blocked (ms) | median device->host copy (ms) |")
+    print("| run | median step (ms) | mean step (ms) | checkpoints | median loop blocked (ms) | "
+          "median device->host copy (ms) |")
     print("| --- | --- | --- | --- | --- | --- |")
     base = None
     for label, repeats in runs.items():

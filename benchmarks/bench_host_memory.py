@@ -69,7 +69,8 @@ def main(argv=None) -> int:
           "|---:|---:|---:|---:|---:|---:|")
     for vocab in args.vocab:
         data = tmp / f"data-{vocab}"
-        prepare([str(text)], str(gpt2_style_tokenizer(tmp / f"tok-{vocab}.json", vocab)), data, PrepareOptions(shard_tokens=1 << 16))
+        prepare([str(text)], str(gpt2_style_tokenizer(tmp / f"tok-{vocab}.json", vocab)), data,
+                PrepareOptions(shard_tokens=1 << 16))
         short = train(args.repo.resolve(), data, tmp / f"short-{vocab}", args.warmup)
         long = train(args.repo.resolve(), data, tmp / f"long-{vocab}", args.warmup + args.steps)
         per = {k: (long[k] - short[k]) / args.steps for k in short}

@@ -81,11 +81,14 @@ def main() -> int:
         for executor in args.executors:
             for w in args.workers:
                 out = work / f"out-{executor}{w}"
-                result = prepare([str(work / "corpus.jsonl")], str(tok), out, PrepareOptions(workers=w, executor=executor, partition_bytes=round(partition_mb * 1e6)))
+                result = prepare([str(work / "corpus.jsonl")], str(tok), out,
+                                 PrepareOptions(workers=w, executor=executor,
+                                                partition_bytes=round(partition_mb * 1e6)))
                 seconds[executor, w] = result.seconds
                 rate = result.tokens / result.seconds
-                print(f"| {executor} | {w} | {result.partitions} | {result.seconds:.1f} | {result.startup_seconds:.1f} | "
-                      f"{result.tokens:,} | {rate:,.0f} | {args.mb / result.seconds:.1f} |", flush=True)
+                print(f"| {executor} | {w} | {result.partitions} | {result.seconds:.1f} | "
+                      f"{result.startup_seconds:.1f} | {result.tokens:,} | {rate:,.0f} | "
+                      f"{args.mb / result.seconds:.1f} |", flush=True)
                 trees.append({p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()})
         for w in args.workers:
             if ("local", w) in seconds and ("ray", w) in seconds:

@@ -162,8 +162,9 @@ def main() -> int:
           "alone: s | download + index: s | MB | download / streamed |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['order']} | {r['streamed_s']:.2f} | {r['streamed_mb_at_step_1']:,.1f} | {r['first_batch_shards']} | "
-              f"{r['first_shards_alone_s']:.2f} | {r['download_s']:.2f} | {r['download_mb']:,.1f} | {r['ratio']:.1f}x |")
+        print(f"| {r['order']} | {r['streamed_s']:.2f} | {r['streamed_mb_at_step_1']:,.1f} | "
+              f"{r['first_batch_shards']} | {r['first_shards_alone_s']:.2f} | {r['download_s']:.2f} | "
+              f"{r['download_mb']:,.1f} | {r['ratio']:.1f}x |")
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     print(f"{date.today().isoformat()}, {machine}")
     if args.json:

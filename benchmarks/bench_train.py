@@ -22,8 +22,8 @@ tokens/s and step time; per contender the median over `--repeats` rounds is prin
            documents end with id 0 after ~DOC_TOKENS tokens on average): what document masking costs,
            `document/engine` (FlexAttention's block mask on CUDA, SDPA with a dense mask on the CPU). Only
            with `--only`, e.g. `--only engine,document`.
-- bare:    utils.model.build_model + utils.training.optim.build_optimizer, lr_scheduler.build_scheduler, batches already in
-           device memory, forward/backward/clip/step/zero_grad, one `.item()` at the end: the ceiling.
+- bare:    utils.model.build_model + utils.training.optim.build_optimizer, lr_scheduler.build_scheduler, batches already
+           in device memory, forward/backward/clip/step/zero_grad, one `.item()` at the end: the ceiling.
 
 Schedules. `rounds` (default on CUDA) runs the contenders one after another, order rotated each round.
 `slices` (default on CPU) starts a round's contenders together and lets one run at a time, round-robin
@@ -121,7 +121,10 @@ def resolve_settings(args, cuda: bool) -> dict:
     schedule = args.schedule or ("rounds" if cuda or not hasattr(signal, "SIGSTOP") else "slices")
     if schedule == "slices" and not hasattr(signal, "SIGSTOP"):
         raise SystemExit("error: --schedule slices needs POSIX signals; use --schedule rounds")
-    pick = lambda given, on_cuda, on_cpu: given if given is not None else (on_cuda if cuda else on_cpu)
+
+    def pick(given, on_cuda, on_cpu):
+        return given if given is not None else (on_cuda if cuda else on_cpu)
+
     s = {
         "model": model,
         "steps": pick(args.steps, 30, 600),
@@ -175,7 +178,8 @@ def apply_engine_profile(s: dict, device_gib: float | None) -> None:
 
     cfg, profile = resolve_profile(get_training_config("production", engine_overrides(s)), s["device"], device_gib)
     s.update(micro_batch=cfg.per_device_train_batch_size, accum=cfg.gradient_accumulation_steps,
-             activation_checkpointing=CheckpointingSettings.of(cfg).policy[0], optimizer_state_dtype=cfg.optimizer_state_dtype,
+             activation_checkpointing=CheckpointingSettings.of(cfg).policy[0],
+             optimizer_state_dtype=cfg.optimizer_state_dtype,
              profile_used=profile.name if profile else "none")
 
 
@@ -567,7 +571,10 @@ def worker_main(args) -> int:
 
 
 def render(summary: dict) -> str:
-    fmt = lambda v, f: "null" if v is None else format(v, f)
+
+    def fmt(v, f):
+        return "null" if v is None else format(v, f)
+
     lines = ["| contender | tokens/s | step ms | MFU | peak mem GiB | data wait % | CPU ms/step | first step s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in summary["median"].items():
@@ -586,7 +593,8 @@ def render(summary: dict) -> str:
         f"model {s['model']} ({meta['params_m']:.2f}M params), micro-batch {s['micro_batch']} x accum {s['accum']} x "
         f"seq {s['seq_len']} = {s['micro_batch'] * s['accum'] * s['seq_len']:,} tokens/step, "
         f"precision {s['precision']}, "
-        f"model_impl {s['impl']}, compile {'on' if s['compile'] else 'off'}, workers {s['workers']}, threads {s['threads'] or 'default'}, "
+        f"model_impl {s['impl']}, compile {'on' if s['compile'] else 'off'}, workers {s['workers']}, "
+        f"threads {s['threads'] or 'default'}, "
         f"memory profile {s['profile']} -> {s['profile_used']} (activation checkpointing "
         f"{s['activation_checkpointing']}, AdamW moments {s['optimizer_state_dtype']})",
         f"timing: {s['warmup']} warm-up + {s['steps']} timed steps in windows of {s['log_every']}, median window "

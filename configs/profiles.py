@@ -124,7 +124,9 @@ def memory_plan(spec: ModelSpec, shape: RunShape = RunShape()) -> MemoryPlan:
 
 def plan_for(profile: "MemoryProfile", spec: ModelSpec, strategy: str, world_size: int,
              seq_len: int | None = None, optimizer: str = "adamw") -> MemoryPlan:
-    return memory_plan(spec, RunShape(strategy=strategy, world_size=world_size, micro_batch=profile.micro_batch, seq_len=seq_len, checkpointing=profile.activation_checkpointing, moments=profile.optimizer_state_dtype, optimizer=optimizer))
+    return memory_plan(spec, RunShape(strategy=strategy, world_size=world_size, micro_batch=profile.micro_batch,
+                                      seq_len=seq_len, checkpointing=profile.activation_checkpointing,
+                                      moments=profile.optimizer_state_dtype, optimizer=optimizer))
 
 
 def choose_profile(device_gib: float, spec: ModelSpec | None = None, strategy: str = "ddp", world_size: int = 1,

@@ -167,7 +167,8 @@ class TrainingConfig:
                                   "(0, 1e12]")
     min_lr_ratio: float = _field(0.1, "the schedule decays to learning_rate * min_lr_ratio at max_steps", "[0, 1]")
     warmup_steps: int = _field(500, "linear warmup steps", "[0, inf)")
-    lr_schedule: str = _field("cosine", "after warmup: cosine | wsd (stable, then decay at the end) | linear | constant")
+    lr_schedule: str = _field("cosine",
+                              "after warmup: cosine | wsd (stable, then decay at the end) | linear | constant")
     decay_steps: int = _field(0, "wsd: decay over the last N steps (0: decay_fraction of max_steps)", "[0, inf)")
     decay_fraction: float = _field(0.2, "wsd: the share of max_steps the decay takes when decay_steps is 0",
                                    "[0, 1]")
@@ -616,7 +617,9 @@ def read_config_file(path) -> tuple[str | None, dict]:
         raw = load_settings_text(text, json_format=path.suffix.lower() == ".json")
     except RefusedSetting as exc:
         raise ConfigError(f"--config {path}: {exc}") from None
-    except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError: both say where
+    except Exception as exc:  # noqa: BLE001 - any parser failure on the user's file is one line
+        # yaml.YAMLError / json.JSONDecodeError: both say where; odd YAML (`!!bool maybe`, a list as a key) also
+        # raises KeyError, TypeError or ValueError from inside the loader
         first = str(exc).replace("\n", " ")
         raise ConfigError(f"--config {path}: not valid {path.suffix.lstrip('.').upper()} ({first})") from None
     if raw is None:  # an empty file (or only comments) would silently train the default 1.2B model

@@ -5,10 +5,10 @@
     python scripts/evaluate.py runs/demo/checkpoints/CHECKPOINT --task data/demo_next_line.jsonl --json
     python scripts/evaluate.py runs/demo --task a.jsonl --task b.jsonl   # a run's newest checkpoint
 
-PATH: final_model/ or any HF directory of a registered family (docs/models.md), an engine checkpoint (sharded FSDP ones too, reassembled
-here), or a run's output directory (its newest complete checkpoint). `--task FILE` or `--task NAME=FILE`
-(repeatable): the layouts of utils/evals/tasks.py (HellaSwag, PIQA, ARC, LAMBADA as published, or the plain
-multiple_choice and cloze ones). The tokenizer is the one saved with PATH, or `--tokenizer`. The model is
+PATH: final_model/ or any HF directory of a registered family (docs/models.md), an engine checkpoint (sharded FSDP ones
+too, reassembled here), or a run's output directory (its newest complete checkpoint). `--task FILE` or
+`--task NAME=FILE` (repeatable): the layouts of utils/evals/tasks.py (HellaSwag, PIQA, ARC, LAMBADA as published, or
+the plain multiple_choice and cloze ones). The tokenizer is the one saved with PATH, or `--tokenizer`. The model is
 the engine's own model of its family in fp32; the numbers equal the loop's for the same weights and lm-eval's
 (`--model hf`) on the exported model. stdout holds the table (`--json`: one JSON object {task: {layout,
 examples, metric: value, ...}}); everything else goes to stderr. `--samples FILE` writes every example's

@@ -45,7 +45,9 @@ def main(argv=None) -> int:
         return 2
     policy = "full" if args.checkpointing else args.activation_checkpointing
     seq_len = args.seq_len or default_seq_len(spec)[0]
-    plan = memory_plan(spec, RunShape(strategy=args.strategy, world_size=args.world_size, micro_batch=args.micro_batch, seq_len=seq_len, checkpointing=policy, checkpointing_every=args.every, moments=args.moments))
+    plan = memory_plan(spec, RunShape(strategy=args.strategy, world_size=args.world_size, micro_batch=args.micro_batch,
+                                      seq_len=seq_len, checkpointing=policy, checkpointing_every=args.every,
+                                      moments=args.moments))
     print(f"{spec.name}, {args.strategy} over {args.world_size} GPU(s), micro-batch {args.micro_batch} x seq_len "
           f"{seq_len:,}{'' if args.seq_len else ' (the training default)'}, activation checkpointing {policy}, "
           f"AdamW moments {args.moments}:")

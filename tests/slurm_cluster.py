@@ -1,6 +1,6 @@
 """A real one-node Slurm cluster on localhost for the tests: munged, slurmctld and slurmd (Debian's `slurmctld`,
-`slurmd`, `slurm-client` and `munge`: `apt-get install slurmctld slurmd slurm-client munge` as root), with a generated slurm.conf
-in a folder of its own (its own munge key and socket, its own ports: nothing of the machine's is touched):
+`slurmd`, `slurm-client` and `munge`: `apt-get install slurmctld slurmd slurm-client munge` as root), with a generated
+slurm.conf in a folder of its own (its own munge key and socket, its own ports: nothing of the machine's is touched):
 proctrack/linuxproc, task/none, select/cons_tres, a `low` (default) and a `high` partition with
 preempt/partition_prio and PreemptMode=REQUEUE (a preempted `low` job's tasks get SIGTERM at once and 60 s,
 its GraceTime, to checkpoint before SIGKILL), `cred_expire=10` (a requeued job waits that long before it
@@ -132,7 +132,8 @@ class SlurmCluster:
         return dict(part.split("=", 1) for part in out.split() if "=" in part)
 
     def stop(self) -> None:
-        """Cancels every job, kills what is left of them (processes with this cluster's SLURM_CONF), stops the daemons."""
+        """Cancels every job, kills what is left of them (processes with this cluster's SLURM_CONF), stops the
+        daemons."""
         if self.procs and self.procs[-1].poll() is None:
             self.run(["scancel", "--full", "--user", "root"], check=False)
             deadline = time.time() + 60

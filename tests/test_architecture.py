@@ -160,7 +160,8 @@ def test_the_checkpointer_takes_at_most_8_parameters_and_nothing_from_metrics():
 
     assert len(inspect.signature(Checkpointer.__init__).parameters) - 1 <= 8  # self aside
     imported = project_imports(REPO_ROOT / "utils" / "checkpoint" / "checkpointer.py")
-    assert not any(m.startswith(("utils.observe.metrics", "utils.model", "utils.parallel.strategies")) for m in imported), imported
+    assert not any(m.startswith(("utils.observe.metrics", "utils.model", "utils.parallel.strategies"))
+                   for m in imported), imported
 
 
 @pytest.mark.parametrize("field, registry", [

@@ -40,7 +40,8 @@ def train_cmd(out: Path, data: Path, *sets: str, extra: tuple = (), config: str 
     return cmd + list(extra)
 
 
-def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
+def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True,
+        cwd=REPO_ROOT) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"

@@ -1,7 +1,7 @@
 """benchmarks/bench_train.py end to end at its smallest size: the real train.py, the HF Trainer and the bare
 loop (and the Trainer at its defaults, `naive`, the engine under FSDP in one process, and the engine with
-attention=document) each train the micro model, and the table and JSON carry a positive figure for every one. Not a timing
-assertion: the ratios printed here are noise at this size."""
+attention=document) each train the micro model, and the table and JSON carry a positive figure for every one. Not a
+timing assertion: the ratios printed here are noise at this size."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ import pytest
 from tests.trainkit import REPO_ROOT
 
 # | contender | tokens/s | step ms | MFU (null on the CPU) | peak mem GiB | data wait % | CPU ms/step | first step s |
-ROW = re.compile(r"^\| (engine|trainer|naive|bare|fsdp|document) \| ([\d,]+) \| ([\d.]+) \| null \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
-                 r"([\d.]+) \|$", re.M)
+ROW = re.compile(r"^\| (engine|trainer|naive|bare|fsdp|document) \| ([\d,]+) \| ([\d.]+) \| null \| ([\d.]+) \| "
+                 r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", re.M)
 
 
 @pytest.mark.slow
@@ -23,13 +23,14 @@ def test_bench_table_has_every_contender(tmp_path, subprocess_env):
     out = tmp_path / "bench.json"
     env = dict(subprocess_env, CUDA_VISIBLE_DEVICES="")  # the CPU path, wherever the suite runs
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_train.py"), "--steps", "4", "--warmup", "2",
-           "--repeats", "1", "--slice-s", "0.5", "--json", str(out), "--only", "engine,trainer,naive,bare,fsdp,document"]
+           "--repeats", "1", "--slice-s", "0.5", "--json", str(out),
+           "--only", "engine,trainer,naive,bare,fsdp,document"]
     proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
 
     rows = {m[1]: m for m in ROW.finditer(proc.stdout)}
     assert set(rows) == {"engine", "trainer", "naive", "bare", "fsdp", "document"}, proc.stdout
-    for name, m in rows.items():
+    for _name, m in rows.items():
         tokens_per_s, step_ms = float(m[2].replace(",", "")), float(m[3])
         assert tokens_per_s > 0 and step_ms > 0, m[0]
         assert abs(tokens_per_s * step_ms / 1e3 - 16 * 32) / (16 * 32) < 0.01, m[0]  # 512 tokens per step

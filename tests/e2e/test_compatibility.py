@@ -1,6 +1,7 @@
 """The engine before the package layout, the Trainer and typed settings (commit a3d8304) and today's: a sharded
 (FSDP) checkpoint the old engine wrote resumes on today's code and continues the losses the old engine logged.
-(DDP checkpoints of a3d8304, GPT-NeoX and Llama, resume bitwise and export byte for byte: tests/e2e/test_model_io.py.)"""
+(DDP checkpoints of a3d8304, GPT-NeoX and Llama, resume bitwise and export byte for byte:
+tests/e2e/test_model_io.py.)"""
 from __future__ import annotations
 
 import sys

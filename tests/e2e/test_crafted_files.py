@@ -155,7 +155,8 @@ def test_dcp_metadata_of_every_kind_of_value_still_loads(tmp_path):
                        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "foreach": None, "fused": False,
                                          "params": ["w", "b"]}]}}
     dcp.save(state, checkpoint_id=str(tmp_path / SHARDED_DIR), no_dist=True)
-    assert MetadataReader.checked(tmp_path).metadata.state_dict_metadata.keys() >= {"model.w", "optim.param_groups.0.lr"}
+    assert (MetadataReader.checked(tmp_path).metadata.state_dict_metadata.keys()
+            >= {"model.w", "optim.param_groups.0.lr"})
     back = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
             "optim": {"state": {"w": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(4, 3)}},
                       "param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "foreach": True, "fused": True,
@@ -663,7 +664,8 @@ def test_an_hf_directory_crafted_past_its_config_check_is_one_line(hf_model, tmp
 
     for name, config, said in (
             ("nested", "[" * 100_000 + "]" * 100_000, "config.json: cannot read it (nested too deeply to parse)"),
-            ("one-position", {"max_position_embeddings": 1}, "config.json: max_position_embeddings is 1, not at least 2"),
+            ("one-position", {"max_position_embeddings": 1},
+             "config.json: max_position_embeddings is 1, not at least 2"),
             ("factor-nan", {"rope_parameters": {**good["rope_parameters"], "factor": "nan"}},
              "config.json: rope_parameters.factor is 'nan', not a positive finite number"),
             ("factor-0", {"rope_parameters": {**good["rope_parameters"], "factor": 0}},
@@ -795,7 +797,8 @@ def test_a_crafted_dataset_json_or_a_changed_tokenizer_is_one_line_before_step_1
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(60)))
     data = tmp_path / "data"
-    prepare([str(corpus)], str(bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)), data, PrepareOptions(shard_tokens=1024))
+    prepare([str(corpus)], str(bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)), data,
+            PrepareOptions(shard_tokens=1024))
     good = (data / "dataset.json").read_text()
     nested = tmp_path / "nested"
     shutil.copytree(data, nested)
@@ -817,7 +820,8 @@ def test_a_crafted_dataset_json_or_a_changed_tokenizer_is_one_line_before_step_1
     with pytest.raises(DatasetInfoError, match=r"shards\[0\].path is 'part-00000/a\\x00b.npz', not the relative path"):
         DatasetInfo.load(nested)
 
-    bpe_tokenizer(data / "tokenizer.json", vocab=320)  # another tokenizer, in place of the one the shards were made with
+    # another tokenizer, in place of the one the shards were made with
+    bpe_tokenizer(data / "tokenizer.json", vocab=320)
     proc = run(train(data), env_for_runs(), check=False)
     line = one_error_line(proc)
     recorded = json.loads(good)["tokenizer"]["sha256"]

@@ -20,7 +20,8 @@ def test_demo_command_learns_within_ten_minutes(tmp_path, subprocess_env, capsys
     out = tmp_path / "out"
     task = tmp_path / "next_line.jsonl"
     assert build_next_line_task(task, count=EVAL_EXAMPLES) == EVAL_EXAMPLES
-    env = {k: v for k, v in subprocess_env.items() if k != "OMP_NUM_THREADS"}  # the launcher's default, as a user runs it
+    # the launcher's default, as a user runs it
+    env = {k: v for k, v in subprocess_env.items() if k != "OMP_NUM_THREADS"}
     cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--",
            "--output-dir", str(out), "--data-dir", str(tmp_path / "data"),
            "--set", f"eval_tasks=next_line={task}", "--set", "eval_tasks_every=400"]
@@ -32,7 +33,8 @@ def test_demo_command_learns_within_ten_minutes(tmp_path, subprocess_env, capsys
     first, last = evals[0], evals[-1]
     assert first["step"] == 0 and last["step"] == max(r["step"] for r in metrics(out))
     drop = 1 - last["val_loss"] / first["val_loss"]
-    print(f"demo: {elapsed:.0f} s, val_loss {first['val_loss']:.3f} -> {last['val_loss']:.3f} ({100 * drop:.1f}% lower)")
+    print(f"demo: {elapsed:.0f} s, val_loss {first['val_loss']:.3f} -> {last['val_loss']:.3f} "
+          f"({100 * drop:.1f}% lower)")
     assert drop >= 0.40, (first, last)
     assert (tmp_path / "data" / "tokenizer.json").exists()
     assert list((out / "checkpoints").glob("checkpoint-epoch*-step*-files*"))

@@ -139,7 +139,8 @@ def test_credentials_errors_are_one_readable_line(subprocess_env, repo_root, tmp
         ("broken.json", "{ not json at all " + SECRET),
         ("user.json", json.dumps({"type": "authorized_user", "client_secret": SECRET, "refresh_token": SECRET})),
         ("bad-sa.json", json.dumps({"type": "service_account", "project_id": "p", "private_key_id": "k",
-                                    "private_key": f"-----BEGIN PRIVATE KEY-----\n{SECRET}\n-----END PRIVATE KEY-----\n",
+                                    "private_key": f"-----BEGIN PRIVATE KEY-----\n{SECRET}\n"
+                                                   "-----END PRIVATE KEY-----\n",
                                     "client_email": "x@p.iam.gserviceaccount.com",
                                     "token_uri": "https://oauth2.googleapis.com/token"})),
     ]:

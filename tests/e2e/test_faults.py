@@ -134,8 +134,9 @@ def test_printed_upload_command_then_resume_from_gcs(tmp_path, subprocess_env, g
                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert up.returncode == 0, up.stderr
     fresh = tmp_path / "fresh"
-    proc = run(train_cmd(fresh, data, "per_device_train_batch_size=2", "max_steps=5", f"gcs_bucket={gcs_emulator.bucket}",
-                         "run_name=later", extra=("--resume", "latest")), subprocess_env)
+    proc = run(train_cmd(fresh, data, "per_device_train_batch_size=2", "max_steps=5",
+                         f"gcs_bucket={gcs_emulator.bucket}", "run_name=later", extra=("--resume", "latest")),
+               subprocess_env)
     assert "at step 4" in proc.stdout and max(train_rows(fresh)) == 5
 
 
@@ -148,7 +149,8 @@ def test_disk_full_is_one_line_and_earlier_checkpoints_resume(tmp_path, subproce
     proc = run(train_cmd(out, data, "per_device_train_batch_size=2", "max_steps=40", "save_steps=2",
                          "save_total_limit=20", "logging_steps=1"), subprocess_env, check=False)
     line = one_error_line(proc)
-    assert re.search(rf"no space left on {re.escape(str(small_disk))} writing \S+ \(.*GB free\); free space", line), line
+    assert re.search(rf"no space left on {re.escape(str(small_disk))} writing \S+ \(.*GB free\); "
+                     "free space", line), line
     assert "--resume auto" in line
     assert re.search(r"warning: [0-9.]+ GB free on .*a checkpoint takes about", proc.stderr), "no early warning"
     saved = list_checkpoints(out / "checkpoints")

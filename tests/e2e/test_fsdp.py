@@ -193,8 +193,10 @@ def test_memory_plan_matches_the_profile_budget_and_shards_under_fsdp():
     # a 24 GB card: DDP must fall back to bf16 moments; sharded over 2 GPUs the balanced profile fits
     assert choose_profile(23.6, spec, "ddp", 2).name == "conservative"
     assert choose_profile(23.6, spec, "fsdp", 2).name == "balanced"
-    assert not memory_plan(get_model_spec("pythia-6.9b"), RunShape(strategy="ddp", micro_batch=1, checkpointing="full")).fits(80)
-    assert memory_plan(get_model_spec("pythia-6.9b"), RunShape(strategy="fsdp", world_size=8, micro_batch=2, checkpointing="full")).fits(80)
+    assert not memory_plan(get_model_spec("pythia-6.9b"),
+                           RunShape(strategy="ddp", micro_batch=1, checkpointing="full")).fits(80)
+    assert memory_plan(get_model_spec("pythia-6.9b"),
+                       RunShape(strategy="fsdp", world_size=8, micro_batch=2, checkpointing="full")).fits(80)
     out = subprocess.run([str(REPO_ROOT / ".venv" / "bin" / "python"), str(REPO_ROOT / "scripts" / "memory_plan.py"),
                           "--model", "pythia-6.9b", "--world-size", "8"], capture_output=True, text=True)
     assert out.returncode == 1 and "does NOT fit" in out.stdout and "weights (fp32)" in out.stdout
@@ -256,14 +258,15 @@ def start_two_nodes(outs: list[Path], data: Path, *sets: str, extra: tuple = (),
 
 def two_nodes(*args, **kwargs) -> list[tuple]:
     """start_two_nodes, run to the end: (exit code, stdout, stderr) per node."""
-    return [(p.returncode, *out) for p, out in [(p, p.communicate(timeout=300)) for p in start_two_nodes(*args, **kwargs)]]
+    return [(p.returncode, *out)
+            for p, out in [(p, p.communicate(timeout=300)) for p in start_two_nodes(*args, **kwargs)]]
 
 
 @pytest.mark.slow
 def test_two_nodes_without_a_shared_output_dir_or_a_bucket_are_refused(tmp_path, subprocess_env):
     """Without a bucket the checkpoint could be complete nowhere: the run stops before training."""
     outs = [tmp_path / "node0", tmp_path / "node1"]
-    for code, stdout, stderr in two_nodes(outs, make_shards(tmp_path / "data"), "max_steps=2", env=subprocess_env):
+    for code, _stdout, stderr in two_nodes(outs, make_shards(tmp_path / "data"), "max_steps=2", env=subprocess_env):
         assert code != 0
         assert "is not shared" in stderr and "cannot see it" in stderr and "gcs_bucket" in stderr, stderr[-2000:]
     assert not (outs[0] / "logs" / "metrics.jsonl").exists() or \
@@ -281,7 +284,7 @@ def test_two_nodes_with_local_disks_complete_each_checkpoint_in_gcs(runs, emulat
     sets = (*STEPS, "per_device_train_batch_size=1", "gradient_accumulation_steps=2",
             f"gcs_bucket={emulator.bucket}", "run_name=nodes")
     first = two_nodes(nodes, data, *sets, env=env)
-    for code, stdout, stderr in first:
+    for code, _stdout, stderr in first:
         assert code == 0, stderr[-3000:]
     assert "each node writes its ranks' checkpoint shards to its own disk and uploads them" in first[0][1]
     expected, rows = train_rows(runs["a"]), train_rows(nodes[0])
@@ -321,7 +324,7 @@ def test_two_nodes_with_local_disks_complete_each_checkpoint_in_gcs(runs, emulat
     shutil.rmtree(checkpoint(nodes[0], 8))
     before = len(metrics(nodes[0]))
     results = two_nodes(nodes, data, *sets, extra=("--resume", "auto"), env=env)
-    for code, stdout, stderr in results:
+    for code, _stdout, stderr in results:
         assert code == 0, stderr[-3000:]
     assert "holds only the shards its node wrote; downloading the whole checkpoint" in results[0][1]
     resumed = {r["step"]: r for r in metrics(nodes[0])[before:] if "loss" in r}

@@ -251,19 +251,19 @@ def test_set_is_passed_and_the_precision_reaches_accelerate(launcher, subprocess
     proc = subprocess.run([str(launcher), "--config", "production", "--cpu", "--set", "mixed_precision=no",
                            "--set", "save_steps=7", "--dry-run"], env=subprocess_env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("+ "))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("+ "))
     args = shlex.split(line[2:])
     assert args[args.index("--mixed_precision") + 1] == "no"  # from --set, not the preset's bf16
     assert args[args.index("--set") + 1] == "mixed_precision=no" and "save_steps=7" in args
     fp8 = subprocess.run([str(launcher), "--config", "production", "--cpu", "--mixed-precision", "fp8", "--dry-run"],
                          env=subprocess_env, capture_output=True, text=True)
-    args = shlex.split(next(l for l in fp8.stdout.splitlines() if l.startswith("+ "))[2:])
+    args = shlex.split(next(ln for ln in fp8.stdout.splitlines() if ln.startswith("+ "))[2:])
     assert args[args.index("--mixed_precision") + 1] == "bf16"  # fp8 runs torchao's float8 inside bf16
     # a config warning (warmup longer than the run) is not taken for the precision
     short = subprocess.run([str(launcher), "--config", "demo", "--cpu", "--set", "max_steps=4", "--dry-run"],
                            env=subprocess_env, capture_output=True, text=True)
     assert short.returncode == 0, short.stderr
-    args = shlex.split(next(l for l in short.stdout.splitlines() if l.startswith("+ "))[2:])
+    args = shlex.split(next(ln for ln in short.stdout.splitlines() if ln.startswith("+ "))[2:])
     assert args[args.index("--mixed_precision") + 1] == "no"
 
 
@@ -309,7 +309,7 @@ def test_torchrun_runs_train_py_directly(subprocess_env, tmp_path, repo_root):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=repo_root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) on cpu" in proc.stdout and max(train_rows(out)) == 3
-    final = [json.loads(l) for l in (out / "logs" / "metrics.jsonl").read_text().splitlines() if '"final"' in l]
+    final = [json.loads(row) for row in (out / "logs" / "metrics.jsonl").read_text().splitlines() if '"final"' in row]
     assert final and final[-1]["weights_in_sync"] is True and len(final[-1]["weight_sums"]) == 2
 
 
@@ -337,7 +337,8 @@ def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition(
                   b"Traceback (most recent call last):\n  File \"train.py\", line 1\nValueError: a real bug\n",
                   b"W1123 12:00:00.0 1 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 9 "
                   b"closing signal SIGTERM\n",
-                  b"Traceback (most recent call last):\n  File \"run.py\", line 9, in main\n    raise ChildFailedError(\n"
+                  b"Traceback (most recent call last):\n  File \"run.py\", line 9, in main\n"
+                  b"    raise ChildFailedError(\n"
                   b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\ntrain.py FAILED\n"):
         f.feed(chunk)
     f.close()
@@ -354,7 +355,8 @@ def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition(
     # node 1 after node 0 ended the run with status 1: torch's C++ dump and exit-barrier traceback -> one line
     sink = io.BytesIO()
     f = StderrFilter(sink)
-    agent = b"E1123 22:28:36.382000 21157 .venv/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py:1008] "
+    agent = (b"E1123 22:28:36.382000 21157 .venv/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/"
+             b"api.py:1008] ")
     f.feed(b"warning: this node's shards did not reach GCS\n"
            b"[W1123 22:28:36.742 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed: Failed to recv, got 0 bytes.\n"
            b"Exception raised from recvBytes at /__w/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 (most recent "

@@ -91,7 +91,8 @@ def test_init_from_starts_at_the_hf_models_loss_and_keeps_its_weights(hf_dir, tm
     with torch.no_grad():
         losses = [reference(input_ids=b, labels=b).loss.item() for b in build_eval_batches(val_set, 4, 0, 1, 2)]
     assert abs(val0 - sum(losses) / len(losses)) <= 1e-5
-    before, after = load_file(str(hf_dir / "model.safetensors")), load_file(str(out / "final_model" / "model.safetensors"))
+    before, after = (load_file(str(hf_dir / "model.safetensors")),
+                     load_file(str(out / "final_model" / "model.safetensors")))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -149,7 +150,8 @@ def test_fp8_trains_checkpoints_plain_weights_and_switches_precision_on_resume(t
     run(train_cmd(bf16, data, *sets, "mixed_precision=bf16", "max_steps=2"), env)
     from safetensors.torch import load_file
 
-    a, b = load_file(str(fp8_ckpt / "model.safetensors")), load_file(str(list_checkpoints(bf16 / "checkpoints")[-1] / "model.safetensors"))
+    a, b = (load_file(str(fp8_ckpt / "model.safetensors")),
+            load_file(str(list_checkpoints(bf16 / "checkpoints")[-1] / "model.safetensors")))
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype == torch.float32 for k in a)
     run(train_cmd(out, data, *sets, "mixed_precision=bf16", "max_steps=3", extra=("--resume", "latest")), env)
     run(train_cmd(bf16, data, *sets, "mixed_precision=fp8", "max_steps=3", extra=("--resume", "latest")), env)
@@ -204,7 +206,8 @@ def test_an_hf_weight_index_naming_a_file_out_of_its_directory_is_refused(tmp_pa
         (folder / "model.safetensors.index.json").write_text(json.dumps(crafted_index))
         return folder
 
-    for folder, entry, said in [(crafted("dotdot", "../outside.safetensors"), "../outside.safetensors", "absolute or '..'"),
+    for folder, entry, said in [(crafted("dotdot", "../outside.safetensors"), "../outside.safetensors",
+                                 "absolute or '..'"),
                                 (crafted("absolute", str(outside)), str(outside), "absolute or '..'"),
                                 (crafted("link", "w.safetensors", link=True), "w.safetensors", "a symlink out of")]:
         with pytest.raises(UserError) as e:

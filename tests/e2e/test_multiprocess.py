@@ -99,7 +99,7 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path, subprocess_env
     os.kill(pids[1], signal.SIGTERM)  # only rank 1 is told
     stdout, stderr = launcher.communicate(timeout=180)
     assert launcher.returncode == 0, stderr[-3000:]
-    line = next(l for l in stdout.splitlines() if l.startswith("Stopped by a signal on another rank after step"))
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("Stopped by a signal on another rank after step"))
     stopped = int(line.split("after step ")[1].split(":")[0])
     assert max(train_rows(out)) == stopped
     ckpts = [p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")]

@@ -414,8 +414,10 @@ def guard_cases(tmp: Path) -> list[tuple[str, list]]:
         ("prepare: s3 upload", prepare + ["--input", str(tmp / "corpus.txt"), "--tokenizer", "t", "--output",
                                           str(tmp / "p"), "--upload", "s3://my-bucket/x"]),
         ("download: s3 source", download + ["--source", "s3://my-bucket/x", "--dest", str(tmp / "d")]),
-        ("download: --max-files 0", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d"), "--max-files", "0"]),
-        ("download: --workers 0", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d"), "--workers", "0"]),
+        ("download: --max-files 0", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d"),
+                                                "--max-files", "0"]),
+        ("download: --workers 0", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d"),
+                                              "--workers", "0"]),
         ("download: GCS unreachable", download + ["--source", "gs://my-bucket/x", "--dest", str(tmp / "d")]),
         ("export: not a checkpoint", export + [str(tmp / "not_a_checkpoint"), str(tmp / "e")]),
         ("export: output is a file", export + [str(tmp / "not_a_checkpoint"), str(tmp / "a_file")]),
@@ -478,7 +480,8 @@ def crafted_input_cases(tmp: Path) -> list[tuple[str, list]]:
     run_out = root / "run"
     run_py(train_cmd(run_out, data, "max_steps=1", "save_steps=1")[1:], timeout=300).check_returncode()
     cases += [(f"train: resume from a checkpoint whose {what}",
-               train + ["--data-dir", str(data), "--resume", str(where)]) for what, where in resume_cases(root, run_out)]
+               train + ["--data-dir", str(data), "--resume", str(where)])
+              for what, where in resume_cases(root, run_out)]
     config = root / "config"
     config.mkdir()
     (config / "binary.yaml").write_text("base: demo\nrun_name: !!binary aGVsbG8=\n")
@@ -604,7 +607,8 @@ def prepare_cases(root: Path) -> list[tuple[str, list]]:
     args = ["--input", str(corpus), "--tokenizer", str(root / "bpe.json"), "--shard-tokens", "1024", "--val-fraction",
             "0"]
     done = root / "prepared"
-    prepare([str(corpus)], str(root / "bpe.json"), done, PrepareOptions(shard_tokens=1024, val_fraction=0.0))  # as the CLI's
+    prepare([str(corpus)], str(root / "bpe.json"), done,
+            PrepareOptions(shard_tokens=1024, val_fraction=0.0))  # as the CLI's
     described = json.loads((done / "dataset.json").read_text())
     staging = root / ".linked.staging"
     (staging / "p00000").mkdir(parents=True)
@@ -754,7 +758,8 @@ def test_download_refuses_max_files_zero_and_negative(capsys):
     import download_training_data as dl
 
     for bad in ("0", "-3"):
-        assert dl.main(["--source", "gs://my-bucket/x", "--dest", "/nonexistent/x", "--max-files", bad, "--no-progress"]) == 2
+        assert dl.main(["--source", "gs://my-bucket/x", "--dest", "/nonexistent/x", "--max-files", bad,
+                        "--no-progress"]) == 2
         assert f"error: --max-files must be at least 1, got {bad}" in capsys.readouterr().err
 
 
@@ -766,7 +771,8 @@ def two_sources(gcs_emulator):
     bucket = make_client().bucket(gcs_emulator.bucket)
     for source in ("web", "code"):
         for i in range(3):
-            bucket.blob(f"mix/{source}/shard-{i}.npz").upload_from_string(shard_bytes(i + (10 if source == "web" else 0)))
+            bucket.blob(f"mix/{source}/shard-{i}.npz").upload_from_string(
+                shard_bytes(i + (10 if source == "web" else 0)))
     return f"gs://{gcs_emulator.bucket}/mix"
 
 
@@ -983,8 +989,8 @@ def test_a_lock_held_by_a_dead_runs_child_says_so(tmp_path):
     try:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        with pytest.raises(OutputDirBusy, match=rf"the run that locked it \(.*pid {proc.pid}.*\) is dead, but a process "
-                                                rf"it started still holds"):
+        with pytest.raises(OutputDirBusy, match=rf"the run that locked it \(.*pid {proc.pid}.*\) is dead, but a "
+                                                rf"process it started still holds"):
             OutputDirLock(tmp_path).acquire(log=lambda m: None)
     finally:
         os.kill(child, signal.SIGKILL)

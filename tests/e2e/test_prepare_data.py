@@ -111,7 +111,8 @@ def test_counts_order_and_byte_identical_whatever_the_workers(corpus, tokenizer,
     assert int((ids == info.eos_id).sum()) == len(docs) and info.dtype == "uint16" and ids.dtype == np.uint16
     expected = np.concatenate([np.append(tok.encode(d, add_special_tokens=False).ids, info.eos_id) for d in docs])
     assert np.array_equal(ids, expected)  # in input order
-    assert info.raw["partitions"] == 4 and [s["partition"] for s in info.shards] == sorted(s["partition"] for s in info.shards)
+    assert (info.raw["partitions"] == 4
+            and [s["partition"] for s in info.shards] == sorted(s["partition"] for s in info.shards))
     for partition in range(4):  # each partition's stream: full shards, then a last one that is no sliver
         sizes = [s["tokens"] for s in info.shards if s["partition"] == partition]
         assert all(n == 1024 for n in sizes[:-1]) and (512 <= sizes[-1] < 1536 or len(sizes) == 1), sizes
@@ -170,7 +171,8 @@ def test_validation_is_a_random_share_of_documents_from_the_whole_corpus(tokeniz
     docs = {kind: [f"{kind} {i} " + text(rng, 12) for i in range(300)] for kind in ("alpha", "omega")}
     for kind, texts in docs.items():  # sorted order: every alpha document before every omega one
         (corpus / f"{kind}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    result = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "out", PrepareOptions(shard_tokens=1024, val_fraction=0.01))
+    result = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "out",
+                                PrepareOptions(shard_tokens=1024, val_fraction=0.01))
     info = DatasetInfo.load(tmp_path / "out")
     tok = Tokenizer.from_file(str(tokenizer))
 
@@ -187,15 +189,18 @@ def test_validation_is_a_random_share_of_documents_from_the_whole_corpus(tokeniz
     assert info.raw["validation"]["rate"] == MIN_VAL_DOCUMENTS / len(everything) and result.partitions == 1
     assert not set(val) & set(train) and sorted(val + train) == sorted(everything)
     assert {d.split()[0] for d in val} == {"alpha", "omega"}  # drawn from the whole corpus, not its tail
-    assert all(p.startswith("val/") for p in info.val_paths) and not any(s["path"].startswith("val/") for s in info.shards)
+    assert (all(p.startswith("val/") for p in info.val_paths)
+            and not any(s["path"].startswith("val/") for s in info.shards))
     # seeded: another seed draws other documents; the same seed the same bytes
-    other = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "other", PrepareOptions(shard_tokens=1024, val_fraction=0.01, split_seed=7))
+    other = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "other",
+                               PrepareOptions(shard_tokens=1024, val_fraction=0.01, split_seed=7))
     other_val = documents(DatasetInfo.load(tmp_path / "other").raw["validation"]["shards"], tmp_path / "other")
     assert other.val_documents and set(other_val) != set(val)
     assert (tmp_path / "other" / "val").is_dir() and \
         (tmp_path / "other" / info.val_paths[0]).read_bytes() != (tmp_path / "out" / info.val_paths[0]).read_bytes()
     # each partition decides alone: cut into many, the same documents are held out, in the same order
-    cut = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "cut", PrepareOptions(shard_tokens=1024, val_fraction=0.01, partition_bytes=3000))
+    cut = prepare_in_process([str(corpus)], str(tokenizer), tmp_path / "cut",
+                             PrepareOptions(shard_tokens=1024, val_fraction=0.01, partition_bytes=3000))
     cut_info = DatasetInfo.load(tmp_path / "cut")
     assert cut.partitions >= 8 and documents(cut_info.raw["validation"]["shards"], tmp_path / "cut") == val
     assert [(tmp_path / "cut" / p).read_bytes() for p in cut_info.val_paths] == \
@@ -240,7 +245,8 @@ def test_a_vocabulary_above_65536_gives_uint32_shards_that_validate_and_train(tm
     arr = np.load(bad)["input_ids"].copy()
     arr[5] = 70_001
     np.savez(bad, input_ids=arr)
-    proc = run(train_cmd(tmp_path / "o2", data, "max_steps=1", "seq_len=32", "val_files=1"), subprocess_env, check=False)
+    proc = run(train_cmd(tmp_path / "o2", data, "max_steps=1", "seq_len=32", "val_files=1"), subprocess_env,
+               check=False)
     assert proc.returncode == 2 and f"{bad.as_posix()}: holds id 70001 but vocab_size is 70000" in proc.stderr
 
 
@@ -256,8 +262,11 @@ def test_upload_then_download_reproduces_it_byte_for_byte(corpus, tokenizer, tmp
     mirror = tmp_path / "mirror"
     run([sys.executable, str(REPO_ROOT / "download_training_data.py"), "--source", url, "--dest", str(mirror),
          "--no-progress"], subprocess_env)
-    tree = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
-                      if p.is_file() and not p.name.startswith(".")}
+
+    def tree(d):
+        return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
+                if p.is_file() and not p.name.startswith(".")}
+
     assert tree(mirror) == tree(data)
 
 
@@ -275,7 +284,10 @@ def test_a_run_killed_after_some_partitions_is_finished_by_a_rerun_doing_only_th
     out = tmp_path / "out"
     proc = subprocess.Popen(PREPARE + [str(a) for a in args + ["--output", out, "--no-progress"]],
                             env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = lambda: sorted((tmp_path / ".out.staging").glob("p*/done.json"))
+
+    def records():
+        return sorted((tmp_path / ".out.staging").glob("p*/done.json"))
+
     deadline = time.time() + 120
     while not records():
         assert proc.poll() is None and time.time() < deadline, "never finished a partition"
@@ -399,7 +411,7 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, subprocess_env, tokeniz
     proc = prepare(["--input", *inputs, "--tokenizer", tok, "--output", out, "--workers", 1, *extra], subprocess_env,
                    check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and re.search(fragment, lines[0]), proc.stderr
     assert not out.exists()
 
@@ -474,7 +486,7 @@ def test_a_document_over_the_bound_is_one_line_before_it_is_read_whole(tmp_path,
     out = tmp_path / "out"
     proc, peak_mb = _prepare_measured(corpus, tokenizer, out, subprocess_env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and re.search(where, lines[0]) and "split it" in lines[0], proc.stderr[-2000:]
     assert peak_mb < 700, f"prepare peaked at {peak_mb:.0f} MB"
     assert not out.exists()

@@ -59,7 +59,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path, subprocess_env):
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
-    line = next(l for l in stdout.splitlines() if l.startswith("Stopped by SIGTERM after step"))
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("Stopped by SIGTERM after step"))
     stopped = int(line.split("after step ")[1].split(":")[0])
     assert stopped >= 3
     ckpt = out / "checkpoints" / line.split("checkpoint ")[1].strip().split("/")[-1]

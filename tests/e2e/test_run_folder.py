@@ -89,9 +89,10 @@ def test_sigkill_of_the_launcher_stops_every_rank_with_a_checkpoint(tmp_path, su
     lock.release()
 
     missing = _missing_tracker()
-    resume = launcher_cmd(out, data, 2, 0) + ["--set", f"max_steps={step + 1}", "--set", "per_device_train_batch_size=1",
-                                               "--set", f"report_to=tensorboard{',' + missing if missing else ''}",
-                                               "--resume", "auto"]
+    resume = launcher_cmd(out, data, 2, 0) + ["--set", f"max_steps={step + 1}",
+                                              "--set", "per_device_train_batch_size=1",
+                                              "--set", f"report_to=tensorboard{',' + missing if missing else ''}",
+                                              "--resume", "auto"]
     proc = subprocess.run(resume, env=subprocess_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout + proc.stderr
@@ -135,13 +136,16 @@ def test_stderr_filter_names_the_killed_rank_from_torchruns_report():
 Step 7: a line another process wrote in between
 [rank0]:   File "/venv/torch/distributed/distributed_c10d.py", line 3252, in all_reduce
 [rank0]:     work.wait()
-[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:24460. This is typically caused by a remote worker crashing.
-W1124 03:51:04.913000 11963 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 12233 closing signal SIGTERM
-E1124 03:51:04.952000 11963 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 12234) of binary: /venv/bin/python
+[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] \
+Connection closed by peer [127.0.0.1]:24460. This is typically caused by a remote worker crashing.
+W1124 03:51:04.913000 11963 torch/distributed/elastic/multiprocessing/api.py:1028] \
+Sending process 12233 closing signal SIGTERM
+E1124 03:51:04.952000 11963 torch/distributed/elastic/multiprocessing/api.py:1002] \
+failed (exitcode: -9) local_rank: 1 (pid: 12234) of binary: /venv/bin/python
 Traceback (most recent call last):
   File "/venv/bin/accelerate", line 8, in <module>
     sys.exit(main())
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\x20
 =======================================================
 /repo/train.py FAILED
 -------------------------------------------------------
@@ -330,7 +334,8 @@ def test_what_counts_as_another_run_s_files(tmp_path):
     (out / "logs" / "metrics.jsonl").write_text("")
     refuse_another_run(out, defaulted=False)
     (out / "logs" / "metrics.jsonl").write_text('{"step": 0, "tokens": 0, "val_loss": 6.2}\n')
-    with pytest.raises(UserError, match=r"holds another run's logs/metrics\.jsonl, .*--resume auto.*a new --output-dir"):
+    with pytest.raises(UserError,
+                       match=r"holds another run's logs/metrics\.jsonl, .*--resume auto.*a new --output-dir"):
         refuse_another_run(out, defaulted=False)
     (out / "logs" / "metrics.jsonl").unlink()
     (out / "final_model").mkdir()

@@ -299,7 +299,8 @@ def test_a_deleted_source_can_be_dropped_on_resume(tmp_path):
         ResumableLoader([Source("books", 1.0, data=dataset("books"))], 2, 0, 1, 3).load_state_dict(state)
 
     shutil.rmtree(tmp_path / "code")
-    cfg = get_training_config("demo", parse_overrides([f"data_mix=web={tmp_path / 'web'}:1,code={tmp_path / 'code'}:0"]))
+    cfg = get_training_config("demo",
+                              parse_overrides([f"data_mix=web={tmp_path / 'web'}:1,code={tmp_path / 'code'}:0"]))
     with pytest.raises(MixtureError, match=r"data_mix source code: .*code does not exist; .*remove the source from "
                                            r"data_mix \(on a resume, the log then says it was dropped\)"):
         check_sources(configured_sources(DataSettings.of(cfg)), {"web": None, "code": None}, said.append)

@@ -185,7 +185,8 @@ def bad_hf_dir(root: Path, tmp: Path, what: str) -> Path:
     ("truncated", r"model.safetensors: cannot read it"),
     ("no-weights", r"no-weights: no weights \(model.safetensors, pytorch_model.bin"),
     ("unsafe-bin", r"pytorch_model.bin: cannot read it \(it holds more than tensors"),
-    ("mamba", r"config.json: model_type is 'mamba'; the engine loads 'gemma3_text', 'gpt_neox', 'llama', 'qwen2', 'qwen3' model directories"),
+    ("mamba", r"config.json: model_type is 'mamba'; the engine loads 'gemma3_text', 'gpt_neox', 'llama', 'qwen2', "
+              r"'qwen3' model directories"),
     ("auto-map", r"config.json: names code of its own \(auto_map\)"),
 ])
 def test_a_bad_hf_directory_is_one_line_and_runs_no_code(tools, tmp_path, capsys, what, says):
@@ -227,7 +228,8 @@ def test_a_gpt2_style_tokenizer_directory_is_read_by_prepare_export_and_generate
     (gpt2 / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "model_max_length": 1024}))
     assert not (gpt2 / "tokenizer.json").exists()
     (tmp_path / "corpus.txt").write_text("hello world, a GPT-2-style tokenizer\nin two lines")
-    result = prepare([str(tmp_path / "corpus.txt")], str(gpt2), tmp_path / "data", PrepareOptions(val_fraction=0, shard_tokens=1024))
+    result = prepare([str(tmp_path / "corpus.txt")], str(gpt2), tmp_path / "data",
+                     PrepareOptions(val_fraction=0, shard_tokens=1024))
     assert result.documents == 1
     original = Tokenizer.from_file(str(root / "tokenizer.json"))
     written = Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json"))
@@ -320,7 +322,8 @@ def test_a_50k_vocabulary_does_not_page_fault_its_buffers_in_every_step(tmp_path
     faults = {}
     for vocab in (50257, 512):
         data = tmp_path / f"data-{vocab}"
-        prepare([str(tmp_path / "corpus.jsonl")], str(gpt2_style_tokenizer(tmp_path / f"{vocab}.json", vocab)), data, PrepareOptions(shard_tokens=1 << 14))
+        prepare([str(tmp_path / "corpus.jsonl")], str(gpt2_style_tokenizer(tmp_path / f"{vocab}.json", vocab)), data,
+                PrepareOptions(shard_tokens=1 << 14))
         cmd = train_cmd(tmp_path / f"out-{vocab}", data, "per_device_train_batch_size=16", "eval_interval=1000",
                         "save_steps=1000", extra=("--max-steps", "12"))
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt

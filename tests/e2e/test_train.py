@@ -181,7 +181,7 @@ def test_a_batch_beyond_the_machine_s_memory_is_one_line_before_the_model_is_bui
     proc = run(train_cmd(out, data, "seq_len=64", f"per_device_train_batch_size={too_many}", "max_steps=1"),
                subprocess_env, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and f"per_device_train_batch_size={too_many} at seq_len 64 cannot fit" in lines[0], lines
     assert "this machine's RAM" in lines[0] and "gradient_accumulation_steps" in lines[0]
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())

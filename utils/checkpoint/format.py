@@ -381,7 +381,8 @@ def verify_checkpoint(path) -> dict:
     for rel, expected in manifest["files"].items():
         file = path / rel
         if not isinstance(expected, dict) or not {"size", "crc32c"} <= expected.keys():
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry for {rel} is malformed; the checkpoint is corrupt")
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry for {rel} is malformed; "
+                                  "the checkpoint is corrupt")
         if not file.is_file():
             if expected.get("remote"):
                 raise PartialCheckpoint(f"checkpoint {path} holds only this node's shards: it was written by "

@@ -86,7 +86,8 @@ def _explain_local_folder(path: Path) -> None:
         names = [p.name for p in list_checkpoints(root)]
         if names:
             newest = max(names, key=lambda n: parse_checkpoint_name(n)[1])
-            latest = (f", or with --output-dir {root.parent} --resume latest" if root.name == layout.CHECKPOINTS else "")
+            latest = (f", or with --output-dir {root.parent} --resume latest" if root.name == layout.CHECKPOINTS
+                      else "")
             raise CheckpointError(f"{path} is {what}, not a checkpoint; it holds {_held(names)}. Resume from one "
                                   f"with --resume {root / newest}{latest}")
     if (path / MANIFEST).exists() or (path / MODEL_FILE).exists():

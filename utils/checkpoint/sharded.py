@@ -21,8 +21,8 @@ Nothing read from `dcp/` runs code. DCP's own reader unpickles `.metadata` and i
 non-tensor values (the optimizer's hyperparameters) with a full unpickler (torch.load without weights_only);
 here `.metadata` goes through an unpickler that admits only DCP's metadata classes and the torch types they
 hold (`MetadataReader`), the files it names must lie in `dcp/`, and non-tensor values load with
-`weights_only=True` (`WeightsOnlyLoadPlanner`). Anything else is refused in one line naming the file. DCP reports a failure on
-any rank as a `CheckpointException` (a BaseException, with every rank's traceback); loads and saves turn it
+`weights_only=True` (`WeightsOnlyLoadPlanner`). Anything else is refused in one line naming the file. DCP reports a
+failure on any rank as a `CheckpointException` (a BaseException, with every rank's traceback); loads and saves turn it
 into one CheckpointError (a DiskFullError when the disk is full), so a bad checkpoint or a full disk is one
 line, never a traceback.
 

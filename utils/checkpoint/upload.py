@@ -12,8 +12,8 @@ Retention asks `protected()` what it must keep: every checkpoint whose upload is
 the newest one whose upload failed, unless a newer checkpoint has since reached GCS. Only the newest failed
 one: when uploads keep failing (a mistyped bucket, lost permissions) keeping every failed checkpoint would
 fill the disk of a long run, and the newest one is what a resume needs; this is said once, when an older
-failed checkpoint first loses its protection. Failures never raise into training; `drain()` / `close()` report each result once, and
-`UploadReport.summary()` says plainly what is where and the command that uploads what is missing.
+failed checkpoint first loses its protection. Failures never raise into training; `drain()` / `close()` report each
+result once, and `UploadReport.summary()` says plainly what is where and the command that uploads what is missing.
 
 Run as a script to upload one checkpoint by hand (verified, manifest last):
     python -m utils.checkpoint.upload LOCAL_CHECKPOINT_DIR gs://BUCKET/PREFIX/checkpoints/RUN/NAME

@@ -42,8 +42,11 @@ def prepare_tasks(tasks: list[Task], encoder: RequestEncoder) -> list[PreparedTa
     return [PreparedTask(task, encoder.task_requests(task)) for task in tasks]
 
 
+_ONE_PROCESS = Placement()  # score_tasks' default: one process on the CPU (Placement is frozen: shared safely)
+
+
 def score_tasks(model, tasks: list[PreparedTask], batch_size: int, max_length: int,
-                placement: Placement = Placement()) -> dict[str, tuple[dict[str, float], list[tuple[float, bool]]]]:
+                placement: Placement = _ONE_PROCESS) -> dict[str, tuple[dict[str, float], list[tuple[float, bool]]]]:
     """{task name: (metrics, each request's (log-likelihood, greedy))}: every task's requests scored in one
     pass over the ranks (see scoring.loglikelihoods; call on every rank)."""
     everything = [r for t in tasks for r in t.requests]

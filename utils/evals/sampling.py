@@ -32,7 +32,8 @@ class SampleSettings(Settings):
 class Sampler:
     def __init__(self, settings: SampleSettings, data_dir, seq_len: int, accelerator, log, sharded: bool = False):
         every = settings.sample_every
-        self.every, self.prompts, self.max_new_tokens = every, list(settings.sample_prompts), settings.sample_max_new_tokens
+        self.every, self.prompts, self.max_new_tokens = (every, list(settings.sample_prompts),
+                                                         settings.sample_max_new_tokens)
         self.seq_len, self.seed, self.accelerator, self.log = seq_len, settings.seed, accelerator, log
         self.tokenizer = self.eos_id = None
         self.participates = accelerator.is_main_process or sharded

@@ -39,6 +39,6 @@ def run_eval(model, batches, accelerator, state, log, final: bool = False) -> fl
             from utils.observe.metrics import NonFiniteLoss
 
             name, value = next(iter(broken.items()))
-            raise NonFiniteLoss(f"{name} at the last step ({state.step}) is {value} (not finite): the weights are broken, "
-                                f"so nothing is exported; lower learning_rate and train again")
+            raise NonFiniteLoss(f"{name} at the last step ({state.step}) is {value} (not finite): the weights are "
+                                f"broken, so nothing is exported; lower learning_rate and train again")
     return seconds

@@ -59,7 +59,8 @@ class OutputDirLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise OutputDirBusy(f"{self.option} {self.target}: cannot create {self.path} ({exc.strerror})"
-                            f"{files.owner_of(self.path)}; use a directory you may write, or fix its permissions") from None
+                                f"{files.owner_of(self.path)}; use a directory you may write, or fix its "
+                                "permissions") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -161,7 +161,8 @@ def _load_service_account(path: Path, source: str):
         )
     try:
         credentials = service_account.Credentials.from_service_account_info(info)
-    except Exception as exc:  # a malformed key: never echo the library's message, it may quote the key
+    except Exception as exc:  # noqa: BLE001 - google-auth / cryptography raise many types
+        # a malformed key: never echo the library's message, it may quote the key
         raise CredentialsError(
             f"credentials file {path} (from {source}) is not a usable service-account key "
             f"({type(exc).__name__}: missing fields or an unparsable private key); {fix}"
@@ -551,8 +552,11 @@ def upload_verified(client, bucket: str, local_path, object_name: str, retries: 
         size = local_path.stat().st_size
     except OSError as exc:
         raise StorageError(f"cannot read {local_path} for upload to {url}: {exc}") from exc
-    send = lambda blob: blob.upload_from_filename(str(local_path), checksum="crc32c", retry=None,
-                                                  crc32c_checksum_value=expected)
+
+    def send(blob):
+        return blob.upload_from_filename(str(local_path), checksum="crc32c", retry=None,
+                                         crc32c_checksum_value=expected)
+
     _upload_checked(client, bucket, object_name, send, expected, size, str(local_path), retries)
     return expected
 
@@ -561,7 +565,10 @@ def upload_bytes(client, gs_url_: str, data: bytes, retries: int = 5) -> str:
     """`upload_verified` for bytes in memory (a small record, a JSON file). Returns the crc32c."""
     bucket, name = parse_gs_url(gs_url_)
     expected = bytes_crc32c(data)
-    send = lambda blob: blob.upload_from_string(data, checksum="crc32c", retry=None)
+
+    def send(blob):
+        return blob.upload_from_string(data, checksum="crc32c", retry=None)
+
     _upload_checked(client, bucket, name, send, expected, len(data), f"{len(data)} bytes", retries)
     return expected
 

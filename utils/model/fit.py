@@ -48,7 +48,10 @@ def check_batch_fits(settings: FitSettings, spec, seq_len: int, device, world_si
     import torch
 
     checkpointing, every = settings.policy
-    plan = memory_plan(spec, RunShape(strategy=settings.strategy, world_size=world_size, micro_batch=settings.per_device_train_batch_size, seq_len=seq_len, checkpointing=checkpointing, checkpointing_every=every, moments=settings.optimizer_state_dtype))
+    plan = memory_plan(spec, RunShape(strategy=settings.strategy, world_size=world_size,
+                                      micro_batch=settings.per_device_train_batch_size, seq_len=seq_len,
+                                      checkpointing=checkpointing, checkpointing_every=every,
+                                      moments=settings.optimizer_state_dtype))
     if device.type == "cuda":
         have, where = torch.cuda.get_device_properties(device).total_memory, "this GPU's"
         need = plan.total

@@ -3,8 +3,8 @@
 Units, as torchtitan lays them out: one per transformer block, the input embedding, the final norm together
 with the LM head (not resharded after forward: backward needs them at once), then the root (the rest: the
 rotary tables are buffers, not sharded). The parallelism seam (utils/parallel/strategies.py) calls these after
-activation checkpointing, fp8 and per-block compile, over the device mesh it built. In bf16 runs parameters are gathered and computed
-in bf16 and gradients reduce-scattered in fp32 (`MixedPrecisionPolicy`); fp32 runs keep fp32 throughout.
+activation checkpointing, fp8 and per-block compile, over the device mesh it built. In bf16 runs parameters are gathered
+and computed in bf16 and gradients reduce-scattered in fp32 (`MixedPrecisionPolicy`); fp32 runs keep fp32 throughout.
 
 Gradient accumulation reduce-scatters every micro-batch into the sharded fp32 gradients: each rank holds
 1/N of the gradients between micro-batches. Keeping unsharded gradients until the sync step would save

@@ -2,9 +2,9 @@
 hf.py holds its config and key adapter both ways).
 
 In: `load_hf_pretrained(DIR)` reads an HF directory of a registered family (utils/model/families.py) on disk
-(config.json + model.safetensors, or a sharded model.safetensors.index.json; older models' pytorch_model.bin, single or sharded, loaded with
-`torch.load(weights_only=True)`), e.g. a Pythia or Llama checkpoint, into a ModelSpec and a state dict with
-the engine's names (the family's adapter). Out: `export_hf(state, spec, DIR)` writes through transformers'
+(config.json + model.safetensors, or a sharded model.safetensors.index.json; older models' pytorch_model.bin, single or
+sharded, loaded with `torch.load(weights_only=True)`), e.g. a Pythia or Llama checkpoint, into a ModelSpec and a state
+dict with the engine's names (the family's adapter). Out: `export_hf(state, spec, DIR)` writes through transformers'
 own class of the family (`save_pretrained`), so `AutoModelForCausalLM.from_pretrained(DIR)` loads it;
 `scripts/export_hf.py` does it for any engine checkpoint.
 """
@@ -73,8 +73,10 @@ def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec,
         except pickle.UnpicklingError:
             raise HFLoadError(f"{where}{shard}: cannot read it (it holds more than tensors, and unpickling that could "
                               f"run code; convert it to model.safetensors where you trust it)") from None
-        except Exception as exc:  # safetensors / torch raise their own error types for truncated or foreign files
-            raise HFLoadError(f"{where}{shard}: cannot read it ({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
+        except Exception as exc:  # noqa: BLE001 - any reader failure on a bad file is one line
+            # safetensors / torch raise their own error types for truncated or foreign files
+            raise HFLoadError(f"{where}{shard}: cannot read it "
+                              f"({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
     return spec, family_of(spec).hf().from_hf_state(state)
 
 
@@ -121,7 +123,8 @@ def check_hf_config(config: dict, source: str) -> None:
         if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
             _bad_hf(source, field, value, "a positive finite number")
     for field, value in (("rotary_pct", config.get("rotary_pct")),
-                         ("partial_rotary_factor", rope.get("partial_rotary_factor", config.get("partial_rotary_factor")))):
+                         ("partial_rotary_factor",
+                          rope.get("partial_rotary_factor", config.get("partial_rotary_factor")))):
         if value is not None and (type(value) not in (int, float) or not 0 < value <= 1):
             _bad_hf(source, field, value, "a number in (0, 1]")
     for field in _HF_FLAGS:

@@ -57,8 +57,8 @@ def planned_stds(model: nn.Module, hidden: int, layers: int) -> dict[str, float]
 @torch.no_grad()
 def init_weights(model: nn.Module, scheme: str, hidden: int, layers: int) -> nn.Module:
     """Re-initialises `model` in place by `scheme` (see the module docstring); `hf` leaves it as built. A
-    tied head shares the embedding's tensor, drawn once. Meta-device parameters are left alone (FSDP builds on meta and materialises rank 0's
-    full weights, built by this same function)."""
+    tied head shares the embedding's tensor, drawn once. Meta-device parameters are left alone (FSDP builds on meta and
+    materialises rank 0's full weights, built by this same function)."""
     if scheme == "hf":
         return model
     if scheme != "neox":

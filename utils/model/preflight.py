@@ -34,7 +34,8 @@ def preflight(model, batches, settings: PreflightSettings, accelerator, log, sto
     precision = precision_name(settings.mixed_precision)
     if failed.item():
         what = f"preflight: {problem or 'another rank saw a non-finite loss or gradient'} in {precision} precision"
-        if settings.mixed_precision == "no":  # no optimizer step has run: no setting of the schedule or AdamW is involved
+        # no optimizer step has run: no setting of the schedule or AdamW is involved
+        if settings.mixed_precision == "no":
             start = f"init_from {settings.init_from}'s weights" if settings.init_from else "the starting weights"
             raise UserError(f"{what} before any optimizer step: {start} or the data give it; check them")
         others = [m for m in ("bf16", "no") if m != settings.mixed_precision]

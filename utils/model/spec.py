@@ -43,8 +43,8 @@ def resolve_model_spec(settings: ModelSettings, described: Path, log):
     if info is not None and settings.init_from:
         if info.vocab_size > spec.padded_vocab_size:
             raise UserError(f"{info.path}: its tokenizer has {info.vocab_size:,} ids but the init_from model "
-                            f"{settings.init_from} has {spec.padded_vocab_size:,} embedding rows; prepare the data with "
-                            f"that model's tokenizer")
+                            f"{settings.init_from} has {spec.padded_vocab_size:,} embedding rows; prepare the data "
+                            f"with that model's tokenizer")
         # ids are checked against the tokenizer's size; the embedding keeps the model's own rows
         spec = replace(spec, vocab_size=info.vocab_size, pad_vocab_multiple=spec.padded_vocab_size)
     elif info is not None and info.vocab_size != spec.vocab_size:

@@ -84,7 +84,7 @@ def _nvml_handle(index: int):
 
         pynvml.nvmlInit()
         return pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a probe: any NVML failure means no GPU stats
         return None
 
 
@@ -130,7 +130,8 @@ class RunLogger:
         config = {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in config.items()}
         try:
             accelerator.init_trackers(run_name, config=config, init_kwargs=init_kwargs)
-        except Exception as exc:  # a tracker that cannot start (no login, no server) must not stop training
+        except Exception as exc:  # noqa: BLE001 - any tracker failure is a warning
+            # a tracker that cannot start (no login, no server) must not stop training
             names = ", ".join(getattr(t, "name", str(t)) for t in accelerator.log_with)
             self.warning(f"warning: trackers {names} disabled: {type(exc).__name__}: {exc}")
             return
@@ -194,7 +195,8 @@ class RunLogger:
         return Path(getattr(self._tensorboard, "log_dir", None) or self.log_dir)
 
     def write_samples(self, step: int, tokens: int, samples: list[tuple[str, str]]) -> None:
-        """Samples of the model's text (utils/evals/sampling.py): logs/samples.jsonl, the log, TensorBoard's text tab."""
+        """Samples of the model's text (utils/evals/sampling.py): logs/samples.jsonl, the log, TensorBoard's text
+        tab."""
         if not self.is_main:
             return
         if layout.SAMPLES not in self._files:

@@ -213,7 +213,7 @@ class HangWatchdog:
                 return
             trace = torch._C._distributed_c10d._dump_nccl_trace()
             (self.logs / f"nccl-trace-{stamp}-rank{self.rank}.pkl").write_bytes(trace)
-        except Exception:  # best effort: an older torch, no recorder
+        except Exception:  # noqa: BLE001 - best effort: an older torch, no recorder
             pass
 
 

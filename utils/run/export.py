@@ -13,7 +13,8 @@ from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
 from utils.runtime.run_status import RunStatus
 
 
-def export_final_model(model, spec, described: Path, state, output_dir: Path, parallel, log) -> tuple[Path | None, bool]:
+def export_final_model(model, spec, described: Path, state, output_dir: Path, parallel,
+                       log) -> tuple[Path | None, bool]:
     """End of a completed run: check the ranks agree on the weights, export final_model/ (rank 0).
     Returns (export dir or None, weights in sync). Collective: every rank calls it."""
     weights = parallel.full_state_dict(model)  # rank 0 gets it
@@ -37,7 +38,8 @@ def export_final_model(model, spec, described: Path, state, output_dir: Path, pa
     return export_dir, in_sync
 
 
-def finished_run(resume_path: Path, max_steps: int, described: Path, output_dir: Path, accelerator, log, lock) -> Path | None:
+def finished_run(resume_path: Path, max_steps: int, described: Path, output_dir: Path, accelerator, log,
+                 lock) -> Path | None:
     """A checkpoint at `max_steps` is a finished run: says so, exports final_model/ from the checkpoint (rank 0)
     only when it is missing, closes the log, frees the output dir and records the run's status; returns
     final_model/. None when there are steps left to train."""

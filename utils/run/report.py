@@ -96,5 +96,6 @@ class StepReporter:
                           f"index, model build, compile)")
         if self.window.per_device and state.step % (self.every * 10) == 0:
             self.log.info("  per-GPU memory (GiB used/peak, util%): " + "; ".join(
-                f"{s['device']} {s['mem_gb']:.1f}/{s['peak_mem_gb']:.1f} {s['gpu_util']}" for s in self.window.per_device))
+                f"{s['device']} {s['mem_gb']:.1f}/{s['peak_mem_gb']:.1f} {s['gpu_util']}"
+                for s in self.window.per_device))
         self.bar.refresh()

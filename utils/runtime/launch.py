@@ -108,7 +108,8 @@ class StderrFilter:
     tracebacks pass through whole (also those torch prefixes with `[rankN]: `)."""
 
     START = b"Traceback (most recent call last):"
-    LAUNCHER_ERRORS = (b"subprocess.CalledProcessError:", b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+    LAUNCHER_ERRORS = (b"subprocess.CalledProcessError:",
+                       b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
     NOISE = re.compile(rb"torch/distributed/elastic/multiprocessing/api\.py:\d+\] "
                        rb"(Sending process \d+ closing signal|failed \(exitcode: (2|-\d+)\))")
     RANK_PREFIX = re.compile(rb"^\[rank\d+\]: ")  # torch's excepthook, once a process group exists
@@ -608,8 +609,8 @@ def _signal_name(signum: int) -> str:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     options, argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
-    usage = (f"usage: python utils/runtime/{Path(__file__).name} [--max-restarts N] [--restart-delay S] -- COMMAND [ARGS...] "
-             f"(start_training.sh runs it for you)")
+    usage = (f"usage: python utils/runtime/{Path(__file__).name} [--max-restarts N] [--restart-delay S] "
+             f"-- COMMAND [ARGS...] (start_training.sh runs it for you)")
     if not argv:
         print(f"{Path(__file__).name}: error: no command to run; {usage}", file=sys.stderr)
         return 2

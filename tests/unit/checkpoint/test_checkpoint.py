@@ -280,7 +280,8 @@ def test_sigkill_during_saves_never_leaves_a_bad_latest(tmp_path, subprocess_env
                 mid_write += 1
             for path in list_checkpoints(root):  # every directory named like a checkpoint is complete
                 verify_checkpoint(path)
-            latest = find_latest_local(root, log=lambda m: pytest.fail(f"skipped a checkpoint: {m} ({context})"))
+            latest = find_latest_local(
+                root, log=lambda m, context=context: pytest.fail(f"skipped a checkpoint: {m} ({context})"))
             assert latest is not None, context
             step = parse_checkpoint_name(latest.name)[1]
             payload = read_checkpoint(latest)
@@ -388,7 +389,7 @@ def test_async_writer_never_waits_on_a_dead_thread():
     assert not writer._thread.is_alive()
     for call in (writer.wait, lambda: writer.save("/nonexistent", "x", small_payload(1))):
         result = []
-        waiter = threading.Thread(target=lambda: result.append(_raised(call)), daemon=True)
+        waiter = threading.Thread(target=lambda result=result, call=call: result.append(_raised(call)), daemon=True)
         waiter.start()
         waiter.join(20)
         assert not waiter.is_alive() and isinstance(result[0], BackgroundFailure), result

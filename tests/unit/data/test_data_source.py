@@ -63,7 +63,7 @@ def test_an_in_memory_source_trains_through_the_loader_and_resumes_exactly():
     model = build_model(get_model_spec("tiny"), seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for step in range(30):
+    for _ in range(30):
         loss = model(next(loader))
         loss.backward()
         optimizer.step()
@@ -81,7 +81,8 @@ def test_an_in_memory_source_trains_through_the_loader_and_resumes_exactly():
     assert changed.fingerprint() != loader.fingerprint() == resumed.fingerprint()
     # ... and another count of them is refused by the cursor itself
     with pytest.raises(ValueError, match="the data changed since the checkpoint"):
-        ResumableLoader(InMemorySource(counting_runs(65, seed=0)), 4, rank=0, world_size=1, seed=5).load_state_dict(state)
+        ResumableLoader(InMemorySource(counting_runs(65, seed=0)), 4, rank=0, world_size=1,
+                        seed=5).load_state_dict(state)
 
 
 def test_an_in_memory_source_mixes_with_npz_shards_and_two_ranks_split_the_stream(tmp_path):

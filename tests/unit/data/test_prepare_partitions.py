@@ -65,7 +65,7 @@ def test_a_plan_cuts_jsonl_and_parquet_anywhere_reads_each_document_once_and_kee
 
 
 def test_merge_refuses_a_missing_completion_record_naming_it_and_a_rerun_redoes_only_that_partition(
-        corpus, tokenizer, tmp_path, monkeypatch, subprocess_env):
+        corpus, tokenizer, tmp_path, monkeypatch, subprocess_env):  # noqa: F811 - pytest fixtures imported above
     from utils.data import prepare as prep
     from utils.data.prepare import PrepareOptions
 
@@ -91,12 +91,13 @@ def test_merge_refuses_a_missing_completion_record_naming_it_and_a_rerun_redoes_
     assert errors[0].startswith(f"error: partition 2 of 4 has no completion record ({staging}/p00002/done.json)")
     assert not out.exists() and (staging / "p00001" / "done.json").is_file()  # refused, nothing lost
     proc = prepare(args, subprocess_env)
-    assert "; 3 of 4 partitions already done" in proc.stdout and "4 partition(s), 3 done by an earlier run" in proc.stdout
+    assert ("; 3 of 4 partitions already done" in proc.stdout
+            and "4 partition(s), 3 done by an earlier run" in proc.stdout)
     assert tree(out) == tree(tmp_path / "reference") and not staging.exists()
 
 
 def test_output_straight_to_a_bucket_holds_the_same_bytes_and_inputs_can_come_from_one(
-        corpus, tokenizer, tmp_path, subprocess_env, gcs_emulator):
+        corpus, tokenizer, tmp_path, subprocess_env, gcs_emulator):  # noqa: F811 - pytest fixtures imported above
     from utils.data.prepare import PrepareOptions
     from utils.data.prepare import prepare as prepare_in_process
     from utils.io.storage import upload_directory
@@ -116,8 +117,12 @@ def test_output_straight_to_a_bucket_holds_the_same_bytes_and_inputs_can_come_fr
     assert prepare_in_process([str(root)], str(tokenizer), url, PrepareOptions(**settings)).reused
     # the corpus read from a bucket: the same shards, the same split (a file's key is its path below the prefix)
     upload_directory(client, root, f"gs://{gcs_emulator.bucket}/corpus", last=())
-    prepare_in_process([f"gs://{gcs_emulator.bucket}/corpus"], str(tokenizer), tmp_path / "from-bucket", PrepareOptions(**settings))
-    shards = lambda files: {name: data for name, data in files.items() if name.endswith(".npz")}
+    prepare_in_process([f"gs://{gcs_emulator.bucket}/corpus"], str(tokenizer), tmp_path / "from-bucket",
+                       PrepareOptions(**settings))
+
+    def shards(files):
+        return {name: data for name, data in files.items() if name.endswith(".npz")}
+
     assert shards(tree(tmp_path / "from-bucket")) == shards(reference) and len(shards(reference)) >= 5
 
 
@@ -143,8 +148,8 @@ def ray_task_workers(root_pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_killed(tokenizer, tmp_path,
-                                                                                    subprocess_env):
+def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_killed(
+        tokenizer, tmp_path, subprocess_env):  # noqa: F811 - a pytest fixture imported above
     from utils.data.prepare import PrepareOptions
     from utils.data.prepare import prepare as prepare_in_process
 
@@ -161,7 +166,8 @@ def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_kil
     proc = subprocess.Popen(PREPARE + ["--input", str(big), "--tokenizer", str(tokenizer), "--output", str(out),
                                        "--shard-tokens", "4096", "--partition-mb", "0.5", "--executor", "ray",
                                        "--workers", "2", "--no-progress"],
-                            env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=subprocess_env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     killed, deadline = None, time.time() + 300
     while killed is None and proc.poll() is None and time.time() < deadline:
         busy = ray_task_workers(proc.pid)
@@ -178,7 +184,8 @@ def test_ray_writes_the_local_pools_bytes_and_retries_a_task_whose_worker_is_kil
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_a_killed_ray_driver_leaves_no_ray_process(tokenizer, tmp_path, subprocess_env, sig):
+def test_a_killed_ray_driver_leaves_no_ray_process(
+        tokenizer, tmp_path, subprocess_env, sig):  # noqa: F811 - a pytest fixture imported above
     """prepare with a local Ray, SIGKILLed mid-partition (the OOM killer): within 30 s nothing of its Ray
     session runs any more (GCS server, raylet, agents, log monitor, workers), and its temp dir is gone.
     SIGTERM: the same, and prepare itself ends within seconds with its interrupted line (exit 130)."""

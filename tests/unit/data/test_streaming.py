@@ -47,7 +47,8 @@ def prepared(tmp_path_factory) -> Path:
             f.write(json.dumps({"text": text(rng, 20 + i % 50)}) + "\n")
     from utils.data.prepare import PrepareOptions, prepare
 
-    prepare([str(root / "corpus")], str(bpe_tokenizer(root / "tokenizer.json")), root / "local", PrepareOptions(shard_tokens=SHARD_TOKENS, val_fraction=0.02))
+    prepare([str(root / "corpus")], str(bpe_tokenizer(root / "tokenizer.json")), root / "local",
+            PrepareOptions(shard_tokens=SHARD_TOKENS, val_fraction=0.02))
     return root / "local"
 
 
@@ -208,7 +209,8 @@ def test_refusals_are_one_line(bucket, prepared, tmp_path):
     with pytest.raises(UserError, match=r"data source data \(s3://b/x\): no source type reads it"):
         build.open_source(Source("data", path="s3://b/x"), request(tmp_path, Shuffle()))
     (tmp_path / "a-file").write_text("not a folder")  # data_cache_dir naming a file: was a traceback
-    with pytest.raises(StreamError, match=r"data_cache_dir \S+/a-file: .* cannot be made there \(a file is in the way\)"):
+    with pytest.raises(StreamError,
+                       match=r"data_cache_dir \S+/a-file: .* cannot be made there \(a file is in the way\)"):
         build.open_source(Source("data", path=bucket), request(tmp_path / "a-file", Shuffle()))
 
 
@@ -338,7 +340,8 @@ def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_
     cmd = [sys.executable, str(REPO_ROOT / "train.py"), "--config", "demo", "--output-dir", str(out),
            "--data-dir", bucket]
     for s in [*TINY, f"seq_len={SEQ}", "sample_every=0", "max_steps=500", "shuffle=blocks", "shuffle_block_shards=2",
-              "per_device_train_batch_size=32", f"data_cache_dir={tmp_path / 'cache'}", f"data_cache_gb={40_000 / 1e9}"]:
+              "per_device_train_batch_size=32", f"data_cache_dir={tmp_path / 'cache'}",
+              f"data_cache_gb={40_000 / 1e9}"]:
         cmd += ["--set", s]
     if when == "first step":
         hanging.set()
@@ -382,10 +385,13 @@ def _crafted(prepared: Path, dest: Path, edit) -> Path:
 
 
 CRAFTED = {  # field -> (edit, what the line says)
-    "path .": (lambda d: d["shards"][3].update(path="."), r"shards\[3\]\.path is '\.', not the relative path of a file"),
-    "tokens 1e15": (lambda d: d["shards"][0].update(tokens=1e15), r"shards\[0\]\.tokens is 1000000000000000\.0, not a non-negative integer"),
+    "path .": (lambda d: d["shards"][3].update(path="."),
+               r"shards\[3\]\.path is '\.', not the relative path of a file"),
+    "tokens 1e15": (lambda d: d["shards"][0].update(tokens=1e15),
+                    r"shards\[0\]\.tokens is 1000000000000000\.0, not a non-negative integer"),
     "tokens 10**15": (lambda d: d["shards"][0].update(tokens=10**15),
-                      r"shards\[0\]\.tokens is 1,000,000,000,000,000, more uint16 tokens than its [\d,]+ bytes can hold"),
+                      r"shards\[0\]\.tokens is 1,000,000,000,000,000, more uint16 tokens than its [\d,]+ bytes "
+                      r"can hold"),
     "tokens -5": (lambda d: d["shards"][1].update(tokens=-5), r"shards\[1\]\.tokens is -5, not a non-negative"),
     "tokens string": (lambda d: d["validation"]["shards"][0].update(tokens="1024"),
                       r"validation\.shards\[0\]\.tokens is '1024', not a non-negative integer"),
@@ -399,8 +405,8 @@ def test_a_crafted_dataset_json_in_the_bucket_is_refused_naming_the_field(gcs_em
     url = upload(_crafted(prepared, tmp_path / "crafted", edit), f"gs://{gcs_emulator.bucket}/crafted")
     with pytest.raises(UserError) as e:
         build.open_source(Source("data", path=url), request(tmp_path / "cache", Shuffle()))
-    assert "\n" not in str(e.value) and str(e.value).startswith(f"{url}/dataset.json: ") and re.search(said, str(e.value)), \
-        str(e.value)
+    assert ("\n" not in str(e.value) and str(e.value).startswith(f"{url}/dataset.json: ")
+            and re.search(said, str(e.value))), str(e.value)
 
 
 @pytest.mark.slow

@@ -295,7 +295,7 @@ def test_retry_call_does_not_retry_404_or_403():
     for exc in (api_exceptions.NotFound("gone"), api_exceptions.Forbidden("no")):
         calls = []
 
-        def failing(exc=exc):
+        def failing(exc=exc, calls=calls):
             calls.append(1)
             raise exc
 
@@ -423,6 +423,7 @@ def test_an_outage_line_names_the_host_and_the_reason_not_a_cut_off_client_messa
     with pytest.raises(requests.exceptions.ConnectionError) as refused:
         requests.get("http://127.0.0.1:9/storage/v1/b/bucket/o/shard?alt=media", timeout=5)
     line = short_error(refused.value)
-    assert re.fullmatch(r"ConnectionError: no answer from 127\.0\.0\.1:9 \(\[Errno \d+\] Connection refused\)", line), line
+    assert re.fullmatch(r"ConnectionError: no answer from 127\.0\.0\.1:9 "
+                        r"\(\[Errno \d+\] Connection refused\)", line), line
     long = short_error(ValueError("alpha " * 100), limit=100)
     assert len(long) <= 100 and long.endswith("alpha ...") and "alph ..." not in long

@@ -79,7 +79,8 @@ def test_memory_plan_counts_the_policies_in_order():
     from configs.profiles import RunShape, memory_plan
 
     spec = get_model_spec("gpt-neox-1.2b")
-    plans = {p: memory_plan(spec, RunShape(micro_batch=4, checkpointing=p)).activations for p in ACTIVATION_CHECKPOINTING}
+    plans = {p: memory_plan(spec, RunShape(micro_batch=4, checkpointing=p)).activations
+             for p in ACTIVATION_CHECKPOINTING}
     assert plans["full"] < plans["every_k"] < plans["none"] and plans["full"] < plans["selective"] < plans["none"]
     out = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "memory_plan.py"),
                           "--activation-checkpointing", "selective"], capture_output=True, text=True)
@@ -134,6 +135,6 @@ def test_policies_give_the_same_gradients_on_two_processes(strategy, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {p: {k: torch.tensor(v) for k, v in g.items()} for p, g in json.loads(out.read_text()).items()}
     assert set(results) == set(ACTIVATION_CHECKPOINTING)
-    for policy, grads in results.items():
+    for _policy, grads in results.items():
         assert_same_grads(results["none"], grads)
     assert any(g.abs().sum() > 0 for g in results["none"].values())

@@ -28,7 +28,8 @@ def test_neox_init_stds_on_the_1_2b_shape():
     model = full.to_empty(device="cpu")
     torch.manual_seed(0)
     init_weights(model, "neox", d, L)
-    kinds = {"embed_in": model.gpt_neox.embed_in.weight, "query_key_value": model.gpt_neox.layers[1].attention.query_key_value.weight,
+    kinds = {"embed_in": model.gpt_neox.embed_in.weight,
+             "query_key_value": model.gpt_neox.layers[1].attention.query_key_value.weight,
              "dense_h_to_4h": model.gpt_neox.layers[0].mlp.dense_h_to_4h.weight, "lm_head": model.lm_head.weight,
              "attention.dense": model.gpt_neox.layers[1].attention.dense.weight,
              "dense_4h_to_h": model.gpt_neox.layers[0].mlp.dense_4h_to_h.weight}

@@ -72,7 +72,8 @@ def test_wsd_follows_its_formula(shape):
 def test_linear_and_constant_schedules():
     kw = dict(peak_lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
     assert lr_at(10, schedule="linear", **kw) == 1.0 and math.isclose(lr_at(60, schedule="linear", **kw), 0.55)
-    assert math.isclose(lr_at(110, schedule="linear", **kw), 0.1) and math.isclose(lr_at(200, schedule="linear", **kw), 0.1)
+    assert (math.isclose(lr_at(110, schedule="linear", **kw), 0.1)
+            and math.isclose(lr_at(200, schedule="linear", **kw), 0.1))
     assert lr_at(5, schedule="constant", **kw) == 0.5 and lr_at(110, schedule="constant", **kw) == 1.0
 
 
