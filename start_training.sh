@@ -61,7 +61,7 @@ Where it runs:
   --nodes N                number of machines (default 1); run this script once on each of them
   --node-rank R            this machine's rank, 0..N-1 (default 0)
   --main-addr HOST         address of the rank-0 machine (required when --nodes > 1)
-  --main-port P            port on the rank-0 machine (default 29500)
+  --main-port P            port on the rank-0 machine (default 29500; one machine: a free one)
 
 Forwarded to train.py:
   --resume X               $RESUME_CHOICES
@@ -269,6 +269,11 @@ fi
 if [[ "$nodes" -gt 1 ]]; then
     launch+=(--machine_rank "$node_rank" --main_process_ip "$main_addr" --main_process_port "${main_port:-29500}")
 elif [[ -n "$main_port" ]]; then
+    launch+=(--main_process_port "$main_port")
+elif [[ "$total" -gt 1 ]]; then
+    # one machine, no --main-port: a free port, so runs side by side never meet at torchrun's 29500
+    main_port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')" \
+        || fail "cannot find a free port for the ranks to meet on; give one with --main-port P"
     launch+=(--main_process_port "$main_port")
 fi
 
