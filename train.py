@@ -19,7 +19,7 @@ from pathlib import Path
 PROCESS_STARTED = time.perf_counter()  # time to first step counts from here
 REPO_ROOT = Path(__file__).resolve().parent
 
-from configs.settle import settle_config
+from configs.settle import explicit_fields, settle_config
 from configs.training_config import MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields, to_yaml
 from utils.errors import BackgroundFailure, UserError
 from utils.io.console import survive_lost_console
@@ -93,7 +93,7 @@ def train(cfg, profile, args) -> int:
 
     output_dir = Path(args.output_dir or default_output_dir(cfg.effective_run_name, REPO_ROOT))
     options = RunOptions(output_dir, args.resume, output_dir_given=args.output_dir is not None,
-                         started=PROCESS_STARTED)
+                         started=PROCESS_STARTED, explicit=explicit_fields(args.config, args.set, cli_aliases(args)))
     return Trainer(cfg, profile, options).run()
 
 

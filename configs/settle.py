@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 
 from configs.profiles import MemoryProfile, resolve_profile
-from configs.training_config import TrainingConfig, get_training_config, parse_overrides
+from configs.training_config import (
+    TrainingConfig,
+    get_training_config,
+    is_config_file,
+    parse_overrides,
+    read_config_file,
+)
 
 
 def local_device() -> tuple[str, float | None]:
@@ -26,3 +32,10 @@ def settle_config(config: str, sets: list[str], aliases: dict,
     cfg = get_training_config(config, overrides)
     device_type, device_gib = device or local_device()
     return resolve_profile(cfg, device_type, device_gib, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def explicit_fields(config: str, sets: list[str], aliases: dict) -> frozenset[str]:
+    """The fields this command sets itself: `--set`, the shorthand flags and a config file's own fields (not
+    its base preset's). A resume keeps the checkpoint's recipe for the others (training_config.keep_recipe)."""
+    own = read_config_file(config)[2] if is_config_file(config) else {}
+    return frozenset(parse_overrides(sets)) | {k for k, v in aliases.items() if v is not None} | frozenset(own)

@@ -654,6 +654,42 @@ def get_training_config(preset: str, overrides: dict | None = None) -> TrainingC
     return replace(PRESETS[preset], **(overrides or {})).validate()
 
 
+# What a resumed run keeps from its checkpoint unless this command sets it: the optimizer, its hyperparameters,
+# the loss and the LR schedule. A preset (or a default) changed since the run started reaches new runs only,
+# so a checkpoint of an earlier version continues exactly (what the command sets itself follows as before).
+RECIPE_FIELDS = ("optimizer", "learning_rate", "min_lr_ratio", "warmup_steps", "lr_schedule", "decay_steps",
+                 "decay_fraction", "decay_shape", "max_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+                 "muon_momentum", "muon_scale", "cautious_weight_decay", "z_loss", "max_grad_norm")
+
+
+def keep_recipe(cfg: TrainingConfig, saved: dict, explicit, where: str) -> tuple[TrainingConfig, str | None]:
+    """`cfg` with the recipe (RECIPE_FIELDS) of the checkpoint's config `saved` where this command did not set
+    the field (`explicit`: the fields it set) and the checkpoint's run started from the same preset or config
+    file; and the line that says what was kept (None: nothing). `where` names the checkpoint's file for an error:
+    its values are checked as a config file's are."""
+    if saved.get("preset") != cfg.preset:
+        return cfg, None
+    kept = {}
+    try:
+        for key in RECIPE_FIELDS:
+            if key in saved and key not in explicit:
+                value = _coerce(key, saved[key], where)
+                if value != getattr(cfg, key):
+                    kept[key] = value
+        continued = replace(cfg, **kept).validate()
+    except ConfigError as exc:
+        shown = str(exc) if str(exc).startswith(where) else f"{where}: {exc}"
+        raise ConfigError(f"{shown}; the checkpoint is corrupt or crafted: resume from another one") from None
+    if not kept:
+        return cfg, None
+    shown = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in kept.items())
+    now = ", ".join(f"{k}={getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k}={getattr(cfg, k)}"
+                    for k in kept)
+    return continued, (
+        f"resume: the run continues the recipe it started with ({shown}); '{cfg.preset}' now says {now}, which "
+        f"reaches new runs (set a field with --set to change it here)")
+
+
 def describe_fields() -> str:
     """Every field with its type, default and meaning: the tail of `train.py --help`."""
     defaults = TrainingConfig()

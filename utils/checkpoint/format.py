@@ -503,12 +503,18 @@ def read_checkpoint(path, map_location="cpu", verify: bool = True, objects: bool
                     f"checkpoint {path}: cannot load {file.name} with weights_only=True ({e}); save only "
                     "state dicts (tensors, containers, numbers, strings, numpy arrays) as checkpoint objects"
                 ) from e
+    return CheckpointPayload(model_state=model_state, objects=loaded, trainer_state=read_trainer_state(path, manifest))
+
+
+def read_trainer_state(path, manifest: dict | None = None) -> dict:
+    """A checkpoint's trainer_state.json, checked (check_trainer_state), without loading anything else."""
+    path = Path(path)
     try:
         trainer_state = files.parse_json((path / TRAINER_STATE_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: cannot read {TRAINER_STATE_FILE}: {e}") from e
-    check_trainer_state(path, trainer_state, manifest)
-    return CheckpointPayload(model_state=model_state, objects=loaded, trainer_state=trainer_state)
+    check_trainer_state(path, trainer_state, _read_manifest(path) if manifest is None else manifest)
+    return trainer_state
 
 
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",

@@ -45,6 +45,7 @@ class RunOptions:
     resume: str | None = None
     output_dir_given: bool = True  # False: the default runs/RUN_NAME/ (a fresh run may not reuse another's)
     started: float | None = None  # time.perf_counter() at the process start
+    explicit: frozenset | None = None  # the fields the command set (configs/settle.py); None: all of them
 
 
 class Trainer:
@@ -92,10 +93,24 @@ class Trainer:
             self.output_dir, self.accelerator, self.remote_root, self.log)
         self.resume_path = (find_checkpoint(self.options.resume, self.accelerator, self.output_dir / layout.CHECKPOINTS,
                                             self.remote_root, self.log) if self.options.resume else None)
+        if self.resume_path is not None and self.options.explicit is not None:
+            self.config = cfg = self._continued_recipe(cfg)
         self.data_settings = DataSettings.of(cfg)
         self.described = description_dir(self.data_settings)  # dataset.json, tokenizer.json: vocabulary, evals
         return bool(self.resume_path and finished_run(self.resume_path, cfg.max_steps, self.described,
                                                       self.output_dir, self.accelerator, self.log, self.lock))
+
+    def _continued_recipe(self, cfg):
+        """The config with the resume checkpoint's recipe where the command did not set it (keep_recipe)."""
+        from configs.training_config import keep_recipe
+        from utils.checkpoint.format import TRAINER_STATE_FILE, read_trainer_state
+
+        saved = read_trainer_state(self.resume_path).get("config", {})
+        cfg, line = keep_recipe(cfg, saved, self.options.explicit, f"checkpoint {self.resume_path}: "
+                                f"{TRAINER_STATE_FILE}'s config")
+        if line:
+            self.log.info(line)
+        return cfg
 
     def _lock_output_dir(self):
         """The run's folder, locked (one live run per folder), refused when a fresh run would write over another

@@ -210,3 +210,37 @@ def test_tensorboard_holds_the_config_and_the_scalars(tmp_path, subprocess_env):
     assert "eval/val_loss" in scalars and "train/tokens_per_sec" in scalars
     assert hparams["model"] == "tiny" and hparams["max_steps"] == 4 and hparams["report_to"] == "tensorboard"
     assert set(get_training_config("demo").to_dict()) <= set(hparams)  # the full resolved config
+
+
+def test_a_resume_keeps_the_recipe_its_run_started_with_unless_the_command_sets_it(tmp_path):
+    """keep_recipe: the checkpoint's optimizer, rate, schedule and loss where the command did not set them and
+    the run started from the same preset; the command's own fields follow; another preset keeps nothing; a
+    value of the checkpoint's config is checked as a config file's is, naming the checkpoint."""
+    from configs.settle import explicit_fields
+    from configs.training_config import keep_recipe
+
+    now = get_training_config("demo")
+    other = "muon" if now.optimizer == "adamw" else "adamw"
+    saved = now.to_dict() | {"optimizer": other, "learning_rate": 0.0123, "weight_decay": 0.05, "max_steps": 77,
+                             "eval_interval": 3}
+    kept, line = keep_recipe(now, saved, explicit_fields("demo", ["weight_decay=0.2"], {"max_steps": None}),
+                             "checkpoint c: trainer_state.json")
+    assert (kept.optimizer, kept.learning_rate, kept.max_steps) == (other, 0.0123, 77)
+    assert kept.weight_decay == now.weight_decay  # set by the command: not the checkpoint's
+    assert kept.eval_interval == now.eval_interval  # not part of the recipe
+    assert line.startswith(f"resume: the run continues the recipe it started with (optimizer={other}, "
+                           f"learning_rate=0.0123, max_steps=77); 'demo' now says optimizer={now.optimizer}")
+    assert keep_recipe(now, now.to_dict(), frozenset(), "c") == (now, None)
+    assert keep_recipe(now, saved | {"preset": "cpu"}, frozenset(), "c") == (now, None)
+    # a config file's own fields are the command's; the ones its base preset gives are not
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: demo\nlearning_rate: 0.001\n")
+    assert explicit_fields(str(path), [], {"max_steps": 9, "data_dir": None}) == {"learning_rate", "max_steps"}
+    mine = get_training_config(str(path))
+    kept, _ = keep_recipe(mine, mine.to_dict() | {"learning_rate": 0.5, "adam_beta2": 0.9},
+                          explicit_fields(str(path), [], {}), "c")
+    assert (kept.learning_rate, kept.adam_beta2) == (0.001, 0.9)
+    with pytest.raises(ConfigError, match=r"checkpoint c: trainer_state.json: .*learning_rate"):
+        keep_recipe(now, saved | {"learning_rate": "fast"}, frozenset(), "checkpoint c: trainer_state.json")
+    with pytest.raises(ConfigError, match=r"^checkpoint c: optimizer='sgd' is not valid.*corrupt or crafted"):
+        keep_recipe(now, saved | {"optimizer": "sgd"}, frozenset(), "checkpoint c")
