@@ -10,10 +10,11 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Settings every tiny run shares: the tiny model, fp32 on CPU, no compile, fast loader, frequent logs.
+# Settings every tiny run shares: the tiny model, fp32 on CPU, no compile, fast loader, frequent logs, AdamW
+# (the demo preset's Muon is tested where it is named: tests/unit/training/test_muon.py).
 TINY = ["model=tiny", "compile_model=false", "mixed_precision=no", "dataloader_num_workers=0",
         "logging_steps=1", "eval_interval=1000", "eval_batches=2", "warmup_steps=2", "val_files=1",
-        "learning_rate=3e-3"]
+        "learning_rate=3e-3", "optimizer=adamw"]
 
 
 def make_shards(data_dir: Path, n_files: int = 4, rows: int = 64, seq_len: int = 64, vocab: int = 512,

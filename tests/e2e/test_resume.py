@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.trainkit import load_weights, make_shards, metrics, run, train_cmd, train_rows
+from tests.trainkit import REPO_ROOT, load_weights, make_shards, metrics, run, train_cmd, train_rows
 
 COMMON = ("per_device_train_batch_size=4", "gradient_accumulation_steps=2", "max_steps=8", "save_steps=4",
           "dataloader_num_workers=2")
@@ -144,6 +144,54 @@ def test_a_checkpoint_of_the_previous_engine_resumes_exactly(strategy, tmp_path,
         assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-6, step
     a, b = _final_weights(split), _final_weights(straight)
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+
+
+@pytest.mark.slow
+def test_a_run_started_under_the_demo_presets_adamw_resumes_with_it_after_the_preset_moved_to_muon(
+        tmp_path, subprocess_env):
+    """The demo preset trained AdamW at 2e-3 until commit c64c1e0, and Muon at 1.6e-2 after. A run the earlier
+    engine started with `--config demo` (the preset's recipe: neither set on the command) resumes on today's
+    code with the same command and continues it exactly: the checkpoint's optimizer and rate, one line saying
+    so, the losses of the earlier engine's uninterrupted run; what the command sets itself still follows."""
+    import sys
+
+    from tests.trainkit import TINY, engine_at
+
+    old = engine_at("c64c1e0", tmp_path / "old-engine")
+    data = make_shards(tmp_path / "data")
+    tiny = [s for s in TINY if not s.startswith(("learning_rate=", "optimizer="))]  # the preset's recipe
+    sets = [*tiny, "per_device_train_batch_size=4", "max_steps=4", "save_steps=2"]
+
+    def command(engine, out, *more):
+        cmd = [sys.executable, str(engine / "train.py"), "--config", "demo", "--output-dir", str(out),
+               "--data-dir", str(data)]
+        return cmd + [a for s in [*sets, *more] for a in ("--set", s)]
+
+    old_env = dict(subprocess_env, PYTHONPATH=str(old))
+    split, straight = tmp_path / "split", tmp_path / "straight"
+    run(command(old, split, "stop_at_step=2"), old_env)
+    run(command(old, straight), old_env)
+    proc = run(command(REPO_ROOT, split) + ["--resume", "latest"], subprocess_env)
+    assert ("resume: the run continues the recipe it started with (optimizer=adamw, learning_rate=0.002); "
+            "'demo' now says optimizer=muon, learning_rate=0.016") in proc.stdout, proc.stdout
+    resumed, reference = train_rows(split), train_rows(straight)
+    for step in (3, 4):
+        assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-6, step
+        assert resumed[step]["lr"] == reference[step]["lr"]
+    a, b = _final_weights(split), _final_weights(straight)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+    state = json.loads((split / "checkpoints" / "checkpoint-epoch0-step4-files0" / "trainer_state.json").read_text())
+    assert (state["config"]["optimizer"], state["config"]["learning_rate"]) == ("adamw", 0.002)
+    # a field the command sets follows (from the step-2 checkpoint again, in a copy of the folder)
+    import shutil
+
+    again = tmp_path / "again"
+    shutil.copytree(split, again)
+    shutil.rmtree(again / "checkpoints" / "checkpoint-epoch0-step4-files0")
+    shutil.rmtree(again / "final_model")
+    proc = run(command(REPO_ROOT, again, "learning_rate=1e-3") + ["--resume", "latest"], subprocess_env)
+    assert "recipe it started with (optimizer=adamw); 'demo' now says optimizer=muon" in proc.stdout, proc.stdout
+    assert "resume: learning_rate changed 0.002 -> 0.001" in proc.stdout
 
 
 def test_every_row_says_how_many_steps_it_averages_across_a_resume(tmp_path, subprocess_env):

@@ -143,8 +143,8 @@ def test_a_restored_scheduler_and_optimizer_follow_this_runs_config():
     from utils.training.optim.adamw import BF16MomentAdamW
     from utils.training.schedules import ScheduleSettings
 
-    old = get_training_config("demo", {"model": "tiny", "warmup_steps": 2, "max_steps": 10})
-    new = get_training_config("demo", {"model": "tiny", "warmup_steps": 2, "max_steps": 10, "learning_rate": 1e-9})
+    old = get_training_config("demo", {"model": "tiny", "optimizer": "adamw", "warmup_steps": 2, "max_steps": 10})
+    new = get_training_config("demo", {"model": "tiny", "optimizer": "adamw", "warmup_steps": 2, "max_steps": 10, "learning_rate": 1e-9})
     model = torch.nn.Linear(4, 4)
     opt = build_optimizer(model, OptimizerSettings.of(old), fused=False)
     sched = build_scheduler(opt, ScheduleSettings.of(old))
@@ -162,7 +162,7 @@ def test_a_restored_scheduler_and_optimizer_follow_this_runs_config():
     sched2.step()
     assert [g["lr"] for g in opt2.param_groups] == sched2.get_last_lr() == [new_lr(5)] * 2
 
-    half = get_training_config("demo", {"model": "tiny", "optimizer_state_dtype": "bf16"})
+    half = get_training_config("demo", {"model": "tiny", "optimizer": "adamw", "optimizer_state_dtype": "bf16"})
     bf16 = build_optimizer(torch.nn.Linear(4, 4), OptimizerSettings.of(half), fused=False)
     assert isinstance(bf16, BF16MomentAdamW)
     bf16.load_state_dict(opt.state_dict())  # torch's AdamW (fp32 moments) -> bf16 moments

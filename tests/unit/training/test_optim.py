@@ -23,7 +23,7 @@ def test_lr_at_shape():
 
 
 def test_scheduler_follows_lr_at_one_step_per_optimizer_step():
-    cfg = get_training_config("demo", {"model": "tiny", "warmup_steps": 3, "max_steps": 12})
+    cfg = get_training_config("demo", {"model": "tiny", "optimizer": "adamw", "warmup_steps": 3, "max_steps": 12})
     model = torch.nn.Linear(4, 4)
     opt = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
     sched = build_scheduler(opt, ScheduleSettings.of(cfg))
@@ -35,7 +35,7 @@ def test_scheduler_follows_lr_at_one_step_per_optimizer_step():
 
 
 def test_weight_decay_only_on_matrices():
-    cfg = get_training_config("demo", {"model": "tiny"})
+    cfg = get_training_config("demo", {"model": "tiny", "optimizer": "adamw"})
     model = build_model(get_model_spec("tiny"), seed=0)
     opt = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
     decay, no_decay = opt.param_groups
@@ -78,7 +78,7 @@ def test_linear_and_constant_schedules():
 
 
 def test_wsd_decay_fraction_and_config_checks():
-    cfg = get_training_config("demo", {"model": "tiny", "lr_schedule": "wsd", "warmup_steps": 5, "max_steps": 200,
+    cfg = get_training_config("demo", {"model": "tiny", "optimizer": "adamw", "lr_schedule": "wsd", "warmup_steps": 5, "max_steps": 200,
                                        "decay_fraction": 0.25})
     schedule = ScheduleSettings.of(cfg).lr
     assert schedule(150) == cfg.learning_rate and schedule(151) < cfg.learning_rate  # decay: the last 50 steps
@@ -93,7 +93,7 @@ def test_wsd_decay_fraction_and_config_checks():
 def test_wsd_resume_with_more_steps_extends_the_stable_phase():
     """A run planned for 100 steps (decay over the last 30) resumed at step 60 with max_steps=300: the LR
     stays at the peak until step 270, then decays to the minimum at 300."""
-    base = {"model": "tiny", "lr_schedule": "wsd", "warmup_steps": 5, "decay_steps": 30}
+    base = {"model": "tiny", "optimizer": "adamw", "lr_schedule": "wsd", "warmup_steps": 5, "decay_steps": 30}
     short = get_training_config("demo", dict(base, max_steps=100))
     long = get_training_config("demo", dict(base, max_steps=300))
     opt = build_optimizer(torch.nn.Linear(4, 4), OptimizerSettings.of(short), fused=False)
