@@ -115,10 +115,23 @@ def make_subprocess_env() -> dict:
     return env
 
 
+# The longest files (minutes each), started first: with two workers and a file's tests kept on one worker
+# (pytest.ini), a long file started last would leave the other worker idle at the end.
+LONGEST_FIRST = ("e2e/test_demo.py", "e2e/test_docs.py", "e2e/test_slurm.py", "e2e/test_one_line_errors.py",
+                 "e2e/test_restarts.py", "unit/model/test_families.py", "e2e/test_preemption.py",
+                 "e2e/test_model_io.py", "e2e/test_fsdp.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run only where CUDA is available."""
+    """The longest files first (LONGEST_FIRST; each file's tests keep their order); tests marked `gpu` run only
+    where CUDA is available."""
     import torch
 
+    def rank(item) -> int:
+        path = item.path.as_posix()
+        return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith("/tests/" + name)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

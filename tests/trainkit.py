@@ -41,6 +41,14 @@ def train_cmd(out: Path, data: Path, *sets: str, extra: tuple = (), config: str 
     return cmd + list(extra)
 
 
+def earlier_engine_cmd(engine: Path, out: Path, data: Path, *sets: str, extra: tuple = ()) -> list[str]:
+    """train_cmd for the train.py of an earlier engine (engine_at) without `--set optimizer=adamw`: the engines
+    before the `optimizer` field refuse it, and their demo preset trained AdamW."""
+    cmd = [sys.executable, str(engine / "train.py")] + train_cmd(out, data, *sets, extra=extra)[2:]
+    at = cmd.index("optimizer=adamw")
+    return cmd[:at - 1] + cmd[at + 1:]
+
+
 def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True,
         cwd=REPO_ROOT) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)

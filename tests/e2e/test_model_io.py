@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from configs.model_config import ConfigError, ModelSpec, get_model_spec
-from tests.trainkit import REPO_ROOT, engine_at, make_shards, metrics, run, train_cmd, train_rows
+from tests.trainkit import REPO_ROOT, earlier_engine_cmd, engine_at, make_shards, metrics, run, train_cmd, train_rows
 from utils.checkpoint.format import list_checkpoints
 from utils.model import build_model
 from utils.model.hf import load_hf_pretrained, to_transformers
@@ -107,7 +107,7 @@ def test_a_checkpoint_of_the_hf_backed_engine_resumes_on_the_native_model(tmp_pa
     out = tmp_path / "out"
     sets = ["per_device_train_batch_size=4", "save_steps=2"]
     old_env = dict(subprocess_env, PYTHONPATH=str(old))
-    cmd = [sys.executable, str(old / "train.py")] + train_cmd(out, data, *sets, "max_steps=2")[2:]
+    cmd = earlier_engine_cmd(old, out, data, *sets, "max_steps=2")
     run(cmd, old_env)
     from safetensors.torch import load_file
 
@@ -117,7 +117,7 @@ def test_a_checkpoint_of_the_hf_backed_engine_resumes_on_the_native_model(tmp_pa
     assert "Resumed from" in proc.stdout and "at step 2" in proc.stdout
     # the same 4 steps without the interruption, on the old engine: the resumed losses continue its curve
     straight = tmp_path / "straight"
-    run([sys.executable, str(old / "train.py")] + train_cmd(straight, data, *sets, "max_steps=4")[2:], old_env)
+    run(earlier_engine_cmd(old, straight, data, *sets, "max_steps=4"), old_env)
     resumed, reference = train_rows(out), train_rows(straight)
     for step in (3, 4):
         assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-4, step
@@ -237,13 +237,13 @@ def resumed_from_an_older_engine(commit: str, tmp_path, env: dict, sets: list[st
     data = make_shards(tmp_path / "data")
     old_env = dict(env, PYTHONPATH=str(old))
     out, straight = tmp_path / "out", tmp_path / "straight"
-    run([sys.executable, str(old / "train.py")] + train_cmd(out, data, *sets, "max_steps=2")[2:], old_env)
+    run(earlier_engine_cmd(old, out, data, *sets, "max_steps=2"), old_env)
     saved = list_checkpoints(out / "checkpoints")[-1]
     if before_resume is not None:
         before_resume(saved, out)
     proc = run(train_cmd(out, data, *sets, "max_steps=4", extra=("--resume", "latest")), env)
     assert "Resumed from" in proc.stdout and "at step 2" in proc.stdout
-    run([sys.executable, str(old / "train.py")] + train_cmd(straight, data, *sets, "max_steps=4")[2:], old_env)
+    run(earlier_engine_cmd(old, straight, data, *sets, "max_steps=4"), old_env)
     resumed, reference = train_rows(out), train_rows(straight)
     for step in (3, 4):
         assert resumed[step]["loss"] == reference[step]["loss"], (step, resumed[step], reference[step])

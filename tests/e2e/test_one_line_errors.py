@@ -466,7 +466,7 @@ def crafted_input_cases(tmp: Path) -> list[tuple[str, list]]:
     data = make_shards(root / "data", n_files=3, rows=16)
     train = [py, "train.py", "--config", "demo", "--output-dir", str(root / "out")]
     for setting in ("model=tiny", "compile_model=false", "mixed_precision=no", "val_files=1",
-                    "dataloader_num_workers=0"):
+                    "dataloader_num_workers=0", "optimizer=adamw"):  # its crafted optimizer.pt is AdamW's
         train += ["--set", setting]
     from tests.e2e.test_prepare_data import bpe_tokenizer
 
@@ -479,8 +479,8 @@ def crafted_input_cases(tmp: Path) -> list[tuple[str, list]]:
               for what, folder in record_cases(root)]
     run_out = root / "run"
     run_py(train_cmd(run_out, data, "max_steps=1", "save_steps=1")[1:], timeout=300).check_returncode()
-    cases += [(f"train: resume from a checkpoint whose {what}",
-               train + ["--data-dir", str(data), "--resume", str(where)])
+    cases += [(f"train: resume from a checkpoint whose {what}",  # a step past the checkpoint's max_steps=1, kept
+               train + ["--data-dir", str(data), "--set", "max_steps=2", "--resume", str(where)])
               for what, where in resume_cases(root, run_out)]
     config = root / "config"
     config.mkdir()

@@ -122,9 +122,8 @@ def test_a_checkpoint_of_the_previous_engine_resumes_exactly(strategy, tmp_path,
     """A checkpoint written by the engine before the Checkpointer took one `states` mapping, a policy and a
     typed run record (and before the parallelism seam: commit f282397), DDP's and FSDP's alike, resumes on
     today's code and continues the old engine's uninterrupted run: the same losses and final weights."""
-    import sys
 
-    from tests.trainkit import engine_at
+    from tests.trainkit import earlier_engine_cmd, engine_at
 
     old = engine_at("f282397", tmp_path / "old-engine")
     data = make_shards(tmp_path / "data")
@@ -132,7 +131,7 @@ def test_a_checkpoint_of_the_previous_engine_resumes_exactly(strategy, tmp_path,
     old_env = dict(subprocess_env, PYTHONPATH=str(old))
 
     def old_engine(out, *more):
-        return run([sys.executable, str(old / "train.py")] + train_cmd(out, data, *sets, *more)[2:], old_env)
+        return run(earlier_engine_cmd(old, out, data, *sets, *more), old_env)
 
     split, straight = tmp_path / "split", tmp_path / "straight"
     old_engine(split, "stop_at_step=2")
@@ -149,7 +148,7 @@ def test_a_checkpoint_of_the_previous_engine_resumes_exactly(strategy, tmp_path,
 @pytest.mark.slow
 def test_a_run_started_under_the_demo_presets_adamw_resumes_with_it_after_the_preset_moved_to_muon(
         tmp_path, subprocess_env):
-    """The demo preset trained AdamW at 2e-3 until commit c64c1e0, and Muon at 1.6e-2 after. A run the earlier
+    """The demo preset trained AdamW at 2e-3 until commit c64c1e0, and Muon at 8e-3 after. A run the earlier
     engine started with `--config demo` (the preset's recipe: neither set on the command) resumes on today's
     code with the same command and continues it exactly: the checkpoint's optimizer and rate, one line saying
     so, the losses of the earlier engine's uninterrupted run; what the command sets itself still follows."""
@@ -173,7 +172,7 @@ def test_a_run_started_under_the_demo_presets_adamw_resumes_with_it_after_the_pr
     run(command(old, straight), old_env)
     proc = run(command(REPO_ROOT, split) + ["--resume", "latest"], subprocess_env)
     assert ("resume: the run continues the recipe it started with (optimizer=adamw, learning_rate=0.002); "
-            "'demo' now says optimizer=muon, learning_rate=0.016") in proc.stdout, proc.stdout
+            "'demo' now says optimizer=muon, learning_rate=0.008") in proc.stdout, proc.stdout
     resumed, reference = train_rows(split), train_rows(straight)
     for step in (3, 4):
         assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-6, step

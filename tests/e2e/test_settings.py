@@ -143,8 +143,9 @@ def test_a_restored_scheduler_and_optimizer_follow_this_runs_config():
     from utils.training.optim.adamw import BF16MomentAdamW
     from utils.training.schedules import ScheduleSettings
 
-    old = get_training_config("demo", {"model": "tiny", "optimizer": "adamw", "warmup_steps": 2, "max_steps": 10})
-    new = get_training_config("demo", {"model": "tiny", "optimizer": "adamw", "warmup_steps": 2, "max_steps": 10, "learning_rate": 1e-9})
+    base = {"model": "tiny", "optimizer": "adamw", "warmup_steps": 2, "max_steps": 10}
+    old = get_training_config("demo", base)
+    new = get_training_config("demo", base | {"learning_rate": 1e-9})
     model = torch.nn.Linear(4, 4)
     opt = build_optimizer(model, OptimizerSettings.of(old), fused=False)
     sched = build_scheduler(opt, ScheduleSettings.of(old))

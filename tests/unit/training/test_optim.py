@@ -78,8 +78,8 @@ def test_linear_and_constant_schedules():
 
 
 def test_wsd_decay_fraction_and_config_checks():
-    cfg = get_training_config("demo", {"model": "tiny", "optimizer": "adamw", "lr_schedule": "wsd", "warmup_steps": 5, "max_steps": 200,
-                                       "decay_fraction": 0.25})
+    cfg = get_training_config("demo", {"model": "tiny", "optimizer": "adamw", "lr_schedule": "wsd", "warmup_steps": 5,
+                                       "max_steps": 200, "decay_fraction": 0.25})
     schedule = ScheduleSettings.of(cfg).lr
     assert schedule(150) == cfg.learning_rate and schedule(151) < cfg.learning_rate  # decay: the last 50 steps
     assert math.isclose(schedule(200), cfg.learning_rate * cfg.min_lr_ratio)
