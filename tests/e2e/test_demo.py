@@ -27,8 +27,8 @@ def test_demo_command_learns_and_lifts_its_downstream_task_above_chance(tmp_path
     cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--",
            "--output-dir", str(out), "--data-dir", str(tmp_path / "data"),
            "--set", f"eval_tasks=next_line={task}", "--set", "eval_tasks_every=400"]
-    # its time is a figure, printed, not asserted: a shared machine stretches it (README: 105 s idle, 15.5
-    # minutes at a load of 6; torch's threads wait on each other when the cores are busy)
+    # its time is a figure, printed, not asserted: a shared machine stretches it (README: 156 s idle, many
+    # minutes at a load of 6)
     started = time.monotonic()
     run(cmd, env, timeout=3600)
     elapsed = time.monotonic() - started
