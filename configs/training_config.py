@@ -682,12 +682,13 @@ def keep_recipe(cfg: TrainingConfig, saved: dict, explicit, where: str) -> tuple
         raise ConfigError(f"{shown}; the checkpoint is corrupt or crafted: resume from another one") from None
     if not kept:
         return cfg, None
-    shown = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in kept.items())
-    now = ", ".join(f"{k}={getattr(cfg, k):g}" if isinstance(getattr(cfg, k), float) else f"{k}={getattr(cfg, k)}"
-                    for k in kept)
+    def listed(values) -> str:
+        return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+
     return continued, (
-        f"resume: the run continues the recipe it started with ({shown}); '{cfg.preset}' now says {now}, which "
-        f"reaches new runs (set a field with --set to change it here)")
+        f"resume: the run continues the recipe it started with ({listed(kept)}); '{cfg.preset}' now says "
+        f"{listed({k: getattr(cfg, k) for k in kept})}, which reaches new runs (set a field with --set to change it "
+        f"here)")
 
 
 def describe_fields() -> str:
