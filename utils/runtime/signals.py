@@ -50,12 +50,18 @@ def watch_supervisor(interval_s: float = 0.5) -> None:
         return
 
     def watch():
-        while int(pid) in _ancestors():
+        while not launcher_lost():
             time.sleep(interval_s)
-        _SUPERVISOR_LOST.append(f"the loss of its launcher (pid {pid})")
+        _SUPERVISOR_LOST.append(launcher_lost())
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
+
+
+def launcher_lost() -> str | None:
+    """"the loss of its launcher (pid N)" when this process runs under the launcher and it is gone, else None."""
+    pid = os.environ.get(SUPERVISOR_PID, "")
+    return f"the loss of its launcher (pid {pid})" if pid.isdigit() and int(pid) not in _ancestors() else None
 
 
 def _ancestors() -> set[int]:
@@ -148,4 +154,5 @@ class StopSignal:
 
     @property
     def reason(self) -> str:
-        return self.signal_name or "a signal on another rank"
+        # a stop agreed before this rank's own watcher saw its launcher go: the same cause, said as such
+        return self.signal_name or launcher_lost() or "a signal on another rank"
