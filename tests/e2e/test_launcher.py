@@ -333,6 +333,45 @@ def test_an_error_after_launch_is_one_line_and_train_py_s_exit_status(launcher, 
     assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: --resume latest")
 
 
+CATCHES_BOTH = "import os, signal, subprocess, sys, time\n" \
+    "for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, lambda *a: None)\n"
+
+
+def test_a_stop_signal_waits_for_a_rank_to_exec_not_for_the_copy_of_its_parent_that_fork_made():
+    """Between fork and exec a rank is a copy of its parent (torchrun's agent, or the supervisor), which
+    catches SIGTERM and SIGINT: /proc shows the parent's handlers, while CPython's subprocess blocks every
+    signal there and resets them to the default before exec, so a Ctrl-C forwarded then killed the rank
+    (rank 1 "killed by SIGINT" in a CI run). The supervisor's check (`_acts_on`) says no to the copy and yes
+    to the rank once it has exec'd and installed its own handlers; a fresh interpreter (SIGINT alone, Python's
+    default) is not yet acting on it either."""
+    import sys
+
+    from utils.runtime.launch import _acts_on, _catches
+
+    parent = subprocess.Popen([sys.executable, "-c", CATCHES_BOTH + """
+copy = os.fork()
+if copy == 0:
+    time.sleep(60)
+    os._exit(0)
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[1] + "print('ready', flush=True); time.sleep(60)"],
+                        stdout=subprocess.PIPE, text=True)
+fresh = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                         stdout=subprocess.PIPE, text=True)
+rank.stdout.readline(), fresh.stdout.readline()
+print(copy, rank.pid, fresh.pid, flush=True)
+time.sleep(60)
+""", CATCHES_BOTH], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        copy, rank, fresh = (int(pid) for pid in parent.stdout.readline().split())
+        assert _catches(copy, signal.SIGTERM) and _catches(copy, signal.SIGINT)  # what the check read before
+        assert not _acts_on(copy, signal.SIGINT) and not _acts_on(copy, signal.SIGTERM)
+        assert _acts_on(rank, signal.SIGINT) and _acts_on(rank, signal.SIGTERM)
+        assert _catches(fresh, signal.SIGINT) and not _acts_on(fresh, signal.SIGINT)
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+
+
 def test_stderr_filter_keeps_a_rank_s_words_and_drops_the_launcher_s_repetition():
     import io
 

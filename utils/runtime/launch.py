@@ -296,12 +296,28 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def _acts_on(pid: int, signum: int) -> bool:
     """Whether training process `pid` acts on the stop signal `signum`: it catches SIGTERM, which the engine's
     handlers do from main()'s start (utils/runtime/signals.py catch_early, with SIGINT's), and `signum`. SIGINT caught
     alone is Python's default handler, there from the interpreter's start: a SIGINT then is a KeyboardInterrupt
-    in whatever the rank is importing."""
-    return _catches(pid, signal.SIGTERM) and _catches(pid, signum)
+    in whatever the rank is importing. And it has exec'd: between fork and exec a rank is a copy of its parent
+    (torchrun's agent or this supervisor, which catch both signals), with the parent's command line and its
+    handlers in SigCgt, while CPython's subprocess blocks every signal there and resets the handlers to the
+    default before it unblocks them: a signal sent then kills the rank (the fresh-clone CI run saw rank 1 of
+    a 2-rank launch "killed by SIGINT" at a Ctrl-C 0.7 s in)."""
+    if not (_catches(pid, signal.SIGTERM) and _catches(pid, signum)):
+        return False
+    parent = parent_pid(pid)
+    own = _cmdline(pid)
+    return own is not None and parent is not None and own != _cmdline(parent)
 
 
 def _start_thread(target, *args) -> threading.Thread:
