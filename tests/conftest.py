@@ -122,26 +122,6 @@ LONGEST_FIRST = ("e2e/test_demo.py", "e2e/test_docs.py", "e2e/test_slurm.py", "e
                  "e2e/test_model_io.py", "e2e/test_fsdp.py")
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile`, but test_families.py in one unit per family (its module fixture is a family's runs, its
-    tests a quarter of the suite's time): every other file's tests stay on one worker. (pytest-xdist's
-    `loadgroup` marks do not reach its scheduler under pytest 9: it rewrites `item._nodeid`, which pytest 9 no
-    longer reads.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    if config.getvalue("dist") != "loadfile":
-        return None
-
-    class ByFileAndFamily(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path, _, test = nodeid.partition("::")
-            if path.endswith("/test_families.py") and "[" in test:  # the family is the first parameter
-                return f"{path}[{test.split('[', 1)[1].split('-')[0].rstrip(']')}]"
-            return path
-
-    return ByFileAndFamily(config, log)
-
-
 def pytest_collection_modifyitems(config, items):
     """The longest files first (LONGEST_FIRST; each file's tests keep their order); tests marked `gpu` run only
     where CUDA is available."""
