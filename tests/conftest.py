@@ -115,29 +115,52 @@ def make_subprocess_env() -> dict:
     return env
 
 
-# The longest files (minutes each), started first: with two workers and a file's tests kept on one worker
-# (pytest.ini), a long file started last would leave the other worker idle at the end.
-LONGEST_FIRST = ("e2e/test_demo.py", "e2e/test_docs.py", "e2e/test_slurm.py", "e2e/test_one_line_errors.py",
-                 "e2e/test_restarts.py", "unit/model/test_families.py", "e2e/test_preemption.py",
-                 "e2e/test_model_io.py", "e2e/test_fsdp.py")
+# Each file's seconds in the last recorded run (tests/durations.json, written by `pytest --store-durations`): the
+# files start longest first (pytest.ini turns off xdist's own order, by number of tests, which ran the demo's one
+# 4-minute test last). A file's tests stay on one worker, so a long file started late leaves the others idle at the
+# end; longest first, the three workers end within seconds of each other.
+DURATIONS = Path(__file__).with_name("durations.json")
+_seconds: dict[str, float] = {}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true",
+                     help=f"write each test file's seconds in this run to {DURATIONS.relative_to(REPO_ROOT)}")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first (LONGEST_FIRST; each file's tests keep their order); tests marked `gpu` run only
-    where CUDA is available."""
+    """The longest files first (DURATIONS; a file not in it counts as the median; each file's tests keep their
+    order); tests marked `gpu` run only where CUDA is available."""
+    import json
+    import statistics
+
     import torch
 
-    def rank(item) -> int:
-        path = item.path.as_posix()
-        return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith("/tests/" + name)), len(LONGEST_FIRST))
-
-    items.sort(key=rank)
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    usual = statistics.median(recorded.values()) if recorded else 0.0
+    items.sort(key=lambda item: -recorded.get(item.nodeid.split("::")[0], usual))  # stable: files stay whole
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    file = report.nodeid.split("::")[0]
+    _seconds[file] = _seconds.get(file, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """--store-durations: the controller (not an xdist worker) writes what every worker reported, over the
+    recorded seconds of the files this run ran."""
+    import json
+
+    if session.config.getoption("store_durations") and not hasattr(session.config, "workerinput") and _seconds:
+        recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+        recorded |= {file: round(seconds, 1) for file, seconds in _seconds.items()}
+        DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=0) + "\n")
 
 
 @pytest.fixture(autouse=True)

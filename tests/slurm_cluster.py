@@ -16,17 +16,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.conftest import free_port
+
 PACKAGES = "slurmctld slurmd slurm-client munge"
 
 
 class SlurmUnavailable(Exception):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlurmCluster:
@@ -77,7 +73,7 @@ class SlurmCluster:
         r = self.root
         return "\n".join([
             "ClusterName=neoxtest", f"SlurmctldHost={socket.gethostname()}(127.0.0.1)", "SlurmUser=root",
-            "SlurmdUser=root", f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+            "SlurmdUser=root", f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.socket},cred_expire=10",
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd.pid'}",

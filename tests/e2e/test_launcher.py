@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 # Launched in place of train.py: records what each process saw, and proves the processes form one
 # gloo group by all-reducing (rank + 1).
 PROBE = '''
@@ -33,12 +35,6 @@ with open(os.path.join(os.environ["PROBE_OUT"], f"rank{state.process_index}.json
 if dist.is_initialized():
     dist.destroy_process_group()  # without it gloo may abort at exit ("terminate called without an active exception")
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -164,7 +160,6 @@ def test_gpu_count_comes_from_nvidia_smi(launcher, tmp_path, subprocess_env, pro
     assert (args.num_processes, args.num_machines, args.multi_gpu, args.cpu) == (8, 1, True, False)
     # one machine without --main-port: a port free now, not torchrun's 29500 (runs side by side never meet)
     assert args.main_process_port not in (None, 29500)
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", args.main_process_port))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from tests.trainkit import REPO_ROOT, TINY, make_shards, run, train_cmd, train_rows
 from utils.checkpoint.format import list_checkpoints, verify_checkpoint
 
@@ -214,7 +215,7 @@ def test_slurm_signal_requeue_and_a_checkpoint_slower_than_torchruns_30_s(tmp_pa
                                                    "max_steps=100000"])
     env = dict(subprocess_env, PATH=f"{tmp_path / 'bin'}:{subprocess_env['PATH']}", SLURM_JOB_ID="4242",
                SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(REPO_ROOT),
-               CONFIG="demo", GPUS_PER_NODE="2", MAIN_PORT=str(_free_port()), LAUNCH_ARGS=f"--cpu {sets}",
+               CONFIG="demo", GPUS_PER_NODE="2", MAIN_PORT=str(free_port()), LAUNCH_ARGS=f"--cpu {sets}",
                TRAIN_ARGS=f"--output-dir {out} --data-dir {data}", NEOX_DEBUG_CHECKPOINT_DELAY_S="35")
     batch = ["bash", str(REPO_ROOT / "scripts" / "slurm_train.sbatch")]
     proc = start(batch, env, out, start_new_session=True)
@@ -227,14 +228,6 @@ def test_slurm_signal_requeue_and_a_checkpoint_slower_than_torchruns_30_s(tmp_pa
     step = check_clean_stop(out, text, proc.returncode)
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     resume_continues(out, data, step, subprocess_env)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sigterm_during_preflight_ends_the_run_within_seconds_with_nothing_to_save(tmp_path, subprocess_env):
@@ -346,7 +339,7 @@ def sweep_stop_signal(tmp_path: Path, env: dict, options: list[str], sets: list[
     try:
         for delay in STOP_MOMENTS:
             out = tmp_path / f"out-{delay}"
-            proc = subprocess.Popen(base + ["--main-port", str(_free_port()), "--", "--output-dir", str(out),
+            proc = subprocess.Popen(base + ["--main-port", str(free_port()), "--", "--output-dir", str(out),
                                             "--data-dir", str(data)],
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from tests.conftest import free_port
 from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd
 
 TASK = REPO_ROOT / "deploy" / "skypilot.yaml"
@@ -51,20 +52,12 @@ def run_command_env(env: dict, bucket: str, out, data, *sets: str) -> dict:
     envs = {k: str(v) for k, v in task()["envs"].items()}
     launch = "--cpu " + " ".join(f"--set {s}" for s in SETS + list(sets))
     envs.update(GCS_BUCKET=bucket, RUN_NAME="sky-test", CONFIG="demo", MAX_RESTARTS="0", LAUNCH_ARGS=launch,
-                MAIN_PORT=str(_free_port()), TRAIN_ARGS=f"--output-dir {out} --data-dir {data}",
+                MAIN_PORT=str(free_port()), TRAIN_ARGS=f"--output-dir {out} --data-dir {data}",
                 GOOGLE_APPLICATION_CREDENTIALS="/nonexistent/gcs-key.json")
     if os.environ.get("STORAGE_EMULATOR_HOST"):  # the gcs_emulator fixture's, set after `env` was made
         envs["STORAGE_EMULATOR_HOST"] = os.environ["STORAGE_EMULATOR_HOST"]
     return dict(env, **envs, SKYPILOT_NUM_NODES="1", SKYPILOT_NODE_RANK="0", SKYPILOT_NODE_IPS="127.0.0.1\n",
                 SKYPILOT_TASK_ID="sky-managed-test")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

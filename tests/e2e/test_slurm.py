@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import free_port
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
 from tests.trainkit import REPO_ROOT, TINY, load_weights, make_shards, run, train_cmd, training_process
 
@@ -42,7 +43,7 @@ def slurm(tmp_path_factory):
 def submit(slurm: SlurmCluster, env: dict, out: Path, data: Path, log: Path, *options: str, sets=(),
            step_delay: str = "0.5", launch: list[str] = ()) -> str:
     launch = shlex.join([*launch, *(word for s in SETS + list(sets) for word in ("--set", s))])
-    job_env = dict(env, CONFIG="demo", CPU_PROCESSES="1", LAUNCH_ARGS=launch, MAIN_PORT=str(_free_port()),
+    job_env = dict(env, CONFIG="demo", CPU_PROCESSES="1", LAUNCH_ARGS=launch, MAIN_PORT=str(free_port()),
                    TRAIN_ARGS=shlex.join(["--output-dir", str(out), "--data-dir", str(data)]),
                    NEOX_DEBUG_STEP_DELAY_S=step_delay)
     proc = slurm.run(["sbatch", "--parsable", "--nodes=1", "--cpus-per-task=2", f"--output={log}", *options,
@@ -71,14 +72,6 @@ def last_line(log: Path, line: str, timeout: float = 60) -> str:
 def ended(job: dict) -> bool:
     return job["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and "COMPLETING" not in job.get(
         "JobState", "")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_time_limit_checkpoints_requeues_and_the_run_finishes_as_an_uninterrupted_one(slurm, tmp_path,
