@@ -123,6 +123,12 @@ DURATIONS = Path(__file__).with_name("durations.json")
 _seconds: dict[str, float] = {}
 
 
+def recorded_durations() -> dict[str, float]:
+    import json
+
+    return json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+
+
 def pytest_addoption(parser):
     parser.addoption("--store-durations", action="store_true",
                      help=f"write each test file's seconds in this run to {DURATIONS.relative_to(REPO_ROOT)}")
@@ -131,12 +137,11 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """The longest files first (DURATIONS; a file not in it counts as the median; each file's tests keep their
     order); tests marked `gpu` run only where CUDA is available."""
-    import json
     import statistics
 
     import torch
 
-    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    recorded = recorded_durations()
     usual = statistics.median(recorded.values()) if recorded else 0.0
     items.sort(key=lambda item: -recorded.get(item.nodeid.split("::")[0], usual))  # stable: files stay whole
     if torch.cuda.is_available():
@@ -158,8 +163,7 @@ def pytest_sessionfinish(session, exitstatus):
     import json
 
     if session.config.getoption("store_durations") and not hasattr(session.config, "workerinput") and _seconds:
-        recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-        recorded |= {file: round(seconds, 1) for file, seconds in _seconds.items()}
+        recorded = recorded_durations() | {file: round(seconds, 1) for file, seconds in _seconds.items()}
         DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=0) + "\n")
 
 

@@ -160,7 +160,6 @@ def test_gpu_count_comes_from_nvidia_smi(launcher, tmp_path, subprocess_env, pro
     assert (args.num_processes, args.num_machines, args.multi_gpu, args.cpu) == (8, 1, True, False)
     # one machine without --main-port: a port free now, not torchrun's 29500 (runs side by side never meet)
     assert args.main_process_port not in (None, 29500)
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", args.main_process_port))
     res = run(launcher, ["--config", "production", "--dry-run", "--main-port", "29511"], env)
