@@ -15,7 +15,9 @@ utils/data/source.py); a coordinating thread walks the schedule ahead of the loo
 share of `data_cache_gb` allows, and a few threads download the shards in the order they are first read,
 each verified (size and crc32c against dataset.json, utils/io/storage.download_verified, retried) and checked
 against the shard format (ids below the vocabulary, the sequences dataset.json promised) under a hidden
-name before it is renamed into place. A shard no micro-batch of the window reads any more is removed when
+name before it is renamed into place. It is not fsynced: a copy a crash tore fails those checks when the next
+run finds it and is fetched again, and a download waiting on the disk would stall behind any other writer on
+the machine (a checkpoint's, another run's), draining the cache's lead on the loop. A shard no micro-batch of the window reads any more is removed when
 room is needed, so files on disk + downloads in flight never exceed the share. The cache is the engine's:
 what finished runs left in its other rank-R/ folders (those no live run holds) makes room first, when the
 disk cannot hold this process's share of `data_cache_gb` or a dataset's description (`evict_leftovers`).
@@ -582,7 +584,8 @@ class ShardFetcher:
             if not (left_here and self._current(f, path) and self._passes(f, path)):
                 path.unlink(missing_ok=True)
                 downloaded = download_verified(thread_client(), self.bucket, RemoteObject(
-                    join_name(self.prefix, self.rels[f]), self.sizes[f], self.crcs[f]), unchecked, retries=FETCH_RETRIES)
+                    join_name(self.prefix, self.rels[f]), self.sizes[f], self.crcs[f]), unchecked, retries=FETCH_RETRIES,
+                    durable=False)  # a copy a crash tore fails _current/_passes next run and is fetched again
                 self._check(f, unchecked)
                 os.replace(unchecked, path)
         except Exception as exc:  # noqa: BLE001 - any failure makes the shard unavailable, said in one line

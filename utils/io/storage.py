@@ -469,10 +469,12 @@ def clean_stale_partials(root) -> int:
 
 
 def download_verified(client, bucket: str, obj: RemoteObject, dest, retries: int = 5,
-                      on_bytes: Callable[[int], None] | None = None) -> int:
+                      on_bytes: Callable[[int], None] | None = None, durable: bool = True) -> int:
     """Download `obj` to `dest` through a temporary file in the same folder; rename it into place only when
     its size and crc32c match the object's. Returns the bytes written. `on_bytes(n)` is told of progress
-    (negative when a failed attempt's bytes are discarded)."""
+    (negative when a failed attempt's bytes are discarded). `durable=False` skips the fsync before the rename:
+    for a copy that is checked again before any later use (the stream cache's shards), where waiting on the
+    disk for every file would hold the download behind whatever else the machine writes."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     url = gs_url(bucket, obj.name)
@@ -487,7 +489,8 @@ def download_verified(client, bucket: str, obj: RemoteObject, dest, retries: int
                 # raw_download: the stored bytes, which the listed size and crc32c describe (no gzip transcoding)
                 blob.download_to_file(writer, raw_download=True, checksum="crc32c", retry=None)
                 f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
             if writer.size != obj.size or (obj.crc32c and writer.crc32c != obj.crc32c):
                 raise ChecksumMismatch(
                     f"{url}: got {writer.size} bytes with crc32c {writer.crc32c}, "

@@ -166,6 +166,9 @@ def test_a_rank_s_schedule_of_a_source_is_what_its_sampler_reads(prepared):
 def test_a_gs_dataset_indexes_orders_and_reads_as_its_downloaded_copy(bucket, prepared, tmp_path, order,
                                                                        monkeypatch):
     log = MediaLog(monkeypatch)
+    synced = []  # the files fsynced: none of the cache's shards (a torn copy fails the checks and is fetched again)
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
     shuffle = Shuffle(order, 2)
     bound = 0.0 if order == "global" else 45_000 / 1e9  # blocks: a third of the corpus's 53 kB, with workers
     streamed, s_val = build.open_source(Source("data", path=bucket), request(tmp_path / "cache", shuffle, bound))
@@ -187,6 +190,7 @@ def test_a_gs_dataset_indexes_orders_and_reads_as_its_downloaded_copy(bucket, pr
         b.close()
     folder = tmp_path / "cache" / "test-bucket" / "ds"
     fetched = log.shards("ds/part-00000")
+    assert not [path for path in synced if ".npz" in path], synced
     if order == "global":  # every shard once, none twice
         assert sorted(fetched) == sorted(set(fetched)) and len(fetched) == 23
     else:  # the epoch's 23 and the next epoch's first blocks; the cache held a third of them at most

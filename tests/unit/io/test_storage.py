@@ -166,6 +166,24 @@ def test_download_verified_rejects_a_checksum_mismatch(gcs_emulator, tmp_path):
         download_verified(client, gcs_emulator.bucket, missing, tmp_path / "out" / "m.npz")
 
 
+
+def test_a_download_is_fsynced_unless_its_copy_is_checked_again_before_reuse(gcs_emulator, tmp_path, monkeypatch):
+    """The default (a synced dataset, a checkpoint) waits for the disk before the rename; the stream cache's
+    copies (durable=False) do not, so its fetcher never queues behind another writer's flush."""
+    import utils.io.storage as storage
+
+    client = make_client()
+    client.bucket(gcs_emulator.bucket).blob("f/a.npz").upload_from_string(b"y" * 3000)
+    [obj] = list_objects(client, gcs_emulator.bucket, "f")
+    synced = []
+    real_fsync = storage.os.fsync
+    monkeypatch.setattr(storage.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or
+                        real_fsync(fd))
+    assert download_verified(client, gcs_emulator.bucket, obj, tmp_path / "durable" / "a.npz") == 3000
+    assert len(synced) == 1 and "durable" in synced[0]
+    assert download_verified(client, gcs_emulator.bucket, obj, tmp_path / "cache" / "a.npz", durable=False) == 3000
+    assert len(synced) == 1 and (tmp_path / "cache" / "a.npz").read_bytes() == b"y" * 3000
+
 def test_empty_object_round_trip(gcs_emulator, tmp_path):
     client = make_client()
     empty = write(tmp_path / "empty.npz", b"")
