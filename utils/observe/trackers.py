@@ -20,13 +20,21 @@ def _accelerate_tracker(name: str):
     return getattr(accelerate.tracking, name)
 
 
-def _quiet_tensorboard_thread(args, _previous=threading.excepthook) -> None:
+def _quiet_tensorboard_thread() -> None:
     """TensorBoard's writer thread re-raises its write error (a full disk) in its own thread, then again in
-    the next `add_scalar` on ours, where it becomes the one-line DiskFullError: print it once, there.
-    Installed by `tensorboard_tracker` (a run that writes TensorBoard files), not by importing this module."""
-    if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+    the next `add_scalar` on ours, where it becomes the one-line DiskFullError: print it once, there. Wraps
+    the hook in place when it is installed (by `tensorboard_tracker`, not by importing this module), once."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
         return
-    _previous(args)
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
 
 
 def tensorboard_tracker(log_dir: Path):
@@ -35,7 +43,7 @@ def tensorboard_tracker(log_dir: Path):
     time, and `hparams.yml` in a third (TensorBoard then lists two stray runs)."""
     from accelerate.tracking import TensorBoardTracker, on_main_process
 
-    threading.excepthook = _quiet_tensorboard_thread
+    _quiet_tensorboard_thread()
 
     class OneRunTensorBoard(TensorBoardTracker):
         @on_main_process
