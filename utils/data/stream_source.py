@@ -17,10 +17,11 @@ each verified (size and crc32c against dataset.json, utils/io/storage.download_v
 against the shard format (ids below the vocabulary, the sequences dataset.json promised) under a hidden
 name before it is renamed into place. It is not fsynced: a copy a crash tore fails those checks when the next
 run finds it and is fetched again, and a download waiting on the disk would stall behind any other writer on
-the machine (a checkpoint's, another run's), draining the cache's lead on the loop. A shard no micro-batch of the window reads any more is removed when
-room is needed, so files on disk + downloads in flight never exceed the share. The cache is the engine's:
-what finished runs left in its other rank-R/ folders (those no live run holds) makes room first, when the
-disk cannot hold this process's share of `data_cache_gb` or a dataset's description (`evict_leftovers`).
+the machine (a checkpoint's, another run's), draining the cache's lead on the loop. A shard no micro-batch
+of the window reads any more is removed when room is needed, so files on disk + downloads in flight never
+exceed the share. The cache is the engine's: what finished runs left in its other rank-R/ folders (those no
+live run holds) makes room first, when the disk cannot hold this process's share of `data_cache_gb` or a
+dataset's description (`evict_leftovers`).
 
 DataLoader workers never fetch: they read only what this process fetched. A micro-batch goes to a worker
 only once the fetcher holds its files (`handed_out`); the worker waits for a file's final name to appear
@@ -583,9 +584,10 @@ class ShardFetcher:
         try:
             if not (left_here and self._current(f, path) and self._passes(f, path)):
                 path.unlink(missing_ok=True)
+                # not fsynced (durable=False): a copy a crash tore fails _current/_passes next run, fetched again
                 downloaded = download_verified(thread_client(), self.bucket, RemoteObject(
-                    join_name(self.prefix, self.rels[f]), self.sizes[f], self.crcs[f]), unchecked, retries=FETCH_RETRIES,
-                    durable=False)  # a copy a crash tore fails _current/_passes next run and is fetched again
+                    join_name(self.prefix, self.rels[f]), self.sizes[f], self.crcs[f]), unchecked,
+                    retries=FETCH_RETRIES, durable=False)
                 self._check(f, unchecked)
                 os.replace(unchecked, path)
         except Exception as exc:  # noqa: BLE001 - any failure makes the shard unavailable, said in one line
