@@ -329,13 +329,15 @@ def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_
 
     from gcp_storage_emulator.server import RequestHandler
 
-    gate, hanging = threading.Event(), threading.Event()
+    gate, hanging, over = threading.Event(), threading.Event(), threading.Event()
     original = RequestHandler.do_GET
 
     def do_get(handler):
         name = handler.path.split("/o/", 1)[-1]
         if "alt=media" in handler.path and ".npz" in name and "val" not in name and hanging.is_set():
             gate.wait(120)
+            if over.is_set():
+                return  # the run is gone: answering it would print a broken pipe from the server's thread
         original(handler)
 
     monkeypatch.setattr(RequestHandler, "do_GET", do_get)
@@ -365,6 +367,7 @@ def test_sigterm_while_the_loop_waits_for_data_stops_the_run_within_seconds(gcs_
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=30)
     finally:
+        over.set()
         gate.set()
         if proc.poll() is None:
             proc.kill()
