@@ -166,7 +166,6 @@ def test_download_verified_rejects_a_checksum_mismatch(gcs_emulator, tmp_path):
         download_verified(client, gcs_emulator.bucket, missing, tmp_path / "out" / "m.npz")
 
 
-
 def test_a_download_is_fsynced_unless_its_copy_is_checked_again_before_reuse(gcs_emulator, tmp_path, monkeypatch):
     """The default (a synced dataset, a checkpoint) waits for the disk before the rename; the stream cache's
     copies (durable=False) do not, so its fetcher never queues behind another writer's flush."""
@@ -183,6 +182,7 @@ def test_a_download_is_fsynced_unless_its_copy_is_checked_again_before_reuse(gcs
     assert len(synced) == 1 and "durable" in synced[0]
     assert download_verified(client, gcs_emulator.bucket, obj, tmp_path / "cache" / "a.npz", durable=False) == 3000
     assert len(synced) == 1 and (tmp_path / "cache" / "a.npz").read_bytes() == b"y" * 3000
+
 
 def test_empty_object_round_trip(gcs_emulator, tmp_path):
     client = make_client()
