@@ -47,6 +47,7 @@ from utils.checkpoint.format import (
     CheckpointPayload,
     HostBuffers,
     NoCheckpointFound,
+    NodeUploadFailed,
     ShardedPart,
     apply_retention,
     read_checkpoint,
@@ -355,8 +356,6 @@ class Checkpointer:
         """Rank 0: waits for the last write. A checkpoint whose shards did not all reach GCS (several nodes
         without a shared output dir) is said and remembered, not raised: the run goes on, the next
         checkpoint tries again and the previous one is intact."""
-        from utils.checkpoint.sharded import NodeUploadFailed
-
         try:
             return self.writer.wait()
         except NodeUploadFailed as exc:

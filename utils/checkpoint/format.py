@@ -58,6 +58,11 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, incomplete or corrupt, or could not be written; the message names it."""
 
 
+class NodeUploadFailed(CheckpointError):
+    """A node's shards of a checkpoint did not reach GCS: that checkpoint is complete nowhere. (Here, not in
+    sharded.py, so that a run that never shards does not import torch.distributed.checkpoint to catch it.)"""
+
+
 class PartialCheckpoint(CheckpointError):
     """This node's copy of a checkpoint written on several nodes without a shared filesystem: the other
     nodes' shards are only in GCS."""

@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
-from utils.checkpoint.format import SHARDED_DIR, CheckpointError
+from utils.checkpoint.format import SHARDED_DIR, CheckpointError, NodeUploadFailed
 from utils.errors import UserError
 from utils.io import files
 
@@ -67,10 +67,6 @@ _METADATA_GLOBALS = {
     ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # StorageMeta.checkpoint_id (3.13 moved it)
 }
-
-
-class NodeUploadFailed(CheckpointError):
-    """A node's shards of a checkpoint did not reach GCS: that checkpoint is complete nowhere."""
 
 
 @dataclass

@@ -73,9 +73,14 @@ def progress_bar(total: int, initial: int, is_main: bool):
     from tqdm import tqdm
 
     interactive = sys.stderr.isatty()
-    if not interactive:
-        from transformers.utils import logging as hf_logging
+    if not interactive:  # nor transformers' own bars (an export, an evaluation), nor huggingface_hub's
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()
+        else:  # transformers takes this state when a later step imports it: importing it now would cost 0.5 s
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                 disable=not (is_main and interactive))
