@@ -38,6 +38,7 @@ SPIKE_GUARDS = ("off", "warn", "skip", "rollback")  # utils/training/spike_guard
 LR_SCHEDULES = tuple(SCHEDULES)  # utils/training/schedules.py: the registry
 DECAY_SHAPES = tuple(SCHEDULE_DECAY_SHAPES)
 SHUFFLES = ("global", "blocks")  # utils/data/mixture.py: Shuffle
+COMPILE_CACHES = ("signed", "unsigned", "off")  # utils/checkpoint/compile_cache.py says what each trusts
 SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 SOURCE_KEYS = ("path", "weight", "epochs", "val_files")
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # it names metrics: eval/<task>/acc
@@ -46,7 +47,8 @@ CHOICES = {"mixed_precision": MIXED_PRECISION_MODES, "model_impl": MODEL_IMPLS, 
            "spike_guard": SPIKE_GUARDS, "activation_checkpointing": ACTIVATION_CHECKPOINTING,
            "strategy": STRATEGIES, "profile": MEMORY_PROFILES, "optimizer_state_dtype": OPTIMIZER_STATE_DTYPES,
            "optimizer": OPTIMIZERS, "muon_ns_dtype": MUON_NS_DTYPES, "muon_scale": MUON_SCALES, "init": INITS,
-           "lr_schedule": LR_SCHEDULES, "shuffle": SHUFFLES, "decay_shape": DECAY_SHAPES}
+           "lr_schedule": LR_SCHEDULES, "shuffle": SHUFFLES, "decay_shape": DECAY_SHAPES,
+           "compile_cache": COMPILE_CACHES}
 # what `--resume` takes (train.py and the launcher's help both show this list)
 RESUME_FORMS = ("auto", "latest", "a checkpoint name", "a local path", "a gs:// URL")
 
@@ -200,6 +202,10 @@ class TrainingConfig:
                                   "state sharded over the ranks (FSDP2), sharded checkpoints")
     mixed_precision: str = _field("bf16", "bf16 | fp16 (CUDA, with a grad scaler) | fp8 (Hopper/Ada, torchao) | no")
     compile_model: bool = _field(True, "torch.compile each transformer block (regional compile)")
+    compile_cache: str = _field("signed", "compile_model: checkpoints carry the compiled code, and a resume on any "
+                                          "machine loads it instead of compiling: signed (loaded only when its "
+                                          "signature verifies under NEOX_COMPILE_CACHE_KEY) | unsigned (loaded "
+                                          "unsigned: whoever can write the checkpoint can run code in the run) | off")
     attention: str = _field("causal", "causal: every token sees all before it in its sequence; document: only those "
                                       "of its own document (packed documents end at the data's EOS id)")
     position_reset: bool = _field(False, "attention=document: rotary positions restart at every document")

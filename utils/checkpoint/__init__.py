@@ -7,7 +7,8 @@
 - `sharded`: sharded model and optimizer state (`strategy=fsdp`) through `torch.distributed.checkpoint`;
 - `writer`: the background thread that writes checkpoints while training goes on;
 - `upload`: the background thread that sends finished checkpoints to GCS;
-- `resume`: a `--resume` value -> a verified local checkpoint (downloading one from GCS if need be).
+- `resume`: a `--resume` value -> a verified local checkpoint (downloading one from GCS if need be);
+- `compile_cache`: the compiled code a checkpoint carries, so a restart on a new machine skips the compile.
 
 May import: utils, utils.io, utils.runtime, utils.training, configs, utils.data.
 """

@@ -42,6 +42,7 @@ import torch
 
 from utils import layout
 from utils.checkpoint.format import (
+    COMPILE_CACHE_FILE,
     SHARDED_DIR,
     CheckpointError,
     CheckpointPayload,
@@ -163,11 +164,14 @@ class CheckpointPolicy:
 
     @classmethod
     def from_settings(cls, settings: CheckpointSettings, root: Path, node_uploads: bool = False,
-                      described: Path | None = None) -> "CheckpointPolicy":
-        """`described`: the data's description folder, whose tokenizer.json each checkpoint carries."""
+                      described: Path | None = None, compile_cache: Path | None = None) -> "CheckpointPolicy":
+        """`described`: the data's description folder, whose tokenizer.json each checkpoint carries;
+        `compile_cache`: the run's compiled code (utils/checkpoint/compile_cache.py), carried too."""
+        extra = {TOKENIZER_FILE: described / TOKENIZER_FILE} if described is not None else {}
+        if compile_cache is not None:
+            extra[COMPILE_CACHE_FILE] = Path(compile_cache)
         return cls(Path(root), settings.save_steps, settings.save_total_limit, settings.remote_root,
-                   settings.background_upload, settings.upload_timeout_s, node_uploads,
-                   {TOKENIZER_FILE: described / TOKENIZER_FILE} if described is not None else {})
+                   settings.background_upload, settings.upload_timeout_s, node_uploads, extra)
 
 
 class Checkpointer:

@@ -7,8 +7,12 @@ A checkpoint is a directory `checkpoint-epoch{E}-step{S}-files{F}/` holding
     dcp/                  instead of model.safetensors and optimizer.pt under FSDP: every rank's shards of
                           model and optimizer (utils/checkpoint/sharded.py)
     trainer_state.json    step, epoch, tokens, world size, config, versions
-    <extra files>         copied in as given (e.g. tokenizer.json)
+    <extra files>         copied in as given (e.g. tokenizer.json, compile_cache.safetensors)
     manifest.json         written last: size and crc32c of every other file
+
+A file in READ_VERIFIED (the compiled code, utils/checkpoint/compile_cache.py) is checked against its manifest
+entry by its reader when it reads it, not by `verify_checkpoint`: a damaged one costs only what it would have
+saved (a compile), never the checkpoint.
 
 Every name the manifest holds (`files`, `objects`) stays inside the checkpoint: a relative path, no `..`,
 no symlink out; an object is one of the listed files.
@@ -48,6 +52,8 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.json"
 SHARDED_DIR = "dcp"  # FSDP: every rank's shards of model and optimizer (utils/checkpoint/sharded.py)
+COMPILE_CACHE_FILE = "compile_cache.safetensors"  # the run's compiled code (utils/checkpoint/compile_cache.py)
+READ_VERIFIED = frozenset({COMPILE_CACHE_FILE})  # optional files their reader verifies (the module docstring)
 FORMAT_VERSION = 1
 
 _NAME_RE = re.compile(r"checkpoint-epoch(\d+)-step(\d+)-files(\d+)")
@@ -380,10 +386,13 @@ def check_manifest(path: Path, manifest) -> None:
 
 
 def verify_checkpoint(path) -> dict:
-    """Checks every file the manifest lists (size, then crc32c) and returns the manifest."""
+    """Checks every file the manifest lists (size, then crc32c) but those their reader verifies (READ_VERIFIED),
+    and returns the manifest."""
     path = Path(path)
     manifest = _read_manifest(path)
     for rel, expected in manifest["files"].items():
+        if rel in READ_VERIFIED:
+            continue
         file = path / rel
         if not isinstance(expected, dict) or not {"size", "crc32c"} <= expected.keys():
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry for {rel} is malformed; "
@@ -414,7 +423,7 @@ def _looks_complete(path: Path) -> bool:
     try:
         manifest = _read_manifest(path)
         return all((path / rel).stat().st_size == f["size"] if (path / rel).is_file() else f.get("remote", False)
-                   for rel, f in manifest["files"].items())
+                   for rel, f in manifest["files"].items() if rel not in READ_VERIFIED)
     except (CheckpointError, OSError):
         return False
 

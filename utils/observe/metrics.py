@@ -231,6 +231,48 @@ class NonFiniteLoss(UserError):
     pass
 
 
+# The parts of a run's start, in the order a run passes them, and how the first step's line names them.
+STARTUP_PHASES = {"imports": "imports", "setup": "setup", "data_index": "data index", "model_build": "model build",
+                  "restore": "checkpoint restore", "trackers": "trackers", "compile_cache": "compile cache load",
+                  "compile": "compile (preflight)", "preflight": "preflight", "evaluation": "step-0 evaluation",
+                  "first_step": "first step"}
+
+
+class StartupClock:
+    """Where the time to the first step goes: `mark(phase)` at the end of each part of the start (STARTUP_PHASES)
+    adds the time since the previous mark (the first one: since the process started) to it. The first metrics row
+    carries each as `start/<phase>_s` beside `first_step_s`, their sum; a phase the run skips (a fresh run's
+    restore) has none."""
+
+    def __init__(self, started: float | None = None):
+        self.started = started if started is not None else time.perf_counter()
+        self._last = self.started
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        if phase not in STARTUP_PHASES:
+            raise ValueError(f"unknown startup phase {phase!r}")
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + (now - self._last)
+        self._last = now
+
+    @property
+    def total_s(self) -> float:
+        return self._last - self.started
+
+    def row(self) -> dict:
+        return {f"start/{phase}_s": round(self.seconds[phase], 3) for phase in STARTUP_PHASES if phase in self.seconds}
+
+
+def startup_line(row: dict) -> str:
+    """"time to first step: 21.4 s from the process start: imports 3.1 s, ..." from a row's first_step_s and
+    start/<phase>_s."""
+    parts = [f"{label} {row[f'start/{phase}_s']:.1f} s" for phase, label in STARTUP_PHASES.items()
+             if f"start/{phase}_s" in row]
+    return f"time to first step: {row['first_step_s']:.1f} s from the process start" + (
+        f": {', '.join(parts)}" if parts else "")
+
+
 class MetricsWindow:
     """The steps since the last log line: their losses (device tensors, no host sync until `row`), the time
     they took, and the time spent waiting for data. It also counts the session's training steps and their time
@@ -243,7 +285,7 @@ class MetricsWindow:
     `data_wait()` is the loader's own count of the seconds the loop waited for data (ResumableLoader.wait_s)."""
 
     def __init__(self, accelerator, tokens_per_step: int, flops_per_token: float, peak: float | None,
-                 precision: str, process_started: float | None = None, data_wait=None, z_loss_heads=()):
+                 precision: str, startup: StartupClock | None = None, data_wait=None, z_loss_heads=()):
         self.accelerator = accelerator
         # z_loss > 0: the LM heads (utils/model/lm_loss.py) whose z term is taken out of each step's loss
         # (the row's `loss` is the cross-entropy) and logged as `z_loss`
@@ -252,7 +294,7 @@ class MetricsWindow:
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.precision = precision
         self.per_device: list[dict] = []
-        self.process_started = process_started  # perf_counter() at process start: for time to first step
+        self.startup = startup  # the start's clock: the first step ends its last phase (time to first step)
         self.first_step_s: float | None = None
         self._first_step_reported = False
         self.trained_steps, self.trained_s = 0, 0.0  # this session's, over every window
@@ -283,10 +325,11 @@ class MetricsWindow:
         self.data_wait_s = self.window_s = 0.0
 
     def add(self, step_loss: torch.Tensor, grad_norm: torch.Tensor | None = None, skipped: bool = False) -> None:
-        if self.first_step_s is None and self.process_started is not None:  # once: imports, setup, compile
+        if self.first_step_s is None and self.startup is not None:  # once: imports, setup, compile, step 1
             if self.accelerator.device.type == "cuda":
                 torch.cuda.synchronize(self.accelerator.device)
-            self.first_step_s = time.perf_counter() - self.process_started
+            self.startup.mark("first_step")
+            self.first_step_s = self.startup.total_s
         if skipped:
             self.skipped.append(len(self.losses))
         z_terms = [z for z in (head.pop_z_loss() for head in self.z_loss_heads) if z is not None]
@@ -365,6 +408,7 @@ class MetricsWindow:
         row |= self._device_stats()
         if self.first_step_s is not None and not self._first_step_reported:
             row["first_step_s"] = self.first_step_s
+            row |= self.startup.row()
             self._first_step_reported = True
         self._new_window(step + 1)
         return row

@@ -264,3 +264,19 @@ class CheckpointPolicy(Callback):
     def step_end(self, run) -> None:
         if run.checkpointer.due(run.state.step, last=run.last or run.planned_stop or run.stopping):
             run.save()
+
+
+class CompileCaching(Callback):
+    """The run's compiled code beside its checkpoints (utils/checkpoint/compile_cache.py): written once the first
+    step has compiled, refreshed before each checkpoint (an evaluation compiles more), which then carries it."""
+
+    def __init__(self, cache):
+        self.cache, self.written = cache, False
+
+    def post_step(self, run) -> None:
+        if not self.written:
+            self.written = True
+            self.cache.update()
+
+    def pre_checkpoint(self, run) -> None:
+        self.cache.update()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from configs.profiles import GB
 from configs.training_config import precision_name
-from utils.observe.metrics import format_step_line
+from utils.observe.metrics import format_step_line, startup_line
 from utils.settings import Settings
 
 
@@ -92,8 +92,7 @@ class StepReporter:
         self.bar.clear()
         self.log.info(format_step_line(row, state.best_loss))
         if "first_step_s" in row:
-            self.log.info(f"  time to first step: {row['first_step_s']:.1f} s from the process start (imports, data "
-                          f"index, model build, compile)")
+            self.log.info(f"  {startup_line(row)}")
         if self.window.per_device and state.step % (self.every * 10) == 0:
             self.log.info("  per-GPU memory (GiB used/peak, util%): " + "; ".join(
                 f"{s['device']} {s['mem_gb']:.1f}/{s['peak_mem_gb']:.1f} {s['gpu_util']}"

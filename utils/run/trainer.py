@@ -25,6 +25,7 @@ from utils.run.callbacks import (
     BatchTracing,
     Callbacks,
     CheckpointPolicy,
+    CompileCaching,
     Evaluation,
     ProgressBar,
     SpikeGuarding,
@@ -71,6 +72,7 @@ class Trainer:
         from utils.checkpoint.checkpointer import CheckpointSettings, find_checkpoint
         from utils.data.build import description_dir
         from utils.data.source import DataSettings
+        from utils.observe.metrics import StartupClock
         from utils.observe.watchdog import nccl_flight_recorder_env
         from utils.parallel.accelerator import AcceleratorSettings, make_accelerator
         from utils.parallel.strategies import ParallelSettings, make_parallelism
@@ -79,6 +81,8 @@ class Trainer:
         from utils.runtime.signals import StopSignal
         from utils.training.state import RngState
 
+        self.startup = StartupClock(self.options.started)  # where the time to the first step goes
+        self.startup.mark("imports")
         cfg, logs = self.config, self.output_dir / layout.LOGS
         nccl_flight_recorder_env(logs)  # CUDA: before the process group exists
         self.accelerator = make_accelerator(AcceleratorSettings.of(cfg), logs)
@@ -97,6 +101,7 @@ class Trainer:
             self.config = cfg = self._continued_recipe(cfg)
         self.data_settings = DataSettings.of(cfg)
         self.described = description_dir(self.data_settings)  # dataset.json, tokenizer.json: vocabulary, evals
+        self.startup.mark("setup")
         return bool(self.resume_path and finished_run(self.resume_path, cfg.max_steps, self.described,
                                                       self.output_dir, self.accelerator, self.log, self.lock))
 
@@ -144,7 +149,9 @@ class Trainer:
         self.evals = DownstreamEvals(self.eval_settings, self.spec, self.described, self.accelerator, self.log,
                                      self.parallel.sharded)  # the tasks are read before the model is built
         self.stop.end_setup_if_asked("data index")
+        self.startup.mark("data_index")
         self._build_model(init_weights if self.resume_path is None else None)
+        self.compile_cache = self._make_compile_cache()
         self.state, self.guard = TrainState(), SpikeGuard(SpikeGuardSettings.of(cfg), self.accelerator, self.log)
         self.states = {"model": self.model, "optimizer": self.optimizer, "train": self.state,
                        "scheduler": self.scheduler, "data": self.loader, "spike_guard": self.guard}
@@ -152,8 +159,10 @@ class Trainer:
             self.states["scaler"] = self.accelerator.scaler
         self.tokens_per_step = self.loader.global_batch * cfg.gradient_accumulation_steps * self.seq_len
         self.checkpointer = self._make_checkpointer()
+        self.startup.mark("model_build")
         if self.resume_path is not None:
             self.checkpointer.restore(self.resume_path)
+            self.startup.mark("restore")
         self.stop.end_setup_if_asked("model build")
 
     def _build_model(self, init_weights: dict | None) -> None:
@@ -175,6 +184,16 @@ class Trainer:
         self.core = self.accelerator.unwrap_model(self.model)
         self.z_heads = set_z_loss(self.core, cfg.z_loss) if cfg.z_loss else []  # logged as z_loss
 
+    def _make_compile_cache(self):
+        """The compiled code the run's checkpoints carry (utils/checkpoint/compile_cache.py), made for this
+        torch, device, model and compile settings."""
+        from utils.checkpoint.compile_cache import CompileCache, CompileCacheSettings, made_for
+
+        settings = CompileCacheSettings.of(self.config)
+        return CompileCache(settings, made_for(settings, self.spec.to_dict(), self.seq_len, self.device),
+                            self.output_dir / layout.CHECKPOINTS, self.accelerator.is_main_process, self.log,
+                            self.accelerator.process_index)
+
     def _make_checkpointer(self):
         """The Checkpointer of every stateful thing: the policy, the run's record (what a resume must match),
         each checkpoint's name from the data cursor and the step."""
@@ -185,7 +204,8 @@ class Trainer:
         cfg, loader, state = self.config, self.loader, self.state
         global_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * self.world
         policy = CheckpointPolicy.from_settings(self.checkpoint_settings, self.output_dir / layout.CHECKPOINTS,
-                                                self.node_uploads, self.described)
+                                                self.node_uploads, self.described,
+                                                self.compile_cache.path if self.compile_cache.on else None)
         record = RunRecord(self.world, self.parallel.name, global_batch, self.seq_len, cfg.to_dict(),
                            self.spec.to_dict(), loader.fingerprint(), cfg.max_steps)
         return Checkpointer(self.accelerator, self.states, policy, record,
@@ -203,10 +223,11 @@ class Trainer:
                                 self.state.step if self.resume_path else None)
         describe_run(ReportSettings.of(cfg), self)
         self.window = MetricsWindow(self.accelerator, self.tokens_per_step, self.core.flops_per_token(self.seq_len),
-                                    peak_flops(self.device), precision_name(cfg.mixed_precision), self.options.started,
+                                    peak_flops(self.device), precision_name(cfg.mixed_precision), self.startup,
                                     data_wait=lambda: self.loader.wait_s, z_loss_heads=self.z_heads)
         self.bar = progress_bar(cfg.max_steps, self.state.step, self.accelerator.is_main_process)
         self.callbacks = Callbacks(self.observers())
+        self.startup.mark("trackers")
 
     def observers(self) -> list:
         """The callbacks on the loop's seam, in the order each hook calls them (utils/run/callbacks.py)."""
@@ -223,7 +244,7 @@ class Trainer:
         return [BatchTracing(BatchTrace(self.output_dir, self.accelerator)), StepTiming(self.window),
                 ProgressBar(self.bar), SpikeGuarding(self.guard), StepReport(reporter),
                 Evaluation(self._make_evaluator(), self.bar), WatchdogBeat(watchdog), CheckpointPolicy(),
-                StepProfiler(profiled_steps(), logs, rank, self.log)]
+                StepProfiler(profiled_steps(), logs, rank, self.log), CompileCaching(self.compile_cache)]
 
     def _make_evaluator(self):
         """Validation, the downstream evals and the samples, each on its own schedule."""
@@ -248,20 +269,25 @@ class Trainer:
         return self.exit_code
 
     def _start(self) -> None:
-        """Before the first step: the preflight (a compile happens here), then the callbacks' on_start (a fresh
-        run's step-0 evaluation, the watchdog armed)."""
+        """Before the first step: a resume's compiled code loaded, the preflight (the compile happens here), then
+        the callbacks' on_start (a fresh run's step-0 evaluation, the watchdog armed)."""
         from utils.model.preflight import PreflightSettings, preflight
 
         # the parameters clipping sees, taken before any forward: FSDP2 leaves the root module's parameters
         # unsharded after a forward without a backward (the preflight's, the step-0 evaluation's), and a list
         # taken then holds tensors that never get a gradient (their norm left out of the clip)
         self.params = list(self.model.parameters())
+        if self.resume_path is not None:
+            self.compile_cache.load(self.resume_path)
+            self.startup.mark("compile_cache")
         self.bar.set_description_str("setup: preflight (compiles the blocks)" if self.config.compile_model
                                      else "setup: preflight")
         preflight(self.model, self.val_batches, PreflightSettings.of(self.config), self.accelerator, self.log,
                   self.stop)
         self.stop.end_setup_if_asked("preflight")
+        self.startup.mark("compile" if self.config.compile_model else "preflight")
         self.callbacks.call("on_start", self)
+        self.startup.mark("evaluation")
         self.bar.set_description_str("train")
 
     def _loop(self) -> None:
