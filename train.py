@@ -98,4 +98,6 @@ def train(cfg, profile, args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils.runtime.distributed import exit_process
+
+    exit_process(main)  # no interpreter finalization: gloo's threads may outlive it (exit_process says why)

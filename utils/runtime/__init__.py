@@ -3,7 +3,8 @@
 - `launch`: the launcher's supervisor (run by start_training.sh): delivers stop signals, restarts, exit codes;
 - `signals`: the stop signal, agreed by every rank at a step boundary; the supervisor watch;
 - `run_status`: how a run ended, as rank 0 tells the launcher;
-- `distributed`: collectives that strand no rank (rank 0 first, barriers), local shards of DTensors;
+- `distributed`: collectives that strand no rank (rank 0 first, barriers), local shards of DTensors, a
+  process exit that no thread of torch can abort;
 - `host_memory`: CPU training keeps the large blocks it frees.
 
 May import: utils, utils.io.

@@ -48,3 +48,44 @@ def main_process_only(accelerator, fn):
 def local_tensor(t):
     """This rank's shard of a DTensor (FSDP2's parameters and gradients); any other tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def exit_process(main) -> None:
+    """Runs `main()` and ends the process with its status (SystemExit's and an uncaught exception's as Python
+    gives them) without finalizing the interpreter: what Python's exit does first (joining non-daemon threads, the
+    atexit handlers, flushing stdout and stderr) runs while the interpreter is whole, then `os._exit`.
+
+    Why: torch's gloo worker threads outlive `destroy_process_group()` while anything holds their group (DDP's
+    reducer does, past its module's deletion and a garbage collection), and one that drops a finished
+    collective's tensors after their Python object is gone must take the GIL to release it. Once the main thread
+    is finalizing the interpreter, CPython ends such a thread with pthread_exit, whose unwinding through a noexcept
+    C++ destructor calls std::terminate: "terminate called without an active exception" and SIGABRT at the exit
+    of a run that had finished (a 2-rank CPU launch's rank 1, 1 in ~51 under load; 10 in 12 with both ranks on
+    one core and no destroy_process_group, 0 in 12 so). Without that finalization no thread meets it."""
+    import atexit
+    import os
+    import sys
+    import threading
+
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - said as Python says it, with its exit status
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter's exit runs first
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a console gone: nothing left to say on it
+            pass
+    os._exit(code & 0xFF)
