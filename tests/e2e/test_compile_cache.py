@@ -70,9 +70,7 @@ def test_a_restart_on_an_empty_machine_loads_the_compiled_code_from_the_bucket(c
     # nothing was compiled: every graph torch looked up and every kernel library it loaded is one the file holds
     blob = (out / "checkpoints" / compiled["step2"].name / COMPILE_CACHE_FILE).read_bytes()
     _, entries = cc._unpack(blob, "test")
-    from torch.compiler._cache import CacheArtifactManager
-
-    graphs = {a.key for a in CacheArtifactManager.deserialize(entries[cc.TORCH_ENTRY])["inductor"]}
+    graphs = {a.key for a in cc.torch_artifacts(entries[cc.TORCH_ENTRY])["inductor"]}
     kernels = {name[len(cc.KERNEL_PREFIX):] for name in entries if name.startswith(cc.KERNEL_PREFIX)}
     cache = compiled["tmp"] / "inductor-empty"
     assert {p.parent.name for p in (cache / "fxgraph").rglob("*") if p.is_file()} == graphs
@@ -81,9 +79,13 @@ def test_a_restart_on_an_empty_machine_loads_the_compiled_code_from_the_bucket(c
     assert row["start/compile_cache_s"] >= 0 and row["start/compile_s"] < 0.5 * first_row["start/compile_s"], (
         row, first_row)
     assert math.isclose(row["first_step_s"], sum(v for k, v in row.items() if k.startswith("start/")), rel_tol=0.01)
-    # its own checkpoints carry the code on, for the next machine
+    # its own checkpoints carry all of it on, for the next machine (saved after step 3, and again after the
+    # evaluation at step 4 compiled its graphs: two chunks of torch's artifacts, every one loaded)
     step4 = next((out / "checkpoints").glob("checkpoint-epoch0-step4-*"))
     assert COMPILE_CACHE_FILE in json.loads((step4 / MANIFEST).read_text())["files"]
+    _, carried = cc._unpack((step4 / COMPILE_CACHE_FILE).read_bytes(), "test")
+    assert {a.key for a in cc.torch_artifacts(carried[cc.TORCH_ENTRY])["inductor"]} == graphs
+    assert {name for name in carried if name.startswith(cc.KERNEL_PREFIX)} == {cc.KERNEL_PREFIX + k for k in kernels}
 
 
 def test_a_flipped_byte_in_the_buckets_copy_is_one_line_and_a_normal_compile(compiled, monkeypatch):

@@ -255,19 +255,12 @@ class CompileCache:
     def _populate(self, entries: dict, where: str) -> str:
         """torch's artifacts into its caches and the kernel libraries into the cache folder, after checking every
         kind, key and name (each becomes a path there). Returns what was loaded, counted."""
-        import logging
-
         from torch.compiler._cache import CacheArtifactManager
 
-        torch_log = logging.getLogger("torch.compiler._cache")
-        level = torch_log.level
-        torch_log.setLevel(logging.ERROR)  # its failure is our one line, not its traceback
         try:
-            artifacts = CacheArtifactManager.deserialize(entries[TORCH_ENTRY]) if TORCH_ENTRY in entries else {}
-        finally:
-            torch_log.setLevel(level)
-        if artifacts is None:
-            raise NotLoaded(f"{where}: torch cannot read its compile artifacts")
+            artifacts = torch_artifacts(entries[TORCH_ENTRY]) if TORCH_ENTRY in entries else {}
+        except Exception:  # noqa: BLE001 - torch's reader raises what it raises on bytes it did not write
+            raise NotLoaded(f"{where}: torch cannot read its compile artifacts") from None
         for kind, items in artifacts.items():
             form = _ARTIFACT_KEYS.get(kind)
             for item in items:
@@ -299,6 +292,21 @@ class CompileCache:
 
 
 # ----------------------------------------------------------------------------------------------- the file
+
+def torch_artifacts(blob: bytes) -> dict:
+    """torch.compiler.save_cache_artifacts()'s bytes -> {kind: [artifact, ...]}, every chunk of them. Each call of
+    save_cache_artifacts appends a chunk per kind to the bytes it returns, and torch's own reader (a dict of the
+    chunks) keeps only the last one of each kind: a run that compiled more after its first save (an evaluation's
+    graphs) would hand on only those. Parsing builds no object but torch's artifact records (strings and bytes)."""
+    from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    merged: dict[str, list] = {}
+    for kind, items in AppendingByteSerializer.to_list(blob, deserialize_fn=_deserialize_single_cache):
+        merged.setdefault(kind, []).extend(items)
+    return merged
+
 
 def _signature(secret: bytes, made: str, entries: dict) -> str:
     """HMAC-SHA256 under `secret` of the format, `made_for` and every entry (its name, its bytes' sha256)."""

@@ -40,15 +40,17 @@ class Lines:
         self.warnings.append(msg)
 
 
-def torch_artifacts(key: str = GRAPH_KEY, kind: str = "inductor") -> bytes:
-    """torch.compiler.save_cache_artifacts()'s format, holding one entry (its content is opaque here)."""
+def torch_artifacts(key: str = GRAPH_KEY, kind: str = "inductor", *more_keys: str) -> bytes:
+    """torch.compiler.save_cache_artifacts()'s format: one chunk holding an entry under `key`, and one more chunk
+    for each of `more_keys` (as later calls of save_cache_artifacts append them). The content is opaque here."""
     from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager, _serialize_single_cache
     from torch.utils._appending_byte_serializer import AppendingByteSerializer
 
     CacheArtifactManager._ensure_cache_artifacts_registered()
     serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
     graph = pickle.dumps(SimpleNamespace(_triton_bundle=None))  # torch reads this much of a graph on loading it
-    serializer.extend([(kind, [CacheArtifactFactory.create(kind, key, graph)])])
+    for each in (key, *more_keys):
+        serializer.extend([(kind, [CacheArtifactFactory.create(kind, each, graph)])])
     return serializer.to_bytes()
 
 
@@ -100,6 +102,16 @@ def test_signed_code_made_for_this_run_is_loaded_into_the_cache_folder(tmp_path,
     assert (machine / KERNEL).read_bytes() == b"\x7fELF a kernel"
     graphs = list((machine / "fxgraph").rglob("*"))
     assert any(p.parent.name == GRAPH_KEY for p in graphs if p.is_file())  # where torch looks it up by its key
+
+
+def test_every_chunk_of_torchs_artifacts_is_loaded_not_only_the_last_of_each_kind(tmp_path, machine):
+    """A run saves after its first step and again once an evaluation compiled more: two chunks of one kind. torch's
+    own reader keeps the last; the next machine needs both (the training graphs are in the first)."""
+    later = "f" + "b" * 51
+    entries = {cc.TORCH_ENTRY: torch_artifacts(GRAPH_KEY, "inductor", later)}
+    line, _ = load(write_checkpoint(tmp_path, entries=entries))
+    assert "(2 inductor, 0 kernel libraries;" in line, line
+    assert {p.parent.name for p in (machine / "fxgraph").rglob("*") if p.is_file()} == {GRAPH_KEY, later}
 
 
 @pytest.mark.parametrize("made, said", [
