@@ -6,10 +6,13 @@ loop keeps what only it can do: the data, forward, backward, clipping, the optim
 everything else is a callback deciding for itself whether a hook concerns it.
 
     open      output folder and its lock, accelerator, parallelism, stop signal, resume choice
-    build     model spec, data, downstream evals, model + optimizer + schedule, state, checkpointer
+    build     model spec, data, downstream evals, model + optimizer + schedule, compile cache, state,
+              checkpointer
     observe   trackers, the description, and the callbacks: batch trace, metrics window, progress bar, spike
               guard, step report, evaluation, hang watchdog, checkpoint policy
-    fit       preflight, on_start, the loop, on_stop, export, close
+    fit       a resume's compiled code, preflight, on_start, the loop, on_stop, export, close
+
+A StartupClock marks the end of each part up to the first step (the first metrics row's `start/<phase>_s`).
 """
 from __future__ import annotations
 
