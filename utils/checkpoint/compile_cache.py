@@ -75,7 +75,12 @@ class CompileCacheSettings(Settings):
 
 
 class NotLoaded(Exception):
-    """Why a checkpoint's compiled code is not used: the rest of the line after 'compile cache: '."""
+    """Why a checkpoint's compiled code is not used: the rest of the line after 'compile cache: '. Said by rank 0:
+    every rank reads the same checkpoint and meets the same reason, unless its own copy is broken (CopyBroken)."""
+
+
+class CopyBroken(NotLoaded):
+    """This rank's copy of the file cannot be read or does not match its manifest entry: every rank says it."""
 
 
 def secret_from_env() -> bytes | None:
@@ -193,12 +198,14 @@ class CompileCache:
             return None
         try:
             line = self._load(Path(checkpoint))
+        except CopyBroken as why:
+            line = f"compile cache: {why}; compiling"
+            if not self.is_main:
+                self.log.warning(f"rank {self.rank}: {line}")
         except NotLoaded as why:
             line = f"compile cache: {why}; compiling"
         if self.is_main:
             self.log.info(line)
-        elif not line.startswith("compile cache: loaded"):
-            self.log.warning(f"rank {self.rank}: {line}")
         return line
 
     def _load(self, checkpoint: Path) -> str:
@@ -206,10 +213,11 @@ class CompileCache:
         if self.settings.compile_cache == "off":
             raise NotLoaded(f"not loaded from {checkpoint.name} (compile_cache=off)")
         try:
-            manifest = json.loads((checkpoint / MANIFEST).read_text())
+            manifest = files.parse_json((checkpoint / MANIFEST).read_text())
         except (OSError, ValueError) as exc:
-            raise NotLoaded(f"cannot read {checkpoint.name}/{MANIFEST} ({exc})") from None
-        entry = manifest.get("files", {}).get(COMPILE_CACHE_FILE) if isinstance(manifest, dict) else None
+            raise CopyBroken(f"cannot read {checkpoint.name}/{MANIFEST} ({exc})") from None
+        listed = manifest.get("files") if isinstance(manifest, dict) else None
+        entry = listed.get(COMPILE_CACHE_FILE) if isinstance(listed, dict) else None
         if entry is None:
             raise NotLoaded(f"{checkpoint.name} carries no compiled code (written with compile off, before the "
                             f"first step's compile, or by an engine before compile caches)")
@@ -221,9 +229,9 @@ class CompileCache:
         try:
             data = (checkpoint / COMPILE_CACHE_FILE).read_bytes()
         except OSError as exc:
-            raise NotLoaded(f"cannot read {where} ({exc.strerror or exc})") from None
+            raise CopyBroken(f"cannot read {where} ({exc.strerror or exc})") from None
         if len(data) != size or bytes_crc32c(data) != crc:
-            raise NotLoaded(f"{where} does not match its manifest entry ({len(data):,} bytes, crc32c "
+            raise CopyBroken(f"{where} does not match its manifest entry ({len(data):,} bytes, crc32c "
                             f"{bytes_crc32c(data)}; the manifest says {size:,}, {crc}): it is corrupt")
         metadata, entries = _unpack(data, where)
         made = metadata["made_for"]

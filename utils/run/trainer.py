@@ -193,9 +193,9 @@ class Trainer:
         from utils.checkpoint.compile_cache import CompileCache, CompileCacheSettings, made_for
 
         settings = CompileCacheSettings.of(self.config)
-        return CompileCache(settings, made_for(settings, self.spec.to_dict(), self.seq_len, self.device),
-                            self.output_dir / layout.CHECKPOINTS, self.accelerator.is_main_process, self.log,
-                            self.accelerator.process_index)
+        made = made_for(settings, self.spec.to_dict(), self.seq_len, self.device) if settings.compile_model else {}
+        return CompileCache(settings, made, self.output_dir / layout.CHECKPOINTS, self.accelerator.is_main_process,
+                            self.log, self.accelerator.process_index)
 
     def _make_checkpointer(self):
         """The Checkpointer of every stateful thing: the policy, the run's record (what a resume must match),

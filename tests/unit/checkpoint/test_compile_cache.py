@@ -196,8 +196,15 @@ def test_a_checkpoint_without_compiled_code_says_so_and_a_short_secret_is_refuse
     assert "short" not in str(refused.value)  # the secret itself is never shown
 
 
-def test_other_ranks_say_only_what_went_wrong(tmp_path, machine):
-    checkpoint = write_checkpoint(tmp_path, flip=30)
+def test_other_ranks_say_only_what_went_wrong_with_their_own_copy(tmp_path, machine):
+    """Rank 0 says what happened; another rank reads the same checkpoint and meets the same reason (a mismatch,
+    no secret), so it says only a problem of its own copy (one downloaded for its node)."""
     log = Lines()
-    cc.CompileCache(SETTINGS, made_for(), tmp_path, False, log, rank=1).load(checkpoint)
+    cc.CompileCache(SETTINGS, made_for(), tmp_path, False, log, rank=1).load(write_checkpoint(tmp_path, flip=30))
     assert log.lines == [] and len(log.warnings) == 1 and log.warnings[0].startswith("rank 1: compile cache: ")
+    assert "does not match its manifest entry" in log.warnings[0]
+    other = Lines()
+    mismatch = write_checkpoint(tmp_path / "other", made=made_for(torch="2.12.0 (0123456789ab)"))
+    assert "was made for torch 2.12.0" in cc.CompileCache(SETTINGS, made_for(), tmp_path, False, other,
+                                                           rank=1).load(mismatch)
+    assert other.lines == [] and other.warnings == []
