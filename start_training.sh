@@ -172,9 +172,10 @@ while [[ $# -gt 0 ]]; do
                              || usage_error "--restart-delay '$2' is not a number of seconds"
                          restart_delay="$2"; shift 2 ;;
         --stop-exit-code) need_value "$1" $#
-                          is_count "$2" && [[ "$2" -ge 4 && "$2" -le 255 ]] || usage_error "--stop-exit-code '$2': \
-give a status from 4 to 255 (0, the default, is a finished run's; 1, 2 and 3 are a failure's, a setting's and a hang's)"
-                          stop_exit_code="$2"; shift 2 ;;
+                          [[ "$2" =~ ^0*[0-9]{1,3}$ ]] && (( 10#$2 == 0 || (10#$2 >= 4 && 10#$2 <= 255) )) \
+                              || usage_error "--stop-exit-code '$2': give a status from 4 to 255, or 0 (the default: \
+a finished run's; 1, 2 and 3 are a failure's, a setting error's and a hang's)"
+                          stop_exit_code=$((10#$2)); shift 2 ;;
         --dry-run) dry_run=1; shift ;;
         --) shift; extra_args=("$@"); break ;;
         --output-dir|--data-dir|--print-config) usage_error "$1 is a train.py option: put it after -- (e.g. -- $1 ...)" ;;

@@ -111,8 +111,9 @@ def records(out_dir: Path) -> list[dict]:
 def test_help(launcher, subprocess_env):
     res = run(launcher, ["--help"], subprocess_env)
     assert res.returncode == 0
-    for flag in ("--config", "--gpus", "--cpu", "--nodes", "--node-rank", "--main-addr", "--main-port",
-                 "--resume", "--max-steps", "--strategy", "--dry-run", "TRAIN_SCRIPT"):
+    for flag in ("--config", "--gpus", "--cpu", "--nodes", "--node-rank", "--node-rank-from", "--main-addr",
+                 "--main-port", "--resume", "--max-steps", "--strategy", "--stop-exit-code", "--dry-run",
+                 "TRAIN_SCRIPT"):
         assert flag in res.stdout
 
 
