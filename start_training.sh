@@ -152,7 +152,8 @@ while [[ $# -gt 0 ]]; do
         --gpus) need_value "$1" $#; gpus="$2"; shift 2 ;;
         --cpu) cpu=1; shift ;;
         --nodes) need_value "$1" $#; nodes="$2"; shift 2 ;;
-        --node-rank) need_value "$1" $#; node_rank="$2"; shift 2 ;;
+        --node-rank) need_value "$1" $#; is_count "$2" || usage_error "--node-rank '$2' is not a whole number"
+                     node_rank="$2"; shift 2 ;;
         --node-rank-from) need_value "$1" $#; node_rank_from="$2"; shift 2 ;;
         --main-addr) need_value "$1" $#; main_addr="$2"; shift 2 ;;
         --main-port) need_value "$1" $#; main_port="$2"; shift 2 ;;
@@ -199,7 +200,6 @@ if [[ -n "$node_rank_from" ]]; then
     rank_source="--node-rank-from $node_rank_from ($node_rank_from=$node_rank)"
 fi
 node_rank="${node_rank:-0}"
-is_count "$node_rank" || usage_error "--node-rank '$node_rank' is not a whole number"
 rank_source="${rank_source:-"--node-rank $node_rank"}"
 [[ "$node_rank" -lt "$nodes" ]] || usage_error "$rank_source must be below --nodes $nodes"
 [[ -z "$main_port" ]] || { is_count "$main_port" && [[ "$main_port" -ge 1 && "$main_port" -le 65535 ]]; } \
