@@ -236,15 +236,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
         work = self._work(params)
         args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
         for owned in work.buckets:
-            todo = [i for matrices in owned for i in matrices if params[i].grad is not None]
-            updates = {i: self._momentum_update(params[i], group) for i in todo}
-            results = work.orthogonalise(updates, owned, lambda u: newton_schulz(u, *args), self.ns_dtype)
+            owned = [[i for i in matrices if params[i].grad is not None] for matrices in owned]
+            todo = [i for matrices in owned for i in matrices]
+            if not todo:  # no gradients in this bucket, on any rank
+                continue
+            updates = {i: self._momentum_update(params[i], group, work.needs_update(i)) for i in todo}
+            results = work.orthogonalise({i: u for i, u in updates.items() if u is not None}, owned,
+                                         lambda u: newton_schulz(u, *args), self.ns_dtype, params[todo[0]].device)
             for i in todo:
                 self._apply(params[i], results[i].to(params[i].dtype), group)
 
-    def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """The momentum buffer blended with this step's gradient (kept), and the Nesterov update made of
-        them: this rank's rows of a sharded matrix."""
+    def _momentum_update(self, p: torch.Tensor, group: dict, wanted: bool = True) -> torch.Tensor | None:
+        """The momentum buffer blended with this step's gradient (kept), and, `wanted`, the Nesterov update
+        made of them: this rank's rows of a sharded matrix."""
         from utils.runtime.distributed import local_tensor
 
         momentum, grad = group["momentum"], local_tensor(p.grad)
@@ -258,6 +262,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         else:  # bf16 momentum: blended in fp32, stored rounded
             blended = buf.to(grad.dtype).lerp_(grad, 1 - momentum)
             buf.copy_(blended)
+        if not wanted:
+            return None
         return grad.lerp(blended, momentum) if group["nesterov"] else blended
 
     def _apply(self, p: torch.Tensor, update: torch.Tensor, group: dict) -> None:
@@ -302,17 +308,21 @@ class _Work:
             self.buckets = buckets_of(self.owners, self.costs, [p.numel() for p in params], self.world,
                                       BUCKET_VALUES)
 
-    def orthogonalise(self, updates: dict[int, torch.Tensor], owned: list[list[int]], ns, ns_dtype) -> dict:
-        """This rank's part of each bucket matrix's orthogonalised update (`ns`), from its part of the update
-        (`updates`: the matrices with gradients): the whole of it here (one process, DDP) or its rows (FSDP)."""
-        if not updates:  # no gradients in this bucket, on any rank
-            return {}
-        owned = [[i for i in matrices if i in updates] for matrices in owned]
+    def needs_update(self, matrix: int) -> bool:
+        """Whether this rank needs its part of `matrix`'s momentum-blended update: to orthogonalise it, or to
+        send its rows to the owner; under DDP a rank receives the others' matrices orthogonalised."""
+        return self.world == 1 or self.sharded or self.owners[matrix] == self.rank
+
+    def orthogonalise(self, updates: dict[int, torch.Tensor], owned: list[list[int]], ns, ns_dtype,
+                      device: torch.device) -> dict:
+        """This rank's part of each of the bucket's matrices orthogonalised (`ns`; `owned`: each rank's, with
+        gradients), from the updates it needs (`needs_update`): the whole matrix here (one process, DDP), or its
+        rows (FSDP)."""
         if self.world == 1:
             return {i: ns(u) for i, u in updates.items()}
         if self.sharded:
-            return self._by_all_to_all(updates, owned, ns, ns_dtype)
-        return self._by_broadcast(updates, owned, ns, ns_dtype)
+            return self._by_all_to_all(updates, owned, ns, ns_dtype, device)
+        return self._by_broadcast(updates, owned, ns, ns_dtype, device)
 
     def _rows(self, matrix: int, rank: int) -> tuple[int, int]:
         """(first row, rows) of `matrix` that `rank` holds: FSDP2's Shard(0), torch.chunk's split."""
@@ -325,12 +335,11 @@ class _Work:
         """How many values of each of `matrices` `rank` holds."""
         return [self._rows(i, rank)[1] * self.shapes[i][1] for i in matrices]
 
-    def _by_all_to_all(self, updates: dict, owned: list[list[int]], ns, ns_dtype) -> dict:
+    def _by_all_to_all(self, updates: dict, owned: list[list[int]], ns, ns_dtype, device) -> dict:
         """FSDP: each rank's rows go to their matrices' owners (one all-to-all), which orthogonalise the whole
         matrices and send each rank its rows back (another)."""
         import torch.distributed as dist
 
-        device = next(iter(updates.values())).device
         mine, ranks = owned[self.rank], range(self.world)
         sent = [sum(self._held(self.rank, owned[r])) for r in ranks]
         got = [sum(self._held(r, mine)) for r in ranks]
@@ -347,22 +356,22 @@ class _Work:
         return {i: rows.view(updates[i].shape) for r, chunk in zip(ranks, back.split(sent))
                 for i, rows in zip(owned[r], chunk.split(self._held(self.rank, owned[r])))}
 
-    def _by_broadcast(self, updates: dict, owned: list[list[int]], ns, ns_dtype) -> dict:
+    def _by_broadcast(self, updates: dict, owned: list[list[int]], ns, ns_dtype, device) -> dict:
         """DDP: each owner orthogonalises its matrices and broadcasts them in one buffer; every rank needs all."""
         import torch.distributed as dist
 
-        device = next(iter(updates.values())).device
+        size = lambda i: self.shapes[i][0] * self.shapes[i][1]  # noqa: E731
         buffers, pending = [], []
         for rank, matrices in enumerate(owned):
             if rank == self.rank:
                 flat = torch.cat([ns(updates[i]).reshape(-1) for i in matrices]
                                  or [torch.empty(0, dtype=ns_dtype, device=device)])
             else:
-                flat = torch.empty(sum(updates[i].numel() for i in matrices), dtype=ns_dtype, device=device)
+                flat = torch.empty(sum(map(size, matrices)), dtype=ns_dtype, device=device)
             buffers.append(flat)
             if flat.numel():
                 pending.append(dist.broadcast(flat, group_src=rank, group=self.group, async_op=True))
         for request in pending:
             request.wait()
-        return {i: update.view(updates[i].shape) for matrices, flat in zip(owned, buffers)
-                for i, update in zip(matrices, flat.split([updates[i].numel() for i in matrices]))}
+        return {i: update.view(self.shapes[i]) for matrices, flat in zip(owned, buffers)
+                for i, update in zip(matrices, flat.split([size(i) for i in matrices]))}
