@@ -21,17 +21,8 @@ from utils.model import build_model
 from utils.model.families import family_of
 from utils.training.optim import OptimizerSettings, build_optimizer
 from utils.training.optim.adamw import BF16MomentAdamW
-from utils.training.optim.muon import (
-    NS_COEFFICIENTS,
-    NS_EPS,
-    NS_STEPS,
-    MuonWithAdamW,
-    assign_by_cost,
-    buckets_of,
-    muon_parameters,
-    newton_schulz,
-    newton_schulz_flops,
-)
+from utils.training.optim.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, MuonWithAdamW, muon_parameters, newton_schulz
+from utils.training.optim.muon_ranks import assign_by_cost, buckets_of, newton_schulz_flops
 
 SPEC = get_model_spec("tiny")
 
@@ -172,6 +163,7 @@ def _ranks_step_as_one_process(out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import utils.training.optim.muon as muon
+    import utils.training.optim.muon_ranks as muon_ranks
     from utils.training.optim import spread_over_replicas
 
     dist.init_process_group("gloo")
@@ -186,9 +178,9 @@ def _ranks_step_as_one_process(out: str) -> None:
     muon.newton_schulz = counted
     found = {}
     for strategy, sets, bucket in (("fsdp", {"muon_ns_dtype": "bf16", "optimizer_state_dtype": "bf16",
-                                             "cautious_weight_decay": True}, muon.BUCKET_VALUES),
+                                             "cautious_weight_decay": True}, muon_ranks.BUCKET_VALUES),
                                    ("ddp", {}, 1)):  # DDP: a bucket a round
-        muon.BUCKET_VALUES = bucket
+        muon_ranks.BUCKET_VALUES = bucket
         settings = OptimizerSettings.of(get_training_config("demo", {"model": "tiny", "optimizer": "muon", **sets}))
         model, alone = build_model(SPEC, seed=0), build_model(SPEC, seed=0)
         if strategy == "fsdp":
@@ -254,6 +246,18 @@ def test_memory_plan_and_describe_count_muon_state():
     adamw, muon = memory_plan(spec), memory_plan(spec, RunShape(optimizer="muon"))
     h, i, L = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers
     assert math.isclose(adamw.optimizer - muon.optimizer, 4 * L * (4 * h * h + 2 * h * i))  # one buffer, not two
+    # what its step holds besides (bf16 Newton-Schulz), the MLP's h x i matrices the largest: one process, its fp32
+    # update and Newton-Schulz's workspace; 8 DDP ranks, every result of a round (8 matrices) besides; 8 FSDP
+    # ranks, 1/8 of a round's rows (fp32 and a bf16 copy, and as many back) and its own matrix thrice
+    v, workspace = h * i, 2 * (2 * h * i + 2 * h * h)
+    assert adamw.muon_step == 0 and muon.muon_step == 4 * v + workspace
+    assert memory_plan(spec, RunShape("ddp", 8, optimizer="muon")).muon_step == 4 * v + 2 * 8 * v + workspace
+    assert memory_plan(spec, RunShape("fsdp", 8, optimizer="muon")).muon_step == 8 * v + 6 * v + workspace
+    assert math.isclose(muon.total - adamw.total, muon.muon_step - (adamw.optimizer - muon.optimizer))
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "memory_plan.py"), "--optimizer", "muon",
+                          "--strategy", "fsdp", "--world-size", "8"], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 0 and "muon state in fp32" in out.stdout and "Muon's step" in out.stdout, out.stdout
+    assert "Muon's Newton-Schulz: 57,724 GFLOP a step, 7,216 on the busiest of 8 rank(s)" in out.stdout, out.stdout
     from utils.run.report import optimizer_state_bytes
 
     cfg = get_training_config("demo", {"model": "tiny", "optimizer": "muon"})

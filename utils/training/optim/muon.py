@@ -27,9 +27,8 @@ momentum buffer per matrix (half of AdamW's two moments), in `optimizer_state_dt
 Across ranks (Moonlight's distributed Muon, Dion's and torchtitan's DistMuon do the same): Newton-Schulz
 needs a whole matrix, so each matrix is orthogonalised by one rank, its owner, and the ranks split the
 matrices between them, balanced by Newton-Schulz's FLOPs (`assign_by_cost`: the costliest first, each to
-the least-loaded rank). They go in rounds, each rank's i-th matrix in round i (the owners' largest first, so a
-round's matrices are alike in cost), and consecutive rounds in one bucket up to BUCKET_VALUES: a bucket's
-momentum, its exchange and orthogonalisation, its update, then the next bucket.
+the least-loaded rank) and done in buckets of rounds (`buckets_of`; utils/training/optim/muon_ranks.py, which
+the memory plan reads too): a bucket's momentum, its exchange and orthogonalisation, its update, then the next.
 - FSDP2 (each matrix a DTensor sharded by rows over the mesh): one all-to-all brings every owner the other
   ranks' rows of its matrices' momentum-blended updates, the owner orthogonalises them, a second all-to-all
   gives each rank its rows of the results. Per step a rank receives (world - 1) / world of the matrices it owns and
@@ -53,14 +52,11 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from utils.training.optim import MUON_SCALES, OptimizerSettings, adamw
 from utils.training.optim.adamw import state_dtype as adamw_state_dtype
+from utils.training.optim.muon_ranks import assign_by_cost, buckets_of, newton_schulz_flops, work_per_rank
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults
 NS_STEPS, NS_EPS = 5, 1e-7
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# Across ranks, the most values (of whole matrices) one exchange of updates carries: 64 MiB in fp32. The demo
-# model's matrices all fit in one (two collectives a step under FSDP); the 1.2B's 8192 x 2048 ones go a
-# round at a time (on 2 ranks 2 x 16.8M values).
-BUCKET_VALUES = 2**24
 
 
 def ns_dtype_for(muon_ns_dtype: str, mixed_precision: str) -> torch.dtype:
@@ -88,45 +84,6 @@ def newton_schulz(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float
     if grad.size(0) > grad.size(1):
         x = x.T
     return x
-
-
-def newton_schulz_flops(shape: tuple[int, ...], ns_steps: int = NS_STEPS) -> int:
-    """FLOPs of orthogonalising one matrix of `shape` (m <= n after the transpose): per step the Gram matrix
-    (2 m^2 n), its square (2 m^3) and the update (2 m^2 n)."""
-    m, n = sorted(shape[:2])
-    return ns_steps * (4 * m * m * n + 2 * m ** 3)
-
-
-def assign_by_cost(costs: list[int], world: int) -> list[int]:
-    """Each matrix's owner among `world` ranks, by Newton-Schulz cost: the costliest first (ties: the earlier
-    matrix), each to the rank with the least work so far (ties: the lower rank), the longest-processing-time
-    rule: the busiest rank does at most 4/3 of the optimum's work. Every rank computes the same answer."""
-    load, owners = [0] * world, [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[i], load[rank] = rank, load[rank] + costs[i]
-    return owners
-
-
-def buckets_of(owners: list[int], costs: list[int], sizes: list[int], world: int,
-               limit: int) -> list[list[list[int]]]:
-    """The order the matrices are done in, as buckets of each rank's matrices (`bucket[rank]`, a list). Round i
-    holds each rank's i-th matrix (its costliest first), so a round's owners work at once on matrices alike in
-    cost; consecutive rounds share a bucket while its matrices hold at most `limit` values together (`sizes`),
-    and one bucket's updates travel in one collective each way: few collectives for small matrices, a
-    bounded transient for large ones. A round is never split."""
-    mine = [sorted((i for i, o in enumerate(owners) if o == r), key=lambda i: (-costs[i], i)) for r in range(world)]
-    buckets, values = [], limit
-    for i in range(max(map(len, mine), default=0)):
-        round_ = [m[i:i + 1] for m in mine]
-        size = sum(sizes[j] for r in round_ for j in r)
-        if values + size > limit:
-            buckets.append([[] for _ in range(world)])
-            values = 0
-        for rank, matrices in enumerate(round_):
-            buckets[-1][rank] += matrices
-        values += size
-    return buckets
 
 
 def build(model: nn.Module, settings: OptimizerSettings, fused: bool) -> MuonWithAdamW:
@@ -207,14 +164,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def newton_schulz_flops(self) -> list[int]:
         """Newton-Schulz FLOPs per optimizer step of each rank that shares the work (one entry per rank; a
         single one where this process does all of it)."""
-        loads = []
-        for group in self.param_groups:
-            if group.get("muon"):
-                work = self._work(group["params"])
-                load = [0] * work.world
-                for owner, shape in zip(work.owners, work.shapes):
-                    load[owner] += newton_schulz_flops(shape, group["ns_steps"])
-                loads.append(load)
+        loads = [work_per_rank(self._work(g["params"]).shapes, self._work(g["params"]).world)
+                 for g in self.param_groups if g.get("muon")]
         return [sum(ranks) for ranks in zip(*loads)]
 
     @torch.no_grad()
@@ -305,8 +256,7 @@ class _Work:
         if self.world == 1:  # one matrix at a time, in order, as torch's Muon
             self.buckets = [[[i]] for i in range(len(params))]
         else:
-            self.buckets = buckets_of(self.owners, self.costs, [p.numel() for p in params], self.world,
-                                      BUCKET_VALUES)
+            self.buckets = buckets_of(self.owners, self.costs, [p.numel() for p in params], self.world)
 
     def needs_update(self, matrix: int) -> bool:
         """Whether this rank needs its part of `matrix`'s momentum-blended update: to orthogonalise it, or to
