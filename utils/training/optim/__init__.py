@@ -7,7 +7,8 @@ one line in OPTIMIZERS (and its fields, if it has new ones, in the config and in
 
 - `adamw`: torch's AdamW, decay on matrices only; BF16MomentAdamW (`optimizer_state_dtype=bf16`);
 - `muon`: torch's Muon for the blocks' weight matrices, AdamW for the rest, in one optimizer object; across
-  ranks each rank orthogonalises its share of the matrices (`spread_over_replicas` tells it of DDP's).
+  ranks each rank orthogonalises its share of the matrices (`spread_over_replicas` tells it of DDP's);
+  `muon_ranks` (torch-free, the memory plan reads it): how the matrices are shared, what a rank holds.
 
 May import: utils, utils.io, utils.runtime (as utils.training).
 """
