@@ -6,11 +6,11 @@
 # no `accelerate config` file is required.
 # Stop signals are caught from the first line on. Before the supervisor starts: nothing has started, nothing to
 # save. Once it runs (a child of this script, below), each goes to it, held until it catches signals itself.
-supervisor="" supervisor_ready=0 held_signals=()
+supervisor="" supervisor_ready=0 held_signals=() stop_exit_code=0
 on_stop() {
     if [[ -z "$supervisor" ]]; then
         echo "start_training.sh: stopped by a signal before training started; nothing to save" >&2
-        exit 0
+        exit "$stop_exit_code"
     elif [[ "$supervisor_ready" == 1 ]]; then
         kill -s "$1" "$supervisor" 2>/dev/null || true
     else
@@ -60,6 +60,8 @@ Where it runs:
                            checkpoints (sets --set strategy=...; works with --cpu too)
   --nodes N                number of machines (default 1); run this script once on each of them
   --node-rank R            this machine's rank, 0..N-1 (default 0)
+  --node-rank-from VAR     this machine's rank is the value of the environment variable VAR
+                           (a Kubernetes Indexed Job's pods: JOB_COMPLETION_INDEX; deploy/kubernetes/)
   --main-addr HOST         address of the rank-0 machine (required when --nodes > 1)
   --main-port P            port on the rank-0 machine (default 29500; one machine: a free one)
 
@@ -79,6 +81,9 @@ Restarts (inside the allocation; see docs/preemptible-gpus.md):
                            signal, a setting or input error (exit 2) or a failure before the first step is
                            never retried.
   --restart-delay S        seconds before the first restart, doubled for each next one, at most 300 (default 10)
+  --stop-exit-code N       exit with N (4..255) instead of 0 when a stop signal ended the run before it finished
+                           (its checkpoint written, or nothing to save yet): a Kubernetes Job takes a pod that
+                           exits 0 as done, so deploy/kubernetes/ sets 143 and its podFailurePolicy reschedules it
 
 Other:
   --dry-run                print the accelerate command and exit without running it
@@ -87,8 +92,8 @@ Other:
 Stopping (preemption): SIGTERM, SIGHUP or SIGUSR1 to this script's PID, to its process group, or to it as a
 container's PID 1 (docker stop, Kubernetes), from timeout or from SLURM: every training process finishes
 its current optimizer step, rank 0 writes a checkpoint (the launcher waits as long as that takes), and
-the script exits 0 with a last line naming the checkpoint. Ctrl-C does the same; a second Ctrl-C stops
-the processes at once. Continue with --resume auto (or latest).
+the script exits 0 (--stop-exit-code N: N) with a last line naming the checkpoint. Ctrl-C does the same; a
+second Ctrl-C stops the processes at once. Continue with --resume auto (or latest).
 
 Without this script: torchrun --nproc-per-node N train.py --config NAME ... works too (set
 ACCELERATE_USE_CPU=true for CPU processes); it then delivers signals itself (and SIGKILLs ranks 30 s
@@ -107,6 +112,8 @@ Examples:
   ./$PROG --config demo --set max_steps=50 --set learning_rate=1e-3
   ./$PROG --config production --gpus 8 --nodes 2 --node-rank 0 --main-addr 10.0.0.1   # on node 0
   ./$PROG --config production --gpus 8 --nodes 2 --node-rank 1 --main-addr 10.0.0.1   # on node 1
+  ./$PROG --config production --gpus 8 --nodes 2 --node-rank-from JOB_COMPLETION_INDEX --main-addr neox-0.neox \
+      --resume auto --stop-exit-code 143                 # in each pod of a Kubernetes Indexed Job (deploy/kubernetes/)
 EOF
 }
 
@@ -123,7 +130,7 @@ fail() {  # the machine is not set up for it: one line, exit 1
 is_count() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
 # --- arguments ---------------------------------------------------------------------------------------
-config="" gpus="" cpu=0 nodes=1 node_rank=0 main_addr="" main_port="" strategy="ddp" dry_run=0
+config="" gpus="" cpu=0 nodes=1 node_rank="" node_rank_from="" main_addr="" main_port="" strategy="ddp" dry_run=0
 mixed_precision="" max_restarts=0 restart_delay=10
 train_args=()
 sets=()
@@ -145,7 +152,9 @@ while [[ $# -gt 0 ]]; do
         --gpus) need_value "$1" $#; gpus="$2"; shift 2 ;;
         --cpu) cpu=1; shift ;;
         --nodes) need_value "$1" $#; nodes="$2"; shift 2 ;;
-        --node-rank) need_value "$1" $#; node_rank="$2"; shift 2 ;;
+        --node-rank) need_value "$1" $#; is_count "$2" || usage_error "--node-rank '$2' is not a whole number"
+                     node_rank="$2"; shift 2 ;;
+        --node-rank-from) need_value "$1" $#; node_rank_from="$2"; shift 2 ;;
         --main-addr) need_value "$1" $#; main_addr="$2"; shift 2 ;;
         --main-port) need_value "$1" $#; main_port="$2"; shift 2 ;;
         --strategy) need_value "$1" $#; strategy="$2"; sets+=(--set "strategy=$2"); train_args+=(--set "strategy=$2")
@@ -163,6 +172,11 @@ while [[ $# -gt 0 ]]; do
         --restart-delay) need_value "$1" $#; [[ "$2" =~ ^[0-9]+(\.[0-9]+)?$ ]] \
                              || usage_error "--restart-delay '$2' is not a number of seconds"
                          restart_delay="$2"; shift 2 ;;
+        --stop-exit-code) need_value "$1" $#
+                          [[ "$2" =~ ^0*[0-9]{1,3}$ ]] && (( 10#$2 == 0 || (10#$2 >= 4 && 10#$2 <= 255) )) \
+                              || usage_error "--stop-exit-code '$2': give a status from 4 to 255, or 0 (the default: \
+a finished run's; 1, 2 and 3 are a failure's, a setting error's and a hang's)"
+                          stop_exit_code=$((10#$2)); shift 2 ;;
         --dry-run) dry_run=1; shift ;;
         --) shift; extra_args=("$@"); break ;;
         --output-dir|--data-dir|--print-config) usage_error "$1 is a train.py option: put it after -- (e.g. -- $1 ...)" ;;
@@ -174,8 +188,20 @@ done
 [[ -z "$gpus" ]] || is_count "$gpus" || usage_error "--gpus '$gpus' is not a whole number"
 [[ -z "$gpus" || "$gpus" -ge 1 ]] || usage_error "--gpus must be at least 1"
 is_count "$nodes" && [[ "$nodes" -ge 1 ]] || usage_error "--nodes '$nodes' must be a whole number >= 1"
-is_count "$node_rank" || usage_error "--node-rank '$node_rank' is not a whole number"
-[[ "$node_rank" -lt "$nodes" ]] || usage_error "--node-rank $node_rank must be below --nodes $nodes"
+rank_source=""  # where the node's rank came from, as an error names it
+if [[ -n "$node_rank_from" ]]; then
+    [[ -z "$node_rank" ]] || usage_error "give --node-rank R or --node-rank-from VAR, not both"
+    [[ "$node_rank_from" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] \
+        || usage_error "--node-rank-from '$node_rank_from' is not an environment variable's name (e.g. JOB_COMPLETION_INDEX)"
+    [[ -n "${!node_rank_from+set}" ]] || usage_error "--node-rank-from $node_rank_from: the variable is not set \
+(a Kubernetes Indexed Job sets JOB_COMPLETION_INDEX in each pod: completionMode: Indexed); elsewhere give --node-rank R"
+    node_rank="${!node_rank_from}"
+    is_count "$node_rank" || usage_error "--node-rank-from $node_rank_from: its value is not a whole number (a node's rank)"
+    rank_source="--node-rank-from $node_rank_from ($node_rank_from=$node_rank)"
+fi
+node_rank="${node_rank:-0}"
+rank_source="${rank_source:-"--node-rank $node_rank"}"
+[[ "$node_rank" -lt "$nodes" ]] || usage_error "$rank_source must be below --nodes $nodes"
 [[ -z "$main_port" ]] || { is_count "$main_port" && [[ "$main_port" -ge 1 && "$main_port" -le 65535 ]]; } \
     || usage_error "--main-port '$main_port' is not a port number"
 case "$strategy" in ddp|fsdp) ;; *) usage_error "--strategy '$strategy': use ddp or fsdp" ;; esac
@@ -303,10 +329,10 @@ export NEOX_LAUNCHER_PID=$$  # the ranks stop with a checkpoint if this script i
 export PYTHONPATH="$SCRIPT_DIR${PYTHONPATH:+:$PYTHONPATH}"
 if command -v setsid >/dev/null 2>&1; then
     setsid "$python" -S "$supervisor_script" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
-        -- "${cmd[@]}" &  # -S: no site hooks, it catches sooner
+        --stop-exit-code "$stop_exit_code" -- "${cmd[@]}" &  # -S: no site hooks, it catches sooner
 else
     "$python" -S "$supervisor_script" --max-restarts "$max_restarts" --restart-delay "$restart_delay" \
-        -- "${cmd[@]}" &
+        --stop-exit-code "$stop_exit_code" -- "${cmd[@]}" &
 fi
 supervisor=$!
 while kill -0 "$supervisor" 2>/dev/null && ! catches_stops "$supervisor"; do

@@ -59,15 +59,38 @@ ENGINES = ("engine", "fsdp", "candidate", "document")  # train.py processes
 BIG = 10**9  # eval_interval / save_steps that never fire inside the timed span
 # A gated child stops itself before exec, so the scheduler decides when it first runs.
 STOP_THEN_EXEC = "import os, signal, sys; os.kill(os.getpid(), signal.SIGSTOP); os.execv(sys.argv[1], sys.argv[1:])"
-# Runs train.py unchanged, adding the process's CPU seconds to each training row of metrics.jsonl.
+# Runs train.py unchanged, adding to each training row of metrics.jsonl the process's CPU seconds, the wall and CPU
+# seconds spent in the optimizer's step so far, and (Muon) each rank's Newton-Schulz FLOPs per step. Every rank
+# of a launch runs it (benchmarks/bench_muon_ranks.py); rank 0 writes the rows.
 ENGINE_SHIM = """
-import os, runpy, sys, time
+import os, runpy, sys, time, types
 path = sys.argv[1]
 sys.argv = sys.argv[1:]
 import utils.observe.metrics
+import utils.training.optim
+timed = {"s": 0.0, "cpu_s": 0.0, "optimizer": None}
+build_optimizer = utils.training.optim.build_optimizer
+def build_timed(*args, **kwargs):
+    optimizer = build_optimizer(*args, **kwargs)
+    step = optimizer.step
+    def timed_step(self, *a, **k):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return step(*a, **k)
+        finally:
+            timed["s"] += time.perf_counter() - wall
+            timed["cpu_s"] += time.process_time() - cpu
+    optimizer.step = types.MethodType(timed_step, optimizer)
+    timed["optimizer"] = optimizer
+    return optimizer
+utils.training.optim.build_optimizer = build_timed
 write_row = utils.observe.metrics.RunLogger.write_row
 def write_row_with_cpu(self, row):
-    write_row(self, dict(row, bench_cpu_s=time.process_time()) if "loss" in row else row)
+    if "loss" in row:
+        ns = getattr(timed["optimizer"], "newton_schulz_flops", None)
+        row = dict(row, bench_cpu_s=time.process_time(), bench_opt_s=timed["s"], bench_opt_cpu_s=timed["cpu_s"],
+                   bench_ns_flops=ns() if ns else None)
+    write_row(self, row)
 utils.observe.metrics.RunLogger.write_row = write_row_with_cpu
 runpy.run_path(path, run_name="__main__")
 """
@@ -86,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
     p.add_argument("--precision", choices=("no", "bf16", "fp8"), help="default: no on CPU, bf16 on CUDA; fp8: the "
                    "engine and bare loop use torchao float8 Linears (Hopper/Ada), the Trainer stays bf16")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), help="the engine's and bare loop's optimizer (default: "
+                   "the production preset's; the Trainer keeps AdamW: it has no Muon)")
     p.add_argument("--impl", choices=("native", "hf"), default="native",
                    help="the model implementation engine and bare loop train (model_impl)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -135,6 +160,7 @@ def resolve_settings(args, cuda: bool) -> dict:
         "precision": pick(args.precision, "bf16", "no"),
         "compile": pick(args.compile, True, False),
         "impl": args.impl,
+        "optimizer": args.optimizer or production.optimizer,
         "workers": pick(args.workers, production.dataloader_num_workers, 0),
         "prefetch": production.prefetch_factor,
         "threads": pick(args.threads, 0, 1),
@@ -163,6 +189,7 @@ def engine_overrides(s: dict) -> dict:
         "model": s["model"], "seq_len": s["seq_len"], "max_steps": s["max_steps"],
         "per_device_train_batch_size": s["micro_batch"], "gradient_accumulation_steps": s["accum"],
         "mixed_precision": s["precision"], "compile_model": s["compile"], "model_impl": s["impl"],
+        "optimizer": s["optimizer"],
         "dataloader_num_workers": s["workers"], "prefetch_factor": s["prefetch"],
         "logging_steps": s["log_every"], "eval_interval": BIG, "save_steps": BIG, "eval_batches": 1,
         "val_files": 1, "profile": s["profile"],
@@ -270,8 +297,10 @@ def engine_job(name: str, repo: Path, s: dict, data_dir: Path, work: Path) -> Jo
            "--output-dir", str(out), "--data-dir", str(data_dir), "--no-background-upload"]
     overrides = engine_overrides(s) | ({"strategy": "fsdp"} if name == "fsdp" else {}) | (
         {"attention": "document", "eos_id": EOS_ID} if name == "document" else {})
-    if name == "candidate":  # another checkout may predate model_impl: it trains its own default model
+    if name == "candidate":  # another checkout may predate model_impl (it trains its own default model) and optimizer
         overrides.pop("model_impl")
+        if overrides["optimizer"] == "adamw":
+            overrides.pop("optimizer")
     for key, value in overrides.items():
         cmd += ["--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
 
@@ -285,6 +314,8 @@ def engine_job(name: str, repo: Path, s: dict, data_dir: Path, work: Path) -> Jo
         last = rows[marks[-1]]
         return {"clock": "realtime", "marks": [rows[k]["time"] for k in marks],
                 "cpu_marks": [rows[k]["bench_cpu_s"] for k in marks],
+                "opt_cpu_marks": [rows[k]["bench_opt_cpu_s"] for k in marks],
+                "ns_flops": last.get("bench_ns_flops"),
                 # data_wait_frac is a share of the row's own loop time, log_every / steps_per_sec
                 "waits": [r["data_wait_frac"] * s["log_every"] / r["steps_per_sec"] for r in timed],
                 "peak_mem_gb": last.get("peak_mem_gb") if s["device"] == "cuda" else last.get("host_peak_rss_gb"),
@@ -370,9 +401,12 @@ def window_figures(raw: dict, running: list, s: dict) -> dict:
     step_tokens = s["micro_batch"] * s["accum"] * s["seq_len"]
     cpu = [b - a for a, b in zip(raw["cpu_marks"], raw["cpu_marks"][1:])]
     cpu_step_s = statistics.median(cpu) / s["log_every"]
+    opt = raw.get("opt_cpu_marks")  # the optimizer step's share of the timed span's CPU time (engine, bare)
+    opt_cpu_frac = (opt[-1] - opt[0]) / (raw["cpu_marks"][-1] - raw["cpu_marks"][0]) if opt else None
     return {"windows": windows, "clean": clean, "cpu_windows": cpu, "step_s": step_s, "cpu_step_s": cpu_step_s,
             "tokens_per_sec": step_tokens / step_s, "cpu_tokens_per_sec": step_tokens / cpu_step_s,
-            "mean_tokens_per_sec": s["steps"] * step_tokens / sum(windows),
+            "mean_tokens_per_sec": s["steps"] * step_tokens / sum(windows), "opt_cpu_frac": opt_cpu_frac,
+            "ns_gflop": None if raw.get("ns_flops") is None else max(raw["ns_flops"]) / 1e9,
             "data_wait_frac": sum(raw["waits"][i] for i in use) / sum(windows[i] for i in use)}
 
 
@@ -426,7 +460,7 @@ def worker_bare(s: dict) -> dict:
         model.compile_blocks()  # as the engine does: regional compile
     forward = model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=s["precision"] in ("bf16", "fp8"))
-    losses, k, marks, cpu_marks, first_step_s = [], 0, [], [], None
+    losses, k, marks, cpu_marks, opt_cpu_marks, opt_cpu_s, first_step_s = [], 0, [], [], [], 0.0, None
     for step in range(1, s["max_steps"] + 1):
         step_loss = torch.zeros((), device=device)
         for _ in range(s["accum"]):
@@ -436,7 +470,9 @@ def worker_bare(s: dict) -> dict:
             step_loss += loss.detach() / s["accum"]
             k += 1
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        cpu = time.process_time()
         optimizer.step()
+        opt_cpu_s += time.process_time() - cpu
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
@@ -447,8 +483,11 @@ def worker_bare(s: dict) -> dict:
             _sync(torch, device)
             marks.append(time.perf_counter())
             cpu_marks.append(time.process_time())
+            opt_cpu_marks.append(opt_cpu_s)
     final = torch.stack(losses[-s["log_every"]:]).mean().item()
-    return {"clock": "monotonic", "marks": marks, "cpu_marks": cpu_marks, "waits": [0.0] * (len(marks) - 1),
+    ns = getattr(optimizer, "newton_schulz_flops", None)
+    return {"clock": "monotonic", "marks": marks, "cpu_marks": cpu_marks, "opt_cpu_marks": opt_cpu_marks,
+            "ns_flops": ns() if ns else None, "waits": [0.0] * (len(marks) - 1),
             "peak_mem_gb": _peak_mem_gb(torch, device), "final_loss": final, "first_step_s": first_step_s}
 
 
@@ -575,13 +614,15 @@ def render(summary: dict) -> str:
     def fmt(v, f):
         return "null" if v is None else format(v, f)
 
-    lines = ["| contender | tokens/s | step ms | MFU | peak mem GiB | data wait % | CPU ms/step | first step s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| contender | tokens/s | step ms | MFU | peak mem GiB | data wait % | CPU ms/step | optimizer CPU % | "
+             "Newton-Schulz GFLOP/step/rank | first step s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in summary["median"].items():
         mfu = None if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
         lines.append(f"| {name} | {fmt(m['tokens_per_sec'], ',.0f')} | {fmt(m['step_ms'], '.2f')} | "
                      f"{mfu or 'null'} | {fmt(m['peak_mem_gb'], '.2f')} | {fmt(100 * m['data_wait_frac'], '.1f')} | "
-                     f"{fmt(m['cpu_step_ms'], '.2f')} | {fmt(m['first_step_s'], '.1f')} |")
+                     f"{fmt(m['cpu_step_ms'], '.2f')} | {fmt(m['opt_cpu_frac'] and 100 * m['opt_cpu_frac'], '.1f')} | "
+                     f"{fmt(m['ns_gflop'], '.4g')} | {fmt(m['first_step_s'], '.1f')} |")
     lines.append("")
     for name, r in summary["ratios"].items():
         rounds = ", ".join(f"{x:.3f}" for x in r["rounds"])
@@ -592,7 +633,7 @@ def render(summary: dict) -> str:
         "",
         f"model {s['model']} ({meta['params_m']:.2f}M params), micro-batch {s['micro_batch']} x accum {s['accum']} x "
         f"seq {s['seq_len']} = {s['micro_batch'] * s['accum'] * s['seq_len']:,} tokens/step, "
-        f"precision {s['precision']}, "
+        f"precision {s['precision']}, optimizer {s['optimizer']}, "
         f"model_impl {s['impl']}, compile {'on' if s['compile'] else 'off'}, workers {s['workers']}, "
         f"threads {s['threads'] or 'default'}, "
         f"memory profile {s['profile']} -> {s['profile_used']} (activation checkpointing "
@@ -679,7 +720,7 @@ def main(argv=None) -> int:
         return statistics.median(values) if values else None
 
     keys = ("tokens_per_sec", "step_ms", "mfu", "peak_mem_gb", "data_wait_frac", "cpu_tokens_per_sec", "cpu_step_ms",
-            "first_step_s")
+            "opt_cpu_frac", "ns_gflop", "first_step_s")
     median = {name: {k: median_of(name, k) for k in keys} for name in only}
     ratios = {}
     for a, b in (("engine", "bare"), ("engine", "trainer"), ("engine", "naive"), ("fsdp", "engine"),

@@ -47,10 +47,11 @@ class MemoryPlan:
     """Bytes per GPU for one training process: the estimate profiles are chosen by."""
     weights: float  # fp32 master weights (this rank's shards under FSDP)
     gradients: float  # fp32
-    optimizer: float  # AdamW's two moments, fp32 or bf16
+    optimizer: float  # AdamW's two moments (Muon: one momentum per block matrix, AdamW's for the rest), fp32 or bf16
     gathered: float  # FSDP: the bf16 units gathered at once (two blocks, the embedding, the head)
     activations: float  # saved for backward, by the activation checkpointing policy (the family's counts)
     loss: float  # the chunked LM-head loss: two fp32 [chunk rows, vocab] buffers
+    muon_step: float = 0.0  # Muon: what its step holds for a while (utils/training/optim/muon_ranks.py step_bytes)
     overhead: float = 2 * GB  # CUDA context, cuBLAS workspaces, allocator slack
 
     @property
@@ -59,15 +60,16 @@ class MemoryPlan:
 
     @property
     def total(self) -> float:
-        return self.state + self.gathered + self.activations + self.loss + self.overhead
+        return self.state + self.gathered + self.activations + self.loss + self.muon_step + self.overhead
 
     def fits(self, device_gib: float) -> bool:
         return self.total <= USABLE_FRACTION * device_gib * 2**30
 
     def lines(self) -> list[str]:
         rows = [("weights (fp32)", self.weights), ("gradients (fp32)", self.gradients),
-                ("AdamW moments", self.optimizer), ("gathered FSDP units", self.gathered),
-                ("activations", self.activations), ("LM-head loss", self.loss), ("overhead", self.overhead),
+                ("optimizer state", self.optimizer), ("gathered FSDP units", self.gathered),
+                ("activations", self.activations), ("LM-head loss", self.loss),
+                *([("Muon's step", self.muon_step)] if self.muon_step else []), ("overhead", self.overhead),
                 ("total", self.total)]
         return [f"  {label:<22}{value / GB:8.2f} GB" for label, value in rows]
 
@@ -110,16 +112,29 @@ def memory_plan(spec: ModelSpec, shape: RunShape = RunShape()) -> MemoryPlan:
     params = family.parameters(spec)
     shards = world_size if strategy == "fsdp" else 1
     # optimizer state: AdamW two moments per parameter; Muon (utils/training/optim/muon.py) one momentum buffer
-    # per matrix the family gives it, AdamW's two for the rest
+    # per matrix the family gives it, AdamW's two for the rest; and while it steps, its share of the matrices'
+    # updates and Newton-Schulz's workspace (in bf16, a GPU run's muon_ns_dtype)
     matrices = family.muon_values(spec) if shape.optimizer == "muon" else 0
     state_values = 2 * params - matrices
+    muon_step = 0
+    if shape.optimizer == "muon":
+        from utils.training.optim.muon_ranks import step_bytes
+
+        muon_step = step_bytes(muon_shapes(spec), strategy, world_size)
     kept = {p: 2 * family.activations(spec, p) for p in ("none", "selective", "full")}  # bf16
     activations = activation_bytes(shape.checkpointing, layers, s * micro_batch, kept, shape.checkpointing_every)
     rows = min(LOSS_CHUNK_ROWS, micro_batch * (s - 1))
     return MemoryPlan(weights=4 * params / shards, gradients=4 * params / shards,
                       optimizer=(2 if shape.moments == "bf16" else 4) * state_values / shards,
                       gathered=2 * (2 * block + 2 * embed) if strategy == "fsdp" else 0,
-                      activations=activations, loss=2 * 4 * rows * spec.padded_vocab_size)
+                      activations=activations, loss=2 * 4 * rows * spec.padded_vocab_size, muon_step=muon_step)
+
+
+def muon_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
+    """Every matrix Muon orthogonalises: each block's, as the family names them."""
+    from utils.model.families import family_of
+
+    return list(family_of(spec).muon_matrices(spec).values()) * spec.num_hidden_layers
 
 
 def plan_for(profile: "MemoryProfile", spec: ModelSpec, strategy: str, world_size: int,

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Per-GPU memory of a training configuration, before renting the GPUs: weights, gradients, optimizer state,
-activations, and whether it fits.
+activations, and whether it fits; with `--optimizer muon`, what its step holds besides and each rank's share
+of its Newton-Schulz work.
 
     python scripts/memory_plan.py --model pythia-6.9b --strategy fsdp --world-size 8 --micro-batch 2 \\
         --activation-checkpointing selective --device-gib 80
+    python scripts/memory_plan.py --optimizer muon --strategy fsdp --world-size 8
 
 The figures are the estimate the memory profiles choose by (configs/profiles.py: `memory_plan`); the
 training log states the measured per-rank parameter bytes at start. Exit status 1 when it does not fit.
@@ -14,8 +16,14 @@ import argparse
 import sys
 
 from configs.model_config import MODELS, ConfigError, get_model_spec
-from configs.profiles import USABLE_FRACTION, RunShape, memory_plan
-from configs.training_config import ACTIVATION_CHECKPOINTING, OPTIMIZER_STATE_DTYPES, STRATEGIES, default_seq_len
+from configs.profiles import USABLE_FRACTION, RunShape, memory_plan, muon_shapes
+from configs.training_config import (
+    ACTIVATION_CHECKPOINTING,
+    OPTIMIZER_STATE_DTYPES,
+    OPTIMIZERS,
+    STRATEGIES,
+    default_seq_len,
+)
 
 
 def main(argv=None) -> int:
@@ -31,7 +39,10 @@ def main(argv=None) -> int:
                    help="the policy (training config field activation_checkpointing)")
     p.add_argument("--every", type=int, default=2, help="every_k: checkpoint every k-th block")
     p.add_argument("--checkpointing", action="store_true", help="the same as --activation-checkpointing full")
-    p.add_argument("--moments", choices=OPTIMIZER_STATE_DTYPES, default="fp32", help="AdamW moment precision")
+    p.add_argument("--moments", choices=OPTIMIZER_STATE_DTYPES, default="fp32",
+                   help="optimizer state precision (training config field optimizer_state_dtype)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw: two moments per parameter; muon: one momentum per block matrix (AdamW for the rest)")
     p.add_argument("--device-gib", type=float, default=80.0, help="memory of one GPU, GiB (default 80)")
     args = p.parse_args(argv)
     try:
@@ -47,11 +58,18 @@ def main(argv=None) -> int:
     seq_len = args.seq_len or default_seq_len(spec)[0]
     plan = memory_plan(spec, RunShape(strategy=args.strategy, world_size=args.world_size, micro_batch=args.micro_batch,
                                       seq_len=seq_len, checkpointing=policy, checkpointing_every=args.every,
-                                      moments=args.moments))
+                                      moments=args.moments, optimizer=args.optimizer))
     print(f"{spec.name}, {args.strategy} over {args.world_size} GPU(s), micro-batch {args.micro_batch} x seq_len "
           f"{seq_len:,}{'' if args.seq_len else ' (the training default)'}, activation checkpointing {policy}, "
-          f"AdamW moments {args.moments}:")
+          f"{args.optimizer} state in {args.moments}:")
     print("\n".join(plan.lines()))
+    if args.optimizer == "muon":
+        from utils.training.optim.muon_ranks import work_per_rank
+
+        work = work_per_rank(muon_shapes(spec), args.world_size)
+        print(f"Muon's Newton-Schulz: {sum(work) / 1e9:,.0f} GFLOP a step, {max(work) / 1e9:,.0f} on the busiest of "
+              f"{args.world_size} rank(s) (each orthogonalises its share of the block matrices); its step holds "
+              f"{plan.muon_step / 1e9:.2f} GB besides (Newton-Schulz in bf16)")
     usable = USABLE_FRACTION * args.device_gib * 2**30 / 1e9
     if plan.fits(args.device_gib):
         print(f"fits a {args.device_gib:g} GiB GPU ({usable:.1f} GB usable)")

@@ -13,9 +13,23 @@ import pytest
 
 from tests.trainkit import REPO_ROOT
 
-# | contender | tokens/s | step ms | MFU (null on the CPU) | peak mem GiB | data wait % | CPU ms/step | first step s |
+# | contender | tokens/s | step ms | MFU (null on the CPU) | peak mem GiB | data wait % | CPU ms/step |
+#   optimizer CPU % | Newton-Schulz GFLOP/step/rank | first step s |
 ROW = re.compile(r"^\| (engine|trainer|naive|bare|fsdp|document) \| ([\d,]+) \| ([\d.]+) \| null \| ([\d.]+) \| "
-                 r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", re.M)
+                 r"([\d.]+) \| ([\d.]+) \| ([\d.]+|null) \| ([\d.e+-]+|null) \| ([\d.]+) \|$", re.M)
+
+
+def _micro_newton_schulz_gflop() -> float:
+    from configs import get_model_spec
+    from utils.model.families import family_of
+    from utils.training.optim.muon import newton_schulz_flops
+
+    spec = get_model_spec("micro")
+    shapes = family_of(spec).muon_matrices(spec).values()
+    return spec.num_hidden_layers * sum(newton_schulz_flops(shape) for shape in shapes) / 1e9
+
+
+NS_GFLOP = _micro_newton_schulz_gflop()
 
 
 @pytest.mark.slow
@@ -24,7 +38,7 @@ def test_bench_table_has_every_contender(tmp_path, subprocess_env):
     env = dict(subprocess_env, CUDA_VISIBLE_DEVICES="")  # the CPU path, wherever the suite runs
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_train.py"), "--steps", "4", "--warmup", "2",
            "--repeats", "1", "--slice-s", "0.5", "--json", str(out),
-           "--only", "engine,trainer,naive,bare,fsdp,document"]
+           "--only", "engine,trainer,naive,bare,fsdp,document", "--optimizer", "muon"]
     proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
 
@@ -34,13 +48,17 @@ def test_bench_table_has_every_contender(tmp_path, subprocess_env):
         tokens_per_s, step_ms = float(m[2].replace(",", "")), float(m[3])
         assert tokens_per_s > 0 and step_ms > 0, m[0]
         assert abs(tokens_per_s * step_ms / 1e3 - 16 * 32) / (16 * 32) < 0.01, m[0]  # 512 tokens per step
-        assert 0 < float(m[7]) < 170, m[0]  # time to first step, from the process start
+        assert 0 < float(m[9]) < 170, m[0]  # time to first step, from the process start
+        if _name in ("trainer", "naive"):  # the Trainer keeps AdamW and is not timed inside
+            assert m[7] == m[8] == "null", m[0]
+        else:  # the optimizer step's share of the CPU time; Muon's Newton-Schulz on the micro model's one layer
+            assert 0 < float(m[7]) < 100 and float(m[8]) == pytest.approx(NS_GFLOP, rel=1e-3), m[0]
     assert re.search(r"^engine/bare: \d+\.\d{3} tokens/s \(median of the per-round ratios", proc.stdout, re.M)
     assert re.search(r"^engine/trainer: \d+\.\d{3} tokens/s", proc.stdout, re.M)
     assert re.search(r"^engine/naive: \d+\.\d{3} tokens/s", proc.stdout, re.M)
     assert re.search(r"^fsdp/engine: \d+\.\d{3} tokens/s", proc.stdout, re.M)
     assert re.search(r"^document/engine: \d+\.\d{3} tokens/s", proc.stdout, re.M)
-    assert "micro-batch 16 x accum 1 x seq 32" in proc.stdout
+    assert "micro-batch 16 x accum 1 x seq 32" in proc.stdout and "optimizer muon" in proc.stdout
 
     summary = json.loads(out.read_text())
     assert summary["settings"]["model"] == "micro" and summary["meta"]["device"].startswith("cpu")

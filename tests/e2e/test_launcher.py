@@ -7,6 +7,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,8 +111,9 @@ def records(out_dir: Path) -> list[dict]:
 def test_help(launcher, subprocess_env):
     res = run(launcher, ["--help"], subprocess_env)
     assert res.returncode == 0
-    for flag in ("--config", "--gpus", "--cpu", "--nodes", "--node-rank", "--main-addr", "--main-port",
-                 "--resume", "--max-steps", "--strategy", "--dry-run", "TRAIN_SCRIPT"):
+    for flag in ("--config", "--gpus", "--cpu", "--nodes", "--node-rank", "--node-rank-from", "--main-addr",
+                 "--main-port", "--resume", "--max-steps", "--strategy", "--stop-exit-code", "--dry-run",
+                 "TRAIN_SCRIPT"):
         assert flag in res.stdout
 
 
@@ -123,6 +125,11 @@ def test_help(launcher, subprocess_env):
     (["--config", "demo", "--strategy", "zero3"], "use ddp or fsdp"),
     (["--config", "demo", "--gpus", "two"], "not a whole number"),
     (["--config"], "--config needs a value"),
+    (["--config", "demo", "--nodes", "2", "--main-addr", "h", "--node-rank-from", "NEOX_UNSET_VAR"],
+     "--node-rank-from NEOX_UNSET_VAR: the variable is not set (a Kubernetes Indexed Job sets JOB_COMPLETION_INDEX"),
+    (["--config", "demo", "--node-rank-from", "JOB-INDEX"], "'JOB-INDEX' is not an environment variable's name"),
+    (["--config", "demo", "--node-rank", "1", "--node-rank-from", "HOME"], "--node-rank R or --node-rank-from VAR"),
+    (["--config", "demo", "--stop-exit-code", "2"], "--stop-exit-code '2': give a status from 4 to 255"),
 ])
 def test_usage_errors_exit_2(launcher, subprocess_env, args, message):
     res = run(launcher, args, subprocess_env)
@@ -214,6 +221,24 @@ def test_multi_node_command(launcher, tmp_path, subprocess_env, probe):
     args = accelerate_args(printed_command(res.stdout))
     assert (args.num_processes, args.num_machines, args.machine_rank) == (16, 2, 1)
     assert (args.main_process_ip, args.main_process_port, args.multi_gpu) == ("10.1.2.3", 29500, True)
+
+
+def test_the_node_rank_from_an_environment_variable(launcher, tmp_path, subprocess_env, probe):
+    """--node-rank-from VAR (a Kubernetes Indexed Job's JOB_COMPLETION_INDEX): the rank accelerate gets; a
+    value out of range is named with its variable, one that is not a number is refused without being shown (the
+    variable may hold anything)."""
+    env = dict(fake_gpus(tmp_path, subprocess_env, 8), TRAIN_SCRIPT=str(probe))
+    common = ["--config", "production", "--nodes", "2", "--main-addr", "neox-0.neox", "--node-rank-from",
+              "JOB_COMPLETION_INDEX", "--dry-run"]
+    res = run(launcher, common, dict(env, JOB_COMPLETION_INDEX="1"))
+    assert res.returncode == 0, res.stderr
+    args = accelerate_args(printed_command(res.stdout))
+    assert (args.machine_rank, args.main_process_ip, args.num_machines) == (1, "neox-0.neox", 2)
+    res = run(launcher, common, dict(env, JOB_COMPLETION_INDEX="2"))
+    assert res.returncode == 2 and res.stderr == "start_training.sh: error: --node-rank-from JOB_COMPLETION_INDEX " \
+        "(JOB_COMPLETION_INDEX=2) must be below --nodes 2\n", res.stderr
+    res = run(launcher, common, dict(env, JOB_COMPLETION_INDEX="s3cr3t"))
+    assert res.returncode == 2 and "its value is not a whole number" in res.stderr and "s3cr3t" not in res.stderr
 
 
 def test_fsdp_strategy_is_a_field_not_accelerate_flags(launcher, tmp_path, subprocess_env, probe):
@@ -316,6 +341,43 @@ def test_torchrun_runs_train_py_directly(subprocess_env, tmp_path, repo_root):
 
 
 # ------------------------------------------------------------------------- errors after the launch
+
+# A rank that ends as train.py does, through the status record's own writer: `stopped_by` (empty: finished), exit 0;
+# "fail" marks a trained step and exits 1.
+RANK_THAT_ENDS = """import sys
+from utils.runtime.run_status import RunStatus, mark_trained
+mark_trained()
+if sys.argv[1] == "fail":
+    sys.exit(1)
+RunStatus(0, stopped_by=sys.argv[1] or None, step=3, final_model=None if sys.argv[1] else "final_model").write()
+"""
+
+
+@pytest.mark.parametrize("stopped_by, status", [("SIGTERM", 143), ("a signal on another rank", 143),
+                                                ("stop_at_step", 0), ("", 0)])
+def test_the_stop_exit_code_is_a_stop_signal_s_before_the_run_finished(repo_root, subprocess_env, stopped_by,
+                                                                        status):
+    """--stop-exit-code N (a Kubernetes pod): N where the ranks stopped on a signal, theirs or another rank's (the
+    mark beside the status record, which the launchers of nodes without rank 0 read), 0 for a finished run and for
+    one that stopped where its config said."""
+    proc = subprocess.run([sys.executable, "-S", str(repo_root / "utils/runtime/launch.py"), "--stop-exit-code", "143",
+                           "--", sys.executable, "-c", RANK_THAT_ENDS, stopped_by], env=subprocess_env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == status, proc.stderr
+
+
+def test_a_stop_signal_during_a_restart_s_wait_exits_with_the_stop_exit_code(repo_root, subprocess_env):
+    proc = subprocess.Popen([sys.executable, "-S", str(repo_root / "utils/runtime/launch.py"), "--max-restarts", "1",
+                             "--restart-delay", "60", "--stop-exit-code", "143", "--", sys.executable, "-c",
+                             RANK_THAT_ENDS, "fail"], env=subprocess_env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "restart 1 of 1 in 60 s" in proc.stderr.readline()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+        assert "stopped by SIGTERM before restart 1; nothing running" in proc.stderr.read()
+    finally:
+        proc.kill()
+
 
 def test_an_error_after_launch_is_one_line_and_train_py_s_exit_status(launcher, subprocess_env, tmp_path):
     """train.py's `error:` line is all of stderr (no accelerate traceback), and the launcher exits 2, as

@@ -119,7 +119,12 @@ class DataParallel:
         return model  # accelerate moves and wraps it in `prepare`
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        """(model, optimizer) as the loop drives them: here DDP-wrapped by accelerate."""
+        """(model, optimizer) as the loop drives them: here DDP-wrapped by accelerate, and an optimizer that
+        can split its per-matrix work between the replicas told of them (Muon's Newton-Schulz)."""
+        if self.accelerator.num_processes > 1:
+            from utils.training.optim import spread_over_replicas
+
+            spread_over_replicas(optimizer)
         model, optimizer = self.accelerator.prepare(model, optimizer)
         if self.accelerator.scaler is None:
             # AcceleratedOptimizer adds only the fp16 loss-scaler path to step/zero_grad, yet looks up an

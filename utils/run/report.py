@@ -27,8 +27,9 @@ class ReportSettings(Settings):
 
 
 def describe_run(settings: ReportSettings, run) -> None:
-    """The lines before step 1: the model and precision, the per-rank state, the batch and data, the memory
-    profile, where checkpoints go. `run`: the Trainer (its parallelism, model, loader, state and log)."""
+    """The lines before step 1: the model and precision, the per-rank state, Muon's Newton-Schulz work per rank,
+    the batch and data, the memory profile, where checkpoints go. `run`: the Trainer (its parallelism, model,
+    optimizer, loader, state and log)."""
     parallel, log, core, loader, state = run.parallel, run.log, run.core, run.loader, run.state
     world = parallel.accelerator.num_processes
     global_batch = loader.global_batch * settings.gradient_accumulation_steps
@@ -40,6 +41,11 @@ def describe_run(settings: ReportSettings, run) -> None:
     moments, what = optimizer_state_bytes(core, settings, weights)
     log.info(f"  strategy {parallel.name}, world size {world}: per-rank state {(2 * weights + moments) / GB:.2f} GB "
              f"(parameters {weights} bytes, as many in gradients, {moments / GB:.2f} GB {what})")
+    if settings.optimizer == "muon":
+        flops = getattr(run.optimizer, "optimizer", run.optimizer).newton_schulz_flops()  # fp16: accelerate's wrapper
+        log.info(f"  Muon: Newton-Schulz {sum(flops) / 1e9:.4g} GFLOP a step, "
+                 + (f"each rank its share: {', '.join(f'{f / 1e9:.4g}' for f in flops)} GFLOP" if len(flops) > 1
+                    else "all on this process"))
     log.info(f"  batch {settings.per_device_train_batch_size} x accumulation {settings.gradient_accumulation_steps} "
              f"x {world} = {global_batch} sequences of {loader.dataset.seq_len} tokens per step; "
              f"{loader.num_samples:,} train sequences, {len(run.val_batches)} eval batches per rank; steps "

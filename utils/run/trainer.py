@@ -37,7 +37,7 @@ from utils.run.callbacks import (
     StepTiming,
     WatchdogBeat,
 )
-from utils.runtime.run_status import RunStatus
+from utils.runtime.run_status import PLANNED_STOP, RunStatus
 
 
 @dataclass(frozen=True)
@@ -316,7 +316,7 @@ class Trainer:
             self.stopping = self.stop.agreed(unavailable)
             self.callbacks.call("step_end", self)
             if self.stopping or self.planned_stop:
-                self.stopped_by = self.stop.reason if self.stopping else "stop_at_step"
+                self.stopped_by = self.stop.reason if self.stopping else PLANNED_STOP
                 self.exit_code = int(self.stop.failed)
                 with self.busy("the stop's checkpoint"):
                     self.checkpointer.wait()

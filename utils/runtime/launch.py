@@ -23,7 +23,9 @@ workers and torchrun before train.py could act on it. So:
   `NEOX_STATUS_FILE` (utils/runtime/run_status.py). Exit status: 0 for a finished run or a clean stop on a signal,
   train.py's own status otherwise (2: a problem the user fixes, already explained on stderr in one `error:`
   line; 3: the hang watchdog ended a rank, which any rank marks beside the record), not the launcher's
-  (accelerate and torchrun exit 1 whatever their rank's status);
+  (accelerate and torchrun exit 1 whatever their rank's status). `--stop-exit-code N` makes a stop signal's
+  clean end N where the run did not finish (a Kubernetes Job takes a pod that exits 0 as done): on every
+  node, since every rank marks such a stop beside the record;
 - the command's stderr passes through `StderrFilter` (with its stdout, over a pseudo-terminal, when ours is
   a terminal, so progress bars still draw and stay in order with the log lines), which leaves out the
   traceback accelerate or torchrun print after a rank failed: that rank has already said what went wrong.
@@ -79,6 +81,7 @@ from utils.runtime.run_status import (
     HUNG_SUFFIX,
     RESTARTS_ENV,
     STATUS_FILE_ENV,
+    STOPPED_SUFFIX,
     TRAINED_SUFFIX,
     RunStatus,
     hung_ranks,
@@ -360,18 +363,21 @@ def started_by_launcher() -> int | None:
 @dataclass
 class Launch:
     """How one launch of the command ended: its exit status, rank 0's status record, what its output said,
-    whether a rank finished a training step, and the ranks the hang watchdog ended (first to fire first)."""
+    whether a rank finished a training step, the ranks the hang watchdog ended (first to fire first), and
+    whether a stop signal ended it before the run finished."""
     code: int
     status: RunStatus | None
     output: StderrFilter
     trained: bool
     hung: list[int]
+    stopped: bool = False
 
 
 class Supervisor:
-    def __init__(self, cmd: list[str], max_restarts: int = 0, restart_delay: float = 10.0):
+    def __init__(self, cmd: list[str], max_restarts: int = 0, restart_delay: float = 10.0, stop_exit_code: int = 0):
         self.cmd = cmd
         self.max_restarts, self.restart_delay = max_restarts, restart_delay
+        self.stop_exit_code = stop_exit_code  # the status of a stop signal's clean end before the run finished
         self.via_launcher = any(k in " ".join(cmd[:4]) for k in ("accelerate", "torchrun", "torch.distributed.run"))
         self.child: subprocess.Popen | None = None
         self.ranks: set[int] = set()
@@ -462,7 +468,7 @@ class Supervisor:
         if _EARLY_STOPS:
             print(f"{PROG}: stopped by {_signal_name(_EARLY_STOPS[0])} before training started; nothing to save",
                   file=sys.stderr)
-            return 0
+            return self.stop_exit_code
         restarts = 0
         while True:
             launched = self._launch(restarts)
@@ -471,6 +477,8 @@ class Supervisor:
             why = self._restartable(launched)
             if why is None or restarts >= self.max_restarts:
                 result = self._report(launched, restarts)
+                if result == 0 and launched.stopped:
+                    result = self.stop_exit_code
                 if why is not None and self.max_restarts:
                     print(f"{PROG}: gave up after {restarts} restart(s) (--max-restarts {self.max_restarts}): {why}; "
                           f"continue from the newest checkpoint with --resume auto", file=sys.stderr, flush=True)
@@ -485,7 +493,7 @@ class Supervisor:
             if self.stopped_by:
                 print(f"{PROG}: stopped by {self.stopped_by} before restart {restarts}; nothing running, nothing "
                       f"more to save (continue with --resume auto)", file=sys.stderr, flush=True)
-                return 0
+                return self.stop_exit_code
 
     def _restartable(self, launch: Launch) -> str | None:
         """Why this launch's end deserves a restart (what went wrong, in words), or None: it finished or
@@ -537,8 +545,8 @@ class Supervisor:
         code = self._wait_all()
         pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
         launch = Launch(code, RunStatus.read(status_path), output, os.path.exists(status_path + TRAINED_SUFFIX),
-                        hung_ranks(status_path))
-        for suffix in ("", SIGNAL_SUFFIX, TRAINED_SUFFIX, HUNG_SUFFIX):
+                        hung_ranks(status_path), os.path.exists(status_path + STOPPED_SUFFIX))
+        for suffix in ("", SIGNAL_SUFFIX, TRAINED_SUFFIX, HUNG_SUFFIX, STOPPED_SUFFIX):
             try:
                 os.unlink(status_path + suffix)
             except OSError:
@@ -626,23 +634,23 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     options, argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
     usage = (f"usage: python utils/runtime/{Path(__file__).name} [--max-restarts N] [--restart-delay S] "
-             f"-- COMMAND [ARGS...] (start_training.sh runs it for you)")
+             f"[--stop-exit-code N] -- COMMAND [ARGS...] (start_training.sh runs it for you)")
     if not argv:
         print(f"{Path(__file__).name}: error: no command to run; {usage}", file=sys.stderr)
         return 2
-    settings = {"--max-restarts": 0, "--restart-delay": 10.0}
+    settings = {"--max-restarts": 0, "--restart-delay": 10.0, "--stop-exit-code": 0}
     while options:
         name, value = options.pop(0), options.pop(0) if options else ""
         try:
             settings[name] = type(settings[name])(value)
-            if settings[name] < 0:
+            if settings[name] < 0 or name == "--stop-exit-code" and settings[name] > 255:
                 raise ValueError
         except (KeyError, ValueError):
-            print(f"{Path(__file__).name}: error: {name} {value!r}: expected --max-restarts N (a whole number) or "
-                  f"--restart-delay S (seconds, >= 0); {usage}", file=sys.stderr)
+            print(f"{Path(__file__).name}: error: {name} {value!r}: expected --max-restarts N (a whole number), "
+                  f"--restart-delay S (seconds, >= 0) or --stop-exit-code N (0..255); {usage}", file=sys.stderr)
             return 2
     survive_lost_console()
-    return Supervisor(argv, settings["--max-restarts"], settings["--restart-delay"]).run()
+    return Supervisor(argv, settings["--max-restarts"], settings["--restart-delay"], settings["--stop-exit-code"]).run()
 
 
 if __name__ == "__main__":

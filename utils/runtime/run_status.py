@@ -3,9 +3,10 @@
 The launcher (utils/runtime/launch.py) names a file in `NEOX_STATUS_FILE`; rank 0 of train.py writes a RunStatus
 there as it exits (how it ended, what stopped it, the step, the last checkpoint, the exported model, or
 the error it said), and the launcher's last line reads it back. Beside it, any rank marks that this launch
-trained a step (`mark_trained`: a failure from then on may be restarted) and that the hang watchdog ended a
-rank (`mark_hung`: the launcher exits 3). Standard library only: the launcher imports it without site-packages
-(`python -S`)."""
+trained a step (`mark_trained`: a failure from then on may be restarted), that the hang watchdog ended a
+rank (`mark_hung`: the launcher exits 3), and that a stop signal ended the run before it finished
+(`STOPPED_SUFFIX`, every rank: for `--stop-exit-code` on nodes without rank 0, which have no record).
+Standard library only: the launcher imports it without site-packages (`python -S`)."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,8 @@ RESTARTS_ENV = "NEOX_RESTART_COUNT"  # set by the launcher: how many times it ha
 TRAINED_SUFFIX = ".trained"  # beside the status file: a rank finished a training step in this launch
 HANG_EXIT = 3  # the hang watchdog's exit status, and the launcher's after it (docs/contracts.md)
 HUNG_SUFFIX = ".hung"  # beside the status file: the hang watchdog ended a rank (its number) in this launch
+STOPPED_SUFFIX = ".stopped"  # beside the status file: a stop signal (on any rank) ended this launch unfinished
+PLANNED_STOP = "stop_at_step"  # RunStatus.stopped_by of a run that stopped where its config said
 _trained_marked: list[bool] = []
 
 
@@ -70,7 +73,7 @@ def rank_zero() -> bool:
 @dataclass(frozen=True)
 class RunStatus:
     exit_code: int
-    stopped_by: str | None = None  # a signal's name or "stop_at_step"; None for a finished run or an error
+    stopped_by: str | None = None  # a signal's name or PLANNED_STOP; None for a finished run or an error
     step: int | None = None  # the last optimizer step done (None: stopped during setup)
     checkpoint: str | None = None  # the last checkpoint written
     final_model: str | None = None  # where the exported model is
@@ -78,9 +81,15 @@ class RunStatus:
     restarts: int = field(default_factory=restarts_so_far)  # the launcher's restarts before this launch
 
     def write(self) -> None:
-        """Rank 0, where the launcher asks for it: the record, atomically. A courtesy to the launcher: the
-        run's own output says the same, so a failure to write it is ignored."""
+        """Rank 0, where the launcher asks for it: the record, atomically; every rank: the mark of a stop that
+        left the run unfinished. A courtesy to the launcher: the run's own output says the same, so a failure to
+        write either is ignored."""
         path = os.environ.get(STATUS_FILE_ENV)
+        if path and self.stopped_by is not None and self.stopped_by != PLANNED_STOP and not self.exit_code:
+            try:
+                open(path + STOPPED_SUFFIX, "a").close()
+            except OSError:
+                pass
         if not path or not rank_zero():
             return
         try:

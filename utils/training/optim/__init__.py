@@ -6,7 +6,9 @@ none of its modules: they load when a run builds its optimizer). Adding an optim
 one line in OPTIMIZERS (and its fields, if it has new ones, in the config and in OptimizerSettings).
 
 - `adamw`: torch's AdamW, decay on matrices only; BF16MomentAdamW (`optimizer_state_dtype=bf16`);
-- `muon`: torch's Muon for the blocks' weight matrices, AdamW for the rest, in one optimizer object.
+- `muon`: torch's Muon for the blocks' weight matrices, AdamW for the rest, in one optimizer object; across
+  ranks each rank orthogonalises its share of the matrices (`spread_over_replicas` tells it of DDP's);
+  `muon_ranks` (torch-free, the memory plan reads it): how the matrices are shared, what a rank holds.
 
 May import: utils, utils.io, utils.runtime (as utils.training).
 """
@@ -44,3 +46,13 @@ def build_optimizer(model, settings: OptimizerSettings, fused: bool):
     """The optimizer `settings.optimizer` names, over `model`'s parameters (`fused`: torch's fused kernels)."""
     module = importlib.import_module(f"{__name__}.{OPTIMIZERS[settings.optimizer]}")
     return module.build(model, settings, fused)
+
+
+def spread_over_replicas(optimizer, group=None) -> None:
+    """Tells `optimizer` that every rank of `group` (None: all ranks) holds the same parameters and gradients
+    (DDP). One with work per matrix that a rank can do for the others (Muon's Newton-Schulz: its
+    `spread_over_replicas`) then splits it; the others are unchanged. Sharded parameters (FSDP2's DTensors)
+    say it themselves."""
+    spread = getattr(optimizer, "spread_over_replicas", None)
+    if spread is not None:
+        spread(group)

@@ -24,16 +24,25 @@ on CUDA, or BF16MomentAdamW) followed by Muon's, and the state is one table keye
 save and restore it unchanged, and a resumed run is bitwise the uninterrupted one). Muon's state is one
 momentum buffer per matrix (half of AdamW's two moments), in `optimizer_state_dtype`.
 
-Under FSDP2 each matrix is a DTensor sharded by rows. The momentum is updated on the local shard; the
-Newton-Schulz iteration needs the whole matrix, so each rank gathers it (`DTensor.full_tensor()`, an
-all-gather of the momentum-blended update), orthogonalises it and keeps its own rows of the result
-(`distribute_tensor(..., src_data_rank=None)`: a local slice, no communication). Communication: one
-all-gather of every Muon matrix per optimizer step, in the gradients' dtype: (world - 1) / world of the
-blocks' matrix bytes received per rank, the same volume as FSDP's forward all-gather of those weights
-(about 1/3 more traffic per step than FSDP with AdamW: forward + backward all-gather and reduce-scatter);
-every rank also does the whole Newton-Schulz FLOPs (5 x ~3 matmuls of the matrix's size: small next to a
-step's forward and backward at the 1.2B shape and batch). Giving whole matrices to ranks in turn
-(Moonlight, Dion) would split that compute; not done here.
+Across ranks (Moonlight's distributed Muon, Dion's and torchtitan's DistMuon do the same): Newton-Schulz
+needs a whole matrix, so each matrix is orthogonalised by one rank, its owner, and the ranks split the
+matrices between them, balanced by Newton-Schulz's FLOPs (`assign_by_cost`: the costliest first, each to
+the least-loaded rank) and done in buckets of rounds (`buckets_of`; utils/training/optim/muon_ranks.py, which
+the memory plan reads too): a bucket's momentum, its exchange and orthogonalisation, its update, then the next.
+- FSDP2 (each matrix a DTensor sharded by rows over the mesh): one all-to-all brings every owner the other
+  ranks' rows of its matrices' momentum-blended updates, the owner orthogonalises them, a second all-to-all
+  gives each rank its rows of the results. Per step a rank receives (world - 1) / world of the matrices it owns and
+  1 / world of each other one: 2 (world - 1) / world^2 of the blocks' matrices, where every rank gathering
+  every matrix received (world - 1) / world (the same at 2 ranks, half at 4, a quarter at 8).
+- DDP (whole parameters and gradients on every rank; the strategy calls `spread_over_replicas`): every rank
+  updates every momentum (its state, which checkpoints save), the owner orthogonalises, and each owner
+  broadcasts its results (one buffer a bucket): every rank needs the whole update.
+- One process (and any optimizer not told of replicas): every matrix here, one after another, as before.
+Both carry the update in Newton-Schulz's dtype (`muon_ns_dtype`): its first operation is that cast and its
+result is in that dtype, so bf16 runs send half the bytes and nothing changes in the numbers. A matrix's
+result is the very tensor a single process computes, so 1 process, DDP and FSDP differ only by their
+gradients' summation order, and checkpoints hold the same state (`state_dict()` unchanged; an owner is no
+part of it: a resume on any world size assigns again).
 """
 from __future__ import annotations
 
@@ -43,6 +52,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from utils.training.optim import MUON_SCALES, OptimizerSettings, adamw
 from utils.training.optim.adamw import state_dtype as adamw_state_dtype
+from utils.training.optim.muon_ranks import assign_by_cost, buckets_of, newton_schulz_flops, work_per_rank
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults
 NS_STEPS, NS_EPS = 5, 1e-7
@@ -99,6 +109,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.state_dtype = adamw_state_dtype(settings)
         # Newton-Schulz's (module docstring); not in the state dict: a run's setting
         self.ns_dtype = ns_dtype_for(settings.muon_ns_dtype, settings.mixed_precision)
+        self.replicas = None  # DDP: the process group whose ranks hold the same parameters (spread_over_replicas)
+        self._works: dict = {}  # a Muon group's parameters -> how they are spread (_Work): worked out once
         lr = settings.learning_rate
         muon_group = dict(params=list(muon_params), lr=lr, weight_decay=settings.weight_decay,
                           momentum=settings.muon_momentum, nesterov=True, ns_coefficients=NS_COEFFICIENTS,
@@ -113,6 +125,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
         n = len(self.adamw.param_groups)
         self.adamw.param_groups = self.param_groups[:n]
         self.adamw.state = self.state
+
+    def spread_over_replicas(self, group=None) -> None:
+        """DDP: every rank of `group` (None: all of them) holds the same parameters and gradients, so each
+        orthogonalises only the matrices it owns and the others receive them (module docstring)."""
+        self.replicas = group if group is not None else torch.distributed.group.WORLD
+        self._works.clear()
+
+    def _work(self, params: list[torch.Tensor]) -> _Work:
+        key = tuple(map(id, params))  # the optimizer holds them: no id is reused while it lives
+        if key not in self._works:
+            self._works[key] = _Work(params, self.replicas)
+        return self._works[key]
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # new group dicts and state table: linked again
@@ -137,6 +161,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
         size = torch.empty((), dtype=self.state_dtype).element_size()
         return sum(local_tensor(p).numel() * size for g in self.param_groups if g.get("muon") for p in g["params"])
 
+    def newton_schulz_flops(self) -> list[int]:
+        """Newton-Schulz FLOPs per optimizer step of each rank that shares the work (one entry per rank; a
+        single one where this process does all of it)."""
+        loads = [work_per_rank(self._work(g["params"]).shapes, self._work(g["params"]).world)
+                 for g in self.param_groups if g.get("muon")]
+        return [sum(ranks) for ranks in zip(*loads)]
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -150,39 +181,147 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict) -> None:
-        """torch.optim.Muon's single-tensor step (the same operations in the same order), with the whole
-        matrix gathered for Newton-Schulz when it is a DTensor shard."""
-        lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
+        """torch.optim.Muon's single-tensor step (the same operations in the same order) on this rank's part
+        of each matrix, bucket by bucket, each matrix orthogonalised whole by its owner."""
+        params = group["params"]
+        work = self._work(params)
+        args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+        for owned in work.buckets:
+            owned = [[i for i in matrices if params[i].grad is not None] for matrices in owned]
+            todo = [i for matrices in owned for i in matrices]
+            if not todo:  # no gradients in this bucket, on any rank
                 continue
-            grad = p.grad
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, dtype=self.state_dtype)
-            buf = state["momentum_buffer"]
-            if buf.dtype == grad.dtype:
-                buf.lerp_(grad, 1 - momentum)
-                blended = buf
-            else:  # bf16 momentum: blended in fp32, stored rounded
-                blended = buf.to(grad.dtype).lerp_(grad, 1 - momentum)
-                buf.copy_(blended)
-            update = grad.lerp(blended, momentum) if group["nesterov"] else blended
-            update = _orthogonalise(update, group, self.ns_dtype)
-            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
-            if group.get("cautious"):  # decay only where the step moves the weight towards zero as well
-                p.mul_(1 - (lr * wd) * (update * p >= 0).to(p.dtype))
+            updates = {i: self._momentum_update(params[i], group, work.needs_update(i)) for i in todo}
+            results = work.orthogonalise({i: u for i, u in updates.items() if u is not None}, owned,
+                                         lambda u: newton_schulz(u, *args), self.ns_dtype, params[todo[0]].device)
+            for i in todo:
+                self._apply(params[i], results[i].to(params[i].dtype), group)
+
+    def _momentum_update(self, p: torch.Tensor, group: dict, wanted: bool = True) -> torch.Tensor | None:
+        """The momentum buffer blended with this step's gradient (kept), and, `wanted`, the Nesterov update
+        made of them: this rank's rows of a sharded matrix."""
+        from utils.runtime.distributed import local_tensor
+
+        momentum, grad = group["momentum"], local_tensor(p.grad)
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=self.state_dtype)  # a DTensor like p's
+        buf = local_tensor(state["momentum_buffer"])
+        if buf.dtype == grad.dtype:
+            buf.lerp_(grad, 1 - momentum)
+            blended = buf
+        else:  # bf16 momentum: blended in fp32, stored rounded
+            blended = buf.to(grad.dtype).lerp_(grad, 1 - momentum)
+            buf.copy_(blended)
+        if not wanted:
+            return None
+        return grad.lerp(blended, momentum) if group["nesterov"] else blended
+
+    def _apply(self, p: torch.Tensor, update: torch.Tensor, group: dict) -> None:
+        """Decoupled weight decay and the scaled orthogonalised update, on this rank's rows of `p`."""
+        from utils.runtime.distributed import local_tensor
+
+        lr, wd = group["lr"], group["weight_decay"]
+        adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)  # the whole matrix's shape
+        p = local_tensor(p)
+        if group.get("cautious"):  # decay only where the step moves the weight towards zero as well
+            p.mul_(1 - (lr * wd) * (update * p >= 0).to(p.dtype))
+        else:
+            p.mul_(1 - lr * wd)
+        p.add_(update, alpha=-adjusted_lr)
+
+
+class _Work:
+    """How a Muon group's matrices are spread over the ranks that share them: each one's owner, the buckets,
+    and the collectives that carry a bucket's updates (module docstring). Sharded: the matrices are DTensors
+    split by rows over a 1-D mesh (FSDP2); otherwise whole on every rank of `replicas` (DDP), or here alone."""
+
+    def __init__(self, params: list[torch.Tensor], replicas):
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, Shard
+
+        self.sharded = isinstance(params[0], DTensor) and params[0].device_mesh.size() > 1
+        if self.sharded:
+            mesh = params[0].device_mesh
+            if mesh.ndim != 1 or any(p.placements != (Shard(0),) or p.device_mesh != mesh for p in params):
+                raise ValueError("Muon's matrices must all be sharded by rows over one 1-D mesh (FSDP2's layout)")
+            self.group = mesh.get_group()
+        else:
+            self.group = replicas
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.shapes = [tuple(p.shape) for p in params]
+        self.costs = [newton_schulz_flops(shape) for shape in self.shapes]
+        self.owners = assign_by_cost(self.costs, self.world)
+        if self.world == 1:  # one matrix at a time, in order, as torch's Muon
+            self.buckets = [[[i]] for i in range(len(params))]
+        else:
+            self.buckets = buckets_of(self.owners, self.costs, [p.numel() for p in params], self.world)
+
+    def needs_update(self, matrix: int) -> bool:
+        """Whether this rank needs its part of `matrix`'s momentum-blended update: to orthogonalise it, or to
+        send its rows to the owner; under DDP a rank receives the others' matrices orthogonalised."""
+        return self.world == 1 or self.sharded or self.owners[matrix] == self.rank
+
+    def orthogonalise(self, updates: dict[int, torch.Tensor], owned: list[list[int]], ns, ns_dtype,
+                      device: torch.device) -> dict:
+        """This rank's part of each of the bucket's matrices orthogonalised (`ns`; `owned`: each rank's, with
+        gradients), from the updates it needs (`needs_update`): the whole matrix here (one process, DDP), or its
+        rows (FSDP)."""
+        if self.world == 1:
+            return {i: ns(u) for i, u in updates.items()}
+        if self.sharded:
+            return self._by_all_to_all(updates, owned, ns, ns_dtype, device)
+        return self._by_broadcast(updates, owned, ns, ns_dtype, device)
+
+    def _rows(self, matrix: int, rank: int) -> tuple[int, int]:
+        """(first row, rows) of `matrix` that `rank` holds: FSDP2's Shard(0), torch.chunk's split."""
+        from torch.distributed.tensor import Shard
+
+        count, first = Shard.local_shard_size_and_offset(self.shapes[matrix][0], self.world, rank)
+        return first, count
+
+    def _held(self, rank: int, matrices: list[int]) -> list[int]:
+        """How many values of each of `matrices` `rank` holds."""
+        return [self._rows(i, rank)[1] * self.shapes[i][1] for i in matrices]
+
+    def _by_all_to_all(self, updates: dict, owned: list[list[int]], ns, ns_dtype, device) -> dict:
+        """FSDP: each rank's rows go to their matrices' owners (one all-to-all), which orthogonalise the whole
+        matrices and send each rank its rows back (another)."""
+        import torch.distributed as dist
+
+        mine, ranks = owned[self.rank], range(self.world)
+        sent = [sum(self._held(self.rank, owned[r])) for r in ranks]
+        got = [sum(self._held(r, mine)) for r in ranks]
+        send = torch.cat([updates[i].reshape(-1).to(ns_dtype) for r in ranks for i in owned[r]])
+        recv = torch.empty(sum(got), dtype=ns_dtype, device=device)
+        dist.all_to_all_single(recv, send, got, sent, group=self.group)
+        pieces = [chunk.split(self._held(r, mine)) for r, chunk in zip(ranks, recv.split(got))]
+        results = [ns(torch.cat([pieces[r][k] for r in ranks]).view(self.shapes[i])).contiguous()
+                   for k, i in enumerate(mine)]
+        send = torch.cat([result.narrow(0, *self._rows(i, r)).reshape(-1) for r in ranks
+                          for i, result in zip(mine, results)] or [torch.empty(0, dtype=ns_dtype, device=device)])
+        back = torch.empty(sum(sent), dtype=send.dtype, device=device)
+        dist.all_to_all_single(back, send, sent, got, group=self.group)
+        return {i: rows.view(updates[i].shape) for r, chunk in zip(ranks, back.split(sent))
+                for i, rows in zip(owned[r], chunk.split(self._held(self.rank, owned[r])))}
+
+    def _by_broadcast(self, updates: dict, owned: list[list[int]], ns, ns_dtype, device) -> dict:
+        """DDP: each owner orthogonalises its matrices and broadcasts them in one buffer; every rank needs all."""
+        import torch.distributed as dist
+
+        size = lambda i: self.shapes[i][0] * self.shapes[i][1]  # noqa: E731
+        buffers, pending = [], []
+        for rank, matrices in enumerate(owned):
+            if rank == self.rank:
+                flat = torch.cat([ns(updates[i]).reshape(-1) for i in matrices]
+                                 or [torch.empty(0, dtype=ns_dtype, device=device)])
             else:
-                p.mul_(1 - lr * wd)
-            p.add_(update, alpha=-adjusted_lr)
-
-
-def _orthogonalise(update: torch.Tensor, group: dict, dtype: torch.dtype) -> torch.Tensor:
-    """Newton-Schulz of the whole matrix in `dtype`; a DTensor shard is gathered and its own rows kept."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    args = (group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
-    if not isinstance(update, DTensor):
-        return newton_schulz(update, *args)
-    full = newton_schulz(update.full_tensor(), *args).to(update.dtype)
-    return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+                flat = torch.empty(sum(map(size, matrices)), dtype=ns_dtype, device=device)
+            buffers.append(flat)
+            if flat.numel():
+                pending.append(dist.broadcast(flat, group_src=rank, group=self.group, async_op=True))
+        for request in pending:
+            request.wait()
+        return {i: update.view(self.shapes[i]) for matrices, flat in zip(owned, buffers)
+                for i, update in zip(matrices, flat.split([size(i) for i in matrices]))}
