@@ -121,6 +121,13 @@ fail() {  # the machine is not set up for it: one line, exit 1
 }
 
 is_count() { [[ "$1" =~ ^[0-9]+$ ]]; }
+# A number bash's arithmetic holds exactly: it wraps past 2^63 without a word (400 nines compare as -1), so a
+# number of more than 18 digits (leading zeros aside) is refused in one line before any comparison.
+check_size() {  # check_size FLAG VALUE (a whole number, or seconds with a fraction)
+    local whole="${2%%.*}"
+    whole="${whole#"${whole%%[!0]*}"}"
+    [[ "${#whole}" -le 18 ]] || usage_error "$1: a number of ${#whole} digits is out of range (at most 18 digits)"
+}
 
 # --- arguments ---------------------------------------------------------------------------------------
 config="" gpus="" cpu=0 nodes=1 node_rank=0 main_addr="" main_port="" strategy="ddp" dry_run=0
@@ -152,17 +159,17 @@ while [[ $# -gt 0 ]]; do
                     shift 2 ;;
         --resume) need_value "$1" $#; train_args+=(--resume "$2"); shift 2 ;;
         --max-steps) need_value "$1" $#; is_count "$2" || usage_error "--max-steps '$2' is not a whole number"
-                     train_args+=(--max-steps "$2"); shift 2 ;;
+                     check_size "$1" "$2"; train_args+=(--max-steps "$2"); shift 2 ;;
         --mixed-precision) need_value "$1" $#  # checked with the config, below
                      train_args+=(--mixed-precision "$2"); mixed_precision="$2"; shift 2 ;;
         --no-background-upload) train_args+=(--no-background-upload); shift ;;
         --set) need_value "$1" $#; [[ "$2" == *=* ]] || usage_error "--set '$2': expected KEY=VALUE"
                train_args+=(--set "$2"); sets+=(--set "$2"); shift 2 ;;
         --max-restarts) need_value "$1" $#; is_count "$2" || usage_error "--max-restarts '$2' is not a whole number"
-                        max_restarts="$2"; shift 2 ;;
+                        check_size "$1" "$2"; max_restarts="$2"; shift 2 ;;
         --restart-delay) need_value "$1" $#; [[ "$2" =~ ^[0-9]+(\.[0-9]+)?$ ]] \
                              || usage_error "--restart-delay '$2' is not a number of seconds"
-                         restart_delay="$2"; shift 2 ;;
+                         check_size "$1" "$2"; restart_delay="$2"; shift 2 ;;
         --dry-run) dry_run=1; shift ;;
         --) shift; extra_args=("$@"); break ;;
         --output-dir|--data-dir|--print-config) usage_error "$1 is a train.py option: put it after -- (e.g. -- $1 ...)" ;;
@@ -171,13 +178,15 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n "$config" ]] || { load_choices; usage_error "--config NAME is required ($PRESET_CHOICES, or a .yaml/.json file; ./$PROG --help lists the options)"; }
-[[ -z "$gpus" ]] || is_count "$gpus" || usage_error "--gpus '$gpus' is not a whole number"
+[[ -z "$gpus" ]] || { is_count "$gpus" || usage_error "--gpus '$gpus' is not a whole number"; check_size --gpus "$gpus"; }
 [[ -z "$gpus" || "$gpus" -ge 1 ]] || usage_error "--gpus must be at least 1"
-is_count "$nodes" && [[ "$nodes" -ge 1 ]] || usage_error "--nodes '$nodes' must be a whole number >= 1"
+is_count "$nodes" && check_size --nodes "$nodes" && [[ "$nodes" -ge 1 ]] \
+    || usage_error "--nodes '$nodes' must be a whole number >= 1"
 is_count "$node_rank" || usage_error "--node-rank '$node_rank' is not a whole number"
+check_size --node-rank "$node_rank"
 [[ "$node_rank" -lt "$nodes" ]] || usage_error "--node-rank $node_rank must be below --nodes $nodes"
-[[ -z "$main_port" ]] || { is_count "$main_port" && [[ "$main_port" -ge 1 && "$main_port" -le 65535 ]]; } \
-    || usage_error "--main-port '$main_port' is not a port number"
+[[ -z "$main_port" ]] || { is_count "$main_port" && check_size --main-port "$main_port" && [[ "$main_port" -ge 1 &&
+                           "$main_port" -le 65535 ]]; } || usage_error "--main-port '$main_port' is not a port number"
 case "$strategy" in ddp|fsdp) ;; *) usage_error "--strategy '$strategy': use ddp or fsdp" ;; esac
 if [[ "$nodes" -gt 1 && -z "$main_addr" ]]; then
     usage_error "--nodes $nodes needs --main-addr HOST (the address of the node with --node-rank 0)"

@@ -1013,3 +1013,74 @@ def test_write_guard_names_the_path_and_owner(open_tmp):
     with pytest.raises(DiskFullError, match="export elsewhere"):
         with files.write_guard(theirs, advice="export elsewhere"):
             raise OSError(28, "No space left on device")
+
+
+# ------------------------------------------------------------- issue 56: numbers past what the machine holds
+
+def entry_point_parser(module_name: str):
+    """The argparse parser an entry point builds (caught as its main() parses `--help`)."""
+    import argparse
+    import importlib
+
+    caught = []
+
+    class Caught(Exception):
+        pass
+
+    def capture(parser, *args, **kwargs):
+        caught.append(parser)
+        raise Caught
+
+    module = importlib.import_module(module_name)
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        module.main(["--help"])
+    except Caught:
+        pass
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    return caught[0]
+
+
+@pytest.mark.parametrize("module_name", ["prepare_data", "generate", "download_training_data", "scripts.evaluate",
+                                         "scripts.memory_plan", "scripts.make_demo_task"])
+def test_every_numeric_flag_refuses_a_number_past_the_machine_in_one_line(module_name, capsys):
+    """Every int or float flag of every entry point parses through utils/settings.py's number_flag: 400 nines
+    (an int past int64, a float past its range) and inf / nan are argparse's one error line naming the flag,
+    never an OverflowError deep in the run."""
+    parser = entry_point_parser(module_name)
+    numeric = [a for a in parser._actions if getattr(a.type, "__name__", None) in ("int", "float")]
+    assert numeric and all(a.type not in (int, float) for a in numeric), "a numeric flag bypasses number_flag"
+    for action in numeric:
+        flag = action.option_strings[-1]
+        bad = {"9" * 400: "must be below 2^63" if action.type.__name__ == "int" else "must be a finite number"}
+        if action.type.__name__ == "float":
+            bad |= {"inf": "must be a finite number", "nan": "must be a finite number"}
+        for value, words in bad.items():
+            with pytest.raises(SystemExit) as exited:
+                parser.parse_args([flag, value])
+            err = capsys.readouterr().err
+            assert exited.value.code == 2 and f"error: argument {flag}: {words}" in err, (flag, value, err)
+            assert "Traceback" not in err
+
+
+def test_a_number_flag_and_a_set_value_past_int64_are_one_line_naming_it(tmp_path, subprocess_env):
+    """train.py's --max-steps is parsed as --set's values are (configs/settle.py); the launcher refuses a
+    number bash's arithmetic would wrap (it compared 400 nines as -1) before anything starts."""
+    from configs.model_config import ConfigError
+    from configs.settle import settle_config
+
+    huge = "9" * 400
+    with pytest.raises(ConfigError, match=r"^--max-steps: max_steps must be below 2\^63, got a number of 400 digits$"):
+        settle_config("demo", [], {"max_steps": int(huge)}, device=("cpu", None))
+    with pytest.raises(ConfigError, match=r"learning_rate must be a finite number, got inf"):
+        settle_config("demo", ["learning_rate=1e999"], {}, device=("cpu", None))
+    proc = run_py([REPO_ROOT / "train.py", "--config", "demo", "--max-steps", huge, "--output-dir", tmp_path / "o"])
+    assert "--max-steps: max_steps must be below 2^63" in one_line(proc) and not (tmp_path / "o").exists()
+    for flag in ("--max-steps", "--gpus", "--max-restarts", "--restart-delay", "--node-rank"):
+        proc = subprocess.run([str(REPO_ROOT / "start_training.sh"), "--cpu", "--config", "demo", "--dry-run", flag,
+                               huge], env=subprocess_env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", (flag, proc.stdout, proc.stderr)
+        assert proc.stderr == f"start_training.sh: error: {flag}: a number of 400 digits is out of range (at most 18 " \
+                              f"digits)\n"

@@ -84,6 +84,7 @@ from utils.runtime.run_status import (
     hung_ranks,
 )
 from utils.runtime.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid
+from utils.settings import Bounds, parse_number
 
 PROG = "start_training.sh"
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM, signal.SIGUSR1: signal.SIGTERM,
@@ -634,9 +635,7 @@ def main(argv=None) -> int:
     while options:
         name, value = options.pop(0), options.pop(0) if options else ""
         try:
-            settings[name] = type(settings[name])(value)
-            if settings[name] < 0:
-                raise ValueError
+            settings[name] = parse_number(value, type(settings[name]).__name__, Bounds("[0, inf)"))
         except (KeyError, ValueError):
             print(f"{Path(__file__).name}: error: {name} {value!r}: expected --max-restarts N (a whole number) or "
                   f"--restart-delay S (seconds, >= 0); {usage}", file=sys.stderr)
