@@ -245,7 +245,8 @@ class TrainingConfig:
             value = getattr(self, f.name)
             refused = bounds.refusal(value, f.type) if bounds is not None else None
             if refused:
-                named = f"{f.name}={value}" if len(str(value)) <= 30 else f"{f.name} ({shown_number(value)})"
+                shown = shown_number(value)
+                named = f"{f.name}={value}" if shown == str(value) else f"{f.name} ({shown})"
                 raise ConfigError(f"{named} {refused}")
         if not self.init_from:  # with init_from, the model comes from its config.json (checked when loaded)
             check_seq_len(self.seq_len, get_model_spec(self.model))  # an unknown model raises too

@@ -79,9 +79,10 @@ class Bounds:
 
 
 def shown_number(value) -> str:
-    """A number as an error line shows it: a long one by its digit count, so that the line stays one line."""
-    text = str(value)
-    return text if len(text) <= 30 else f"a number of {len(text.lstrip('-'))} digits"
+    """A number as an error line shows it: an integer past 2^63 by its digit count (the line stays short)."""
+    if isinstance(value, int) and abs(value) >= MAX_INT:
+        return f"a number of {len(str(abs(value)))} digits"
+    return str(value)
 
 
 def parse_number(raw, kind: str, bounds: Bounds | None = None):

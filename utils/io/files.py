@@ -253,10 +253,24 @@ RESUME_ADVICE = ("free space there (or lower save_total_limit), then resume with
                  "written before are intact")
 
 
-def disk_full_error(path, needed_bytes: int | None = None, advice: str = RESUME_ADVICE):
-    """The one-line DiskFullError for a write to `path` that ran out of space: where, how much, what to do."""
+def disk_full_error(path, needed_bytes: int | None = None, advice: str = RESUME_ADVICE,
+                    cause: BaseException | None = None):
+    """The one-line DiskFullError for a write to `path` that ran out of room: where, how much, what to do. With
+    a `cause` that is a file past the size limit (EFBIG: `ulimit -f`, or the filesystem's largest file), it says
+    that, not "no space left"."""
     from utils.errors import DiskFullError
 
+    if cause is not None and _no_room_errno(cause) == errno.EFBIG:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if soft == resource.RLIM_INFINITY:
+            limit, remedy = "past the largest file its filesystem holds", "write to a filesystem that holds it"
+        else:
+            limit, remedy = f"past this process's file-size limit of {soft:,} bytes (ulimit -f)", "raise that limit"
+        # the writer's advice begins with what frees room on a full disk; here the remedy is the limit
+        advice = re.sub(r"^free space there( \([^)]*\))?", remedy, advice)
+        return DiskFullError(f"file too large writing {path}: {limit}; {advice}")
     need = f"about {needed_bytes / 1e9:.2f} GB needed, " if needed_bytes else ""
     try:
         where, free = mount_point(path), f"{free_bytes(path) / 1e9:.2f} GB free"
@@ -278,7 +292,7 @@ def disk_full_guard(path, needed_bytes: int | None = None, advice: str = RESUME_
         raise
     except Exception as exc:
         if is_disk_full(exc):
-            raise disk_full_error(path, needed_bytes, advice) from None
+            raise disk_full_error(path, needed_bytes, advice, exc) from None
         raise
 
 
@@ -297,18 +311,33 @@ def write_guard(path, advice: str, needed_bytes: int | None = None, denied_advic
         raise UserError(f"cannot write {where} ({exc.strerror}){owner_of(where)}; {denied_advice or advice}") from None
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    """True for 'no space left' / 'quota exceeded', including torch's wrapped writer errors. The walk over
-    `__cause__` / `__context__` visits each exception once and at most 64 (a chain may be cyclic)."""
+# A write that found no room, by errno and by the words of its strerror (for writers that wrap the OSError in an
+# error of their own: safetensors' SafetensorError chains nothing, torch's writer says it in its message).
+NO_ROOM = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
+           errno.EFBIG: "File too large"}
+
+
+def _no_room_errno(exc: BaseException) -> int | None:
+    """The NO_ROOM errno `exc` or an exception it was raised from says, or None. The walk over `__cause__` /
+    `__context__` visits each exception once and at most 64 (a chain may be cyclic)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen and len(seen) < 64:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
-            return True  # e.g. safetensors' SafetensorError, which chains nothing
+        if isinstance(exc, OSError) and exc.errno in NO_ROOM:
+            return exc.errno
+        text = str(exc)
+        for number, words in NO_ROOM.items():
+            if words in text:
+                return number
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for a write that found no room: no space left, a quota exceeded, or a file past the size limit
+    (EFBIG: `ulimit -f`, RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails instead of killing it),
+    including writers' wrapped errors."""
+    return _no_room_errno(exc) is not None
 
 
 # ------------------------------------------------------------------------------------------------- paths
