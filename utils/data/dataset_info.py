@@ -79,10 +79,10 @@ class DatasetInfo:
         """The dataset.json in `data_dir`, or None when there is none; with `check_tokenizer`, its tokenizer file
         must be the one it records (check_tokenizer)."""
         path = Path(data_dir) / FILE
-        if not path.is_file():
+        if not path.exists():
             return None
         try:
-            raw = files.parse_json(path.read_text())
+            raw = files.parse_json(files.read_text(path))  # a FIFO named dataset.json: refused, never waited on
             _check_fields(path, raw)
             tok = raw["tokenizer"]
             info = cls(path=path, vocab_size=int(tok["vocab_size"]), eos_id=int(tok["eos_id"]),
@@ -127,9 +127,12 @@ class DatasetInfo:
         import hashlib
 
         recorded, file = self.tokenizer_sha256, self.tokenizer_file
-        if recorded is None or not file.is_file():
+        if recorded is None or not file.exists():
             return
-        actual = hashlib.sha256(file.read_bytes()).hexdigest()
+        try:
+            actual = hashlib.sha256(files.read_bytes(file)).hexdigest()
+        except OSError as exc:  # a FIFO, a device or a folder of that name; a file this user may not read
+            raise DatasetInfoError(f"{self.path} names the tokenizer {file}, which cannot be read ({exc})") from None
         if actual != recorded:
             raise DatasetInfoError(f"{file} has sha256 {actual[:16]}..., not the {recorded[:16]}... that {self.path} "
                                    f"records: the shards were made with another tokenizer; put back the "

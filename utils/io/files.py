@@ -9,8 +9,11 @@ restarts). Temporaries this process is writing are registered, so a cleanup pass
 a later process that reuses this pid (PID 1 in a container, every time), never deletes a live one.
 
 Also the one walk over a directory tree (`walk_once`), the one test that a path a file names (a
-checkpoint's manifest, a dataset.json) stays inside its folder (`inside`), and the one parse of a JSON file
-that may be crafted (`parse_json`: too deep a nesting is a ValueError like any other malformed text).
+checkpoint's manifest, a dataset.json) stays inside its folder (`inside`), the one parse of a JSON file
+that may be crafted (`parse_json`: too deep a nesting is a ValueError like any other malformed text), and the
+one check that a file found in a folder (a shard, a checkpoint's file, a dataset.json, a tokenizer) is a
+regular file before anything opens it (`regular_file`, `read_bytes`, `read_text`): a FIFO named like a shard
+blocked its reader's open() for good, before the first step, where no watchdog looks.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -341,6 +345,36 @@ def is_disk_full(exc: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- paths
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"))
+
+
+def regular_file(path) -> os.stat_result:
+    """`os.stat(path)` (through symlinks) when `path` is a regular file; NotAFileError (a UserError and an
+    OSError, one line naming the path and what it is) when it is a FIFO, a socket, a device or a folder: never
+    opened, since opening a FIFO waits for a writer for good and a device never ends. A missing path raises
+    FileNotFoundError as open() would."""
+    from utils.errors import NotAFileError
+
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((words for test, words in _KINDS if test(st.st_mode)), "not a regular file")
+        raise NotAFileError(f"{path} is {kind}, not a regular file; remove it or put the file there")
+    return st
+
+
+def read_bytes(path) -> bytes:
+    """`Path(path).read_bytes()` of a regular file (`regular_file` first: a FIFO is refused, not waited on)."""
+    regular_file(path)
+    return Path(path).read_bytes()
+
+
+def read_text(path, encoding: str | None = None, errors: str | None = None) -> str:
+    """`Path(path).read_text()` of a regular file (see read_bytes)."""
+    regular_file(path)
+    return Path(path).read_text(encoding=encoding, errors=errors)
+
 
 def inside(root, rel) -> bool:
     """Whether `rel`, a path a file in `root` names (a manifest entry, dataset.json's tokenizer), stays in
