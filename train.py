@@ -60,11 +60,17 @@ def main(argv=None) -> int:
     survive_lost_console()  # a console gone (`| tee` and Ctrl-C, a killed launcher) never stops the run
     catch_early()  # from the start: a stop signal during setup (imports, data index, build) ends it cleanly
     watch_supervisor()  # under the launcher: stop as on SIGTERM once it is gone
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # --help: nothing to run, and the launcher's record says it ended as it should
+        if exc.code == 0:
+            RunStatus(0).write()
+        raise
     try:
         cfg, profile = settle_config(args.config, args.set, cli_aliases(args))
         if args.print_config:
             print(to_yaml(cfg), end="")
+            RunStatus(0).write()
             return 0
         return train(cfg, profile, args)
     except StoppedInSetup as exc:

@@ -844,15 +844,21 @@ def non_regular(path: Path, kind: str) -> Path:
     return path
 
 
-def ends_within(seconds: float):
+def ends_within(seconds: float, fifos=()):
     """A context in which a blocking call (open() of a FIFO waits for a writer for good) fails the test after
-    `seconds` instead of hanging the suite: SIGALRM interrupts the main thread's system call."""
+    `seconds` instead of hanging the suite: SIGALRM interrupts the main thread's system call, and a reader
+    blocked on one of `fifos` in another thread (the index scans on a pool) is released by a writer's open."""
     import contextlib
     import signal
 
     @contextlib.contextmanager
     def bounded():
         def expire(_signum, _frame):
+            for fifo in fifos:
+                try:
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the blocked reader's open() returns
+                except OSError:
+                    pass  # nobody reads it
             raise TimeoutError(f"still blocked after {seconds} s")
 
         previous = signal.signal(signal.SIGALRM, expire)
@@ -877,7 +883,7 @@ def test_a_non_regular_file_named_like_a_shard_is_one_line_at_once(tmp_path, kin
     words = {"fifo": "a FIFO (named pipe)", "socket": "a socket", "device": "a character device"}[kind]
     data = make_shards(tmp_path / "data", n_files=3, rows=8)
     special = non_regular(data / "part-1" / "shard-999.npz", kind)
-    with ends_within(20), pytest.raises(ShardError) as caught:
+    with ends_within(20, [special]), pytest.raises(ShardError) as caught:
         ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
     assert str(caught.value) == f"{special} is {words}, not a regular file; remove it or put the file there"
 
@@ -888,7 +894,8 @@ def test_a_non_regular_file_named_like_a_shard_is_one_line_at_once(tmp_path, kin
     write_dataset(listed, rels, [])
     (listed / rels[0]).unlink()
     non_regular(listed / rels[0], kind)
-    with ends_within(20), pytest.raises(ShardError, match=re.escape(f"{listed / rels[0]} is {words}, not")):
+    with ends_within(20, [listed / rels[0]]), \
+            pytest.raises(ShardError, match=re.escape(f"{listed / rels[0]} is {words}, not")):
         ShardIndex.build(listed, seq_len=64, vocab_size=512, log=lambda *_: None)
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from utils.io import files
-from utils.errors import UserError
+from utils.errors import NotAFileError, UserError
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.dataset_info import DatasetInfo
 from utils.data.shards import ShardError, ShardInfo, ShardLayout, check_header, check_vocab, inspect_shard, shard_error
@@ -117,7 +117,7 @@ def _add_listed(found: FoundShards, root: Path, rel_dir: Path) -> None:
     info = DatasetInfo.load(folder)
     nested = rel_dir != Path(".")
     listed = info.train_paths + ([] if nested else info.val_paths)
-    present = [rel for rel in listed if (folder / rel).is_file()]
+    present = [rel for rel in listed if (folder / rel).exists()]  # a FIFO listed: refused by _layouts
     found.files += [(rel_dir / rel).as_posix() for rel in present]
     absent = [rel for rel in info.train_paths if rel not in present]
     if absent:
@@ -265,7 +265,7 @@ def _select(root: Path, all_files: list[str], max_files: int) -> list[str]:
     return files
 
 
-def _layouts(root: Path, files: list[str], all_files: list[str], seq_len: int, log: Callable):
+def _layouts(root: Path, chosen: list[str], all_files: list[str], seq_len: int, log: Callable):
     """Each file's layout, from the cache while the file is unchanged, else scanned (and cached):
     (layouts, errors) keyed by relative path."""
     cache_path = root / CACHE_NAME
@@ -273,9 +273,12 @@ def _layouts(root: Path, files: list[str], all_files: list[str], seq_len: int, l
     layouts: dict[str, ShardLayout] = {}
     errors: dict[str, ShardError] = {}
     to_scan: list[tuple[str, int, int]] = []
-    for rel in files:
+    for rel in chosen:
         try:
-            st = (root / rel).stat()
+            st = files.regular_file(root / rel)  # a FIFO named like a shard is refused here, never opened
+        except NotAFileError as e:
+            errors[rel] = ShardError(str(e))
+            continue
         except OSError as e:  # e.g. a dangling symlink
             errors[rel] = shard_error((root / rel).as_posix(), f"cannot be read ({e})", "fix or remove the file")
             continue
