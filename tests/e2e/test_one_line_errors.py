@@ -581,12 +581,12 @@ def record_cases(root: Path) -> list[tuple[str, Path]]:
 
 def resume_cases(root: Path, run_out: Path) -> list[tuple[str, Path]]:
     """Copies of a real run's checkpoint whose trainer_state.json's config is "x", or whose optimizer.pt holds a
-    moment of another shape than its parameter (the manifest rewritten to match)."""
+    moment of another shape than its parameter, or a `step` that is NaN (the manifest rewritten to match)."""
     from tests.e2e.test_crafted_files import refresh_manifest
 
     (checkpoint,) = (run_out / "checkpoints").iterdir()
     copies = []
-    for name in ("config", "optimizer"):
+    for name in ("config", "optimizer", "step"):
         copy = root / f"resume-{name}" / checkpoint.name
         shutil.copytree(checkpoint, copy)
         if name == "config":
@@ -595,12 +595,16 @@ def resume_cases(root: Path, run_out: Path) -> list[tuple[str, Path]]:
             refresh_manifest(copy, "trainer_state.json")
         else:
             optimizer = torch.load(copy / "optimizer.pt", weights_only=True)
-            optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+            if name == "optimizer":
+                optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+            else:
+                optimizer["state"][0]["step"] = torch.tensor(math.nan)
             torch.save(optimizer, copy / "optimizer.pt")
             refresh_manifest(copy, "optimizer.pt")
         copies.append(copy)
     return [("trainer_state.json's config is 'x'", copies[0]),
-            ("optimizer.pt has a moment of the wrong shape", copies[1])]
+            ("optimizer.pt has a moment of the wrong shape", copies[1]),
+            ("optimizer.pt's step is NaN", copies[2])]
 
 
 def prepare_cases(root: Path) -> list[tuple[str, list]]:
@@ -743,6 +747,8 @@ def test_no_entry_point_shows_a_traceback_for_bad_input(tmp_path):
     bad = [f"{what} (exit {p.returncode}):\n{p.stderr[-1500:]}" for what, p in results
            if "Traceback" in p.stderr or p.returncode == 0 or not p.stderr.strip()]
     assert not bad, "\n\n".join(bad)
+    said = dict(results)["train: resume from a checkpoint whose optimizer.pt's step is NaN"].stderr
+    assert "its optimizer state cannot be continued from: gpt_neox.embed_in.weight's step is nan" in said, said
     assert not (tmp_path / "crafted" / "code-ran").exists(), "a crafted checkpoint ran its code"
 
 
