@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -531,7 +532,8 @@ def dataset_cases(root: Path, data: Path, tokenizer: Path) -> list[tuple[str, Pa
     shutil.copy(tokenizer, folders["tokenizer"] / "tokenizer.json")
     return [("dataset.json is nested 100,000 deep", folders["nested"]),
             ("dataset.json names a shard path holding a NUL", folders["nul"]),
-            ("tokenizer.json is not the one dataset.json records", folders["tokenizer"])]
+            ("tokenizer.json is not the one dataset.json records", folders["tokenizer"]),
+            ("every token is the end-of-document id", eos_only_data(root / "data-eos", described=True))]
 
 
 def hf_cases(root: Path) -> list[tuple[str, Path]]:
@@ -747,12 +749,63 @@ def test_no_entry_point_shows_a_traceback_for_bad_input(tmp_path):
     bad = [f"{what} (exit {p.returncode}):\n{p.stderr[-1500:]}" for what, p in results
            if "Traceback" in p.stderr or p.returncode == 0 or not p.stderr.strip()]
     assert not bad, "\n\n".join(bad)
-    said = dict(results)["train: resume from a checkpoint whose optimizer.pt's step is NaN"].stderr
-    assert "its optimizer state cannot be continued from: gpt_neox.embed_in.weight's step is nan" in said, said
+    for what, words in (("train: resume from a checkpoint whose optimizer.pt's step is NaN",
+                         "its optimizer state cannot be continued from: gpt_neox.embed_in.weight's step is nan"),
+                        ("train: every token is the end-of-document id",
+                         "is id 0 (the end-of-document token): there is nothing to learn")):
+        said = dict(results)[what].stderr
+        assert words in said, (what, said)
     assert not (tmp_path / "crafted" / "code-ran").exists(), "a crafted checkpoint ran its code"
 
 
 # ------------------------------------------------------------------------------------------------ data
+
+def eos_only_data(folder: Path, described: bool) -> Path:
+    """Three shards whose every token is 0, the end-of-document id of the dataset.json beside them (as prepare
+    writes it, sizes and crc32c true) when `described`."""
+    import numpy as np
+
+    from tests.e2e.test_crafted_files import write_dataset
+    from utils.io.storage import file_crc32c
+
+    folder.mkdir(parents=True)
+    names = [f"shard-{i}.npz" for i in range(3)]
+    for name in names:
+        np.savez(folder / name, input_ids=np.zeros(1024, np.uint16))
+    if described:
+        described = json.loads(write_dataset(folder, names[:2], names[2:]).joinpath("dataset.json").read_text())
+        for entry in described["shards"] + described["validation"]["shards"]:
+            entry.update(tokens=1024, crc32c=file_crc32c(folder / entry["path"]))
+        (folder / "dataset.json").write_text(json.dumps(described))
+    return folder
+
+
+def test_data_of_end_of_document_tokens_alone_is_refused_by_prepare_and_training(small_corpus, tmp_path):
+    """Documents whose text is the tokenizer's end-of-document token alone are empty ones: a corpus of nothing
+    else is prepare's "the corpus is empty" line (it prepared shards of EOS ids); shards whose every token is one
+    id (made by hand, or by an earlier prepare) are refused when training opens them, naming the end-of-document
+    token where dataset.json records it (it trained to a zero loss and exported without a word)."""
+    from utils.data.build import open_source
+    from utils.data.corpus import PrepareError
+    from utils.data.index import DataDirError
+    from utils.data.prepare import PrepareOptions, prepare
+    from utils.data.source import OpenRequest, Source
+
+    _, tok = small_corpus
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "d.jsonl").write_text(json.dumps({"text": "<|endoftext|>"}) + "\n" +
+                                                 json.dumps({"text": "<|endoftext|><|endoftext|>"}) + "\n")
+    with pytest.raises(PrepareError, match=r"the corpus is empty: 1 input file\(s\), 2 empty document\(s\) "
+                                           r"\(no text, or only end-of-document tokens: the tokenizer's "
+                                           r"'<\|endoftext\|>'\)"):
+        prepare([str(tmp_path / "corpus")], str(tok), tmp_path / "out", PrepareOptions(shard_tokens=1024))
+    request = OpenRequest(seq_len=64, vocab_size=512, log=lambda line: None)
+    for described, what in ((True, " (the end-of-document token)"), (False, "")):
+        data = eos_only_data(tmp_path / f"data-{described}", described)
+        said = f"{data}: every token of its 2 training shard(s) is id 0{what}: there is nothing to learn; prepare"
+        with pytest.raises(DataDirError, match="^" + re.escape(said)):
+            open_source(Source("data", path=data, val_files=1), request)
+
 
 def test_hidden_files_and_folders_in_the_data_dir_are_ignored_and_counted(tmp_path):
     from utils.data.index import ShardIndex
