@@ -143,6 +143,57 @@ def test_checkpoint_on_a_full_disk_is_one_line(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+def under_file_size_limit(limit_bytes: int):
+    """A preexec_fn: the child may write files of at most `limit_bytes` (RLIMIT_FSIZE, `ulimit -f`)."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+
+@pytest.mark.parametrize("small_disk", ["256k"], indirect=True)
+def test_an_hf_export_on_a_full_disk_is_one_line_and_whole_or_absent(tmp_path, small_disk):
+    """write_export (final_model/ at a run's end, scripts/export_hf.py): a full disk is one DiskFullError naming
+    the folder, and the export is written whole or not at all: an earlier export there stays intact, no
+    half-written folder or temporary is left (one was, with a config.json a later look took for an export)."""
+    from configs.model_config import get_model_spec
+    from utils.model import build_model
+    from utils.run.export import write_export
+
+    spec = get_model_spec("tiny")
+    weights = build_model(spec, seed=0).state_dict()  # ~660 KB as safetensors: past the 256 KB disk
+    final = small_disk / "final_model"
+    final.mkdir()
+    (final / "config.json").write_text("{}")  # an earlier export, kept
+    with pytest.raises(DiskFullError, match=rf"no space left on .*small writing {re.escape(str(final))} .*the "
+                                            r"checkpoints are intact: export one with scripts/export_hf.py"):
+        write_export(weights, spec, final, None)
+    assert [p.name for p in small_disk.iterdir()] == ["final_model"], list(small_disk.iterdir())
+    assert [p.name for p in final.iterdir()] == ["config.json"] and (final / "config.json").read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_export_and_prepare_past_the_file_size_limit_are_one_line(small_corpus, tmp_path, gcs_emulator):
+    """A file past the size limit (EFBIG: `ulimit -f`) is a write that found no room, in the writers' one guard:
+    scripts/export_hf.py (safetensors' SafetensorError) and prepare_data.py writing a gs:// output (numpy's
+    OSError in a worker) were tracebacks; now one line naming the limit, exit 2, nothing exported or
+    published, the partitions done kept."""
+    from tests.e2e.test_crafted_files import tiny_checkpoint
+
+    checkpoint, out = tiny_checkpoint(tmp_path / "ckpt"), tmp_path / "exported"
+    proc = run_py([REPO_ROOT / "scripts" / "export_hf.py", checkpoint, out], preexec_fn=under_file_size_limit(100_000))
+    assert f"error: file too large writing {out}: past this process's file-size limit of 100,000 bytes (ulimit -f);" \
+           in one_line(proc) and not out.exists() and not list(tmp_path.glob(".exported*")), proc.stderr
+    corpus, tok = small_corpus
+    output = f"gs://{gcs_emulator.bucket}/data"
+    proc = run_py([REPO_ROOT / "prepare_data.py", "--no-progress", "--workers", "1", "--input", corpus, "--tokenizer",
+                   tok, "--output", output, "--shard-tokens", "1024"], preexec_fn=under_file_size_limit(1000))
+    line = one_line(proc)
+    assert "error: file too large writing" in line and "raise that limit and run the same command again: nothing " \
+           "was published, and the partitions already done are kept" in line, line
+    names = [blob.name for blob in gcs_emulator.client().list_blobs(gcs_emulator.bucket)]
+    assert "data/dataset.json" not in names and not any(n.startswith("data/") for n in names), names
+
+
 # -------------------------------------------------------------- bug 2: an unreadable newest checkpoint
 
 def test_an_unreadable_newest_checkpoint_directory_is_skipped(open_tmp):
