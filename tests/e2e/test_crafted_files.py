@@ -957,3 +957,93 @@ def test_train_py_with_a_fifo_named_like_a_shard_ends_in_seconds(tmp_path):
     proc = run(train_cmd(tmp_path / "out", data, "max_steps=2"), env_for_runs(), timeout=120, check=False)
     assert f"error: {fifo} is a FIFO (named pipe), not a regular file" in one_error_line(proc)
     assert time.monotonic() - started < 60 and "Step 1" not in proc.stdout
+
+
+# --------------------------------------- 11: issue 56: a dataset.json that lists a shard twice, or a wrong crc32c
+
+def test_a_dataset_json_listing_a_shard_twice_or_in_both_splits_is_refused(tmp_path):
+    """Listed twice, a shard trained twice an epoch; in both splits, it was validated on after training on it;
+    neither said a word. prepare_data.py never writes either: one line naming the file and both fields (the same
+    check reads a streamed dataset's dataset.json)."""
+    from utils.data.dataset_info import DatasetInfo, DatasetInfoError
+    from utils.data.index import ShardIndex
+
+    data = make_shards(tmp_path / "data", n_files=3, rows=8)
+    rels = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.npz"))
+    write_dataset(data, [rels[0], rels[1], rels[0]], [rels[2]])
+    with pytest.raises(DatasetInfoError, match=re.escape(f"dataset.json: shards[2].path names {rels[0]}, which "
+                                                         f"shards[0].path names too: a shard is listed once")):
+        ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
+    write_dataset(data, rels[:2], [rels[1], rels[2]])
+    with pytest.raises(DatasetInfoError, match=re.escape(f"validation.shards[0].path names {rels[1]}, which "
+                                                         f"shards[1].path names too")):
+        DatasetInfo.load(data)
+    write_dataset(data, rels[:2], [rels[2]])
+    assert len(ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)) == 3
+
+
+def test_a_local_shard_whose_crc32c_or_size_is_not_its_dataset_json_s_is_one_line(tmp_path):
+    """Local shards were never checked against their dataset.json (a bucket's are, on download): now the size at
+    every start (a stat), the crc32c on the file's first scan (which reads it whole anyway) and from the index's
+    cache after that, so a changed dataset.json is caught without reading a byte of data again."""
+    from utils.data import index as data_index
+    from utils.data.index import ShardIndex
+    from utils.data.shards import ShardError
+
+    data = make_shards(tmp_path / "data", n_files=3, rows=8)
+    rels = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.npz"))
+    write_dataset(data, rels, [])
+    described = json.loads((data / "dataset.json").read_text())
+    for entry in described["shards"]:
+        entry["crc32c"] = file_crc32c(data / entry["path"])
+    (data / "dataset.json").write_text(json.dumps(described))
+    assert len(ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)) == 3
+    cached = json.loads((data / data_index.CACHE_NAME).read_text())["files"]
+    assert [cached[rel]["crc32c"] for rel in rels] == [e["crc32c"] for e in described["shards"]]
+
+    listed = described["shards"][1]["crc32c"]
+    described["shards"][1]["crc32c"] = "AAAAAA=="
+    (data / "dataset.json").write_text(json.dumps(described))
+    reads = []
+    real_crc = data_index.file_crc32c
+    data_index.file_crc32c = lambda path: reads.append(path) or real_crc(path)
+    try:
+        with pytest.raises(ShardError) as caught:
+            ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
+    finally:
+        data_index.file_crc32c = real_crc
+    assert str(caught.value) == (f"{data / rels[1]}: has crc32c {listed}, but {data / 'dataset.json'} lists AAAAAA==; "
+                                 f"it is not the shard prepare_data.py wrote (corrupt, or replaced): download it again "
+                                 f"(download_training_data.py verifies each file) or prepare the data again")
+    assert reads == [], "the cached crc32c answers without reading the data"
+    (data / data_index.CACHE_NAME).unlink()
+    with pytest.raises(ShardError, match=r"has crc32c .*, but .* lists AAAAAA=="):  # found by the first scan too
+        ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
+
+    described["shards"][1]["crc32c"] = listed
+    described["shards"][2]["bytes"] += 1
+    (data / "dataset.json").write_text(json.dumps(described))
+    with pytest.raises(ShardError, match=re.escape(f"{data / rels[2]}: has bytes {(data / rels[2]).stat().st_size}, "
+                                                   f"but {data / 'dataset.json'} lists ")):
+        ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_train_py_on_a_shard_whose_crc32c_is_not_its_dataset_json_s_stops_before_step_1(tmp_path):
+    """The probe's case through train.py: a prepared dataset whose dataset.json lists another crc32c for one
+    shard (it trained and exported without a word): one line naming the shard and both checksums, exit 2."""
+    from tests.e2e.test_prepare_data import bpe_tokenizer
+    from utils.data.prepare import PrepareOptions, prepare
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(60)))
+    data = tmp_path / "data"
+    prepare([str(corpus)], str(bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)), data,
+            PrepareOptions(shard_tokens=1024))
+    described = json.loads((data / "dataset.json").read_text())
+    described["shards"][0]["crc32c"] = "AAAAAA=="
+    (data / "dataset.json").write_text(json.dumps(described))
+    proc = run(train_cmd(tmp_path / "out", data, "max_steps=2", "seq_len=32"), env_for_runs(), check=False)
+    line = one_error_line(proc)
+    assert f"{data / described['shards'][0]['path']}: has crc32c " in line and "lists AAAAAA==" in line, line
+    assert "Step 1" not in proc.stdout and not (tmp_path / "out" / "final_model").exists()

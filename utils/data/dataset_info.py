@@ -142,8 +142,10 @@ class DatasetInfo:
 def _check_fields(path: Path, raw) -> None:
     """dataset.json's values (it may come from a bucket, or be crafted) before anything uses them: counts are
     non-negative integers (a string, 1e15 or -5 is refused, not read), the dtype a shard's, each shard entry a
-    plain relative file path with its tokens and bytes, and no shard holds more tokens than its bytes can.
-    DatasetInfoError naming the file and field."""
+    plain relative file path with its tokens and bytes, each listed once in one split (prepare_data.py never
+    lists one twice: twice it would train twice an epoch, in both splits it would be validated on what was
+    trained on, silently either way), and no shard holds more tokens than its bytes can. DatasetInfoError naming
+    the file and field."""
     from utils.data.shards import ALLOWED_DTYPES
 
     def bad(field: str, value, want: str):
@@ -171,6 +173,7 @@ def _check_fields(path: Path, raw) -> None:
         if not isinstance(raw["validation"], dict):
             bad("validation", raw["validation"], "an object")
         splits.append(("validation.shards", raw["validation"].get("shards", [])))
+    listed: dict[str, str] = {}  # path -> the field that lists it
     for name, shards in splits:
         if not isinstance(shards, list):
             bad(name, shards, "a list")
@@ -182,6 +185,11 @@ def _check_fields(path: Path, raw) -> None:
             if (not isinstance(rel, str) or not rel or rel == "." or "\0" in rel
                     or PurePosixPath(rel).as_posix() != rel):
                 bad(f"{field}.path", rel, "the relative path of a file (as part-00000/shard-00000.npz)")
+            if rel in listed:
+                raise DatasetInfoError(f"{path}: {field}.path names {rel}, which {listed[rel]} names too: a shard is "
+                                       f"listed once, in one split (twice it would be trained on twice an epoch, or "
+                                       f"validated on after training on it); rerun prepare_data.py or fix the entry")
+            listed[rel] = f"{field}.path"
             tokens, size = count(shard.get("tokens"), f"{field}.tokens"), count(shard.get("bytes"), f"{field}.bytes")
             if not isinstance(shard.get("crc32c", ""), str):
                 bad(f"{field}.crc32c", shard["crc32c"], "a string")
