@@ -128,6 +128,11 @@ check_size() {  # check_size FLAG VALUE (a whole number, or seconds with a fract
     whole="${whole#"${whole%%[!0]*}"}"
     [[ "${#whole}" -le 18 ]] || usage_error "$1: a number of ${#whole} digits is out of range (at most 18 digits)"
 }
+whole() {  # whole FLAG VALUE: prints VALUE in base 10 (bash reads a leading 0 as octal: 08 is no number to it)
+    is_count "$2" || usage_error "$1 '$2' is not a whole number"
+    check_size "$1" "$2"
+    echo "$((10#$2))"
+}
 
 # --- arguments ---------------------------------------------------------------------------------------
 config="" gpus="" cpu=0 nodes=1 node_rank=0 main_addr="" main_port="" strategy="ddp" dry_run=0
@@ -178,15 +183,15 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n "$config" ]] || { load_choices; usage_error "--config NAME is required ($PRESET_CHOICES, or a .yaml/.json file; ./$PROG --help lists the options)"; }
-[[ -z "$gpus" ]] || { is_count "$gpus" || usage_error "--gpus '$gpus' is not a whole number"; check_size --gpus "$gpus"; }
+[[ -z "$gpus" ]] || gpus="$(whole --gpus "$gpus")" || exit 2
 [[ -z "$gpus" || "$gpus" -ge 1 ]] || usage_error "--gpus must be at least 1"
-is_count "$nodes" && check_size --nodes "$nodes" && [[ "$nodes" -ge 1 ]] \
-    || usage_error "--nodes '$nodes' must be a whole number >= 1"
-is_count "$node_rank" || usage_error "--node-rank '$node_rank' is not a whole number"
-check_size --node-rank "$node_rank"
+nodes="$(whole --nodes "$nodes")" || exit 2
+[[ "$nodes" -ge 1 ]] || usage_error "--nodes $nodes must be at least 1"
+node_rank="$(whole --node-rank "$node_rank")" || exit 2
 [[ "$node_rank" -lt "$nodes" ]] || usage_error "--node-rank $node_rank must be below --nodes $nodes"
-[[ -z "$main_port" ]] || { is_count "$main_port" && check_size --main-port "$main_port" && [[ "$main_port" -ge 1 &&
-                           "$main_port" -le 65535 ]]; } || usage_error "--main-port '$main_port' is not a port number"
+[[ -z "$main_port" ]] || main_port="$(whole --main-port "$main_port")" || exit 2
+[[ -z "$main_port" ]] || [[ "$main_port" -ge 1 && "$main_port" -le 65535 ]] \
+    || usage_error "--main-port $main_port is not a port number (1 to 65535)"
 case "$strategy" in ddp|fsdp) ;; *) usage_error "--strategy '$strategy': use ddp or fsdp" ;; esac
 if [[ "$nodes" -gt 1 && -z "$main_addr" ]]; then
     usage_error "--nodes $nodes needs --main-addr HOST (the address of the node with --node-rank 0)"

@@ -1194,3 +1194,7 @@ def test_a_number_flag_and_a_set_value_past_int64_are_one_line_naming_it(tmp_pat
         assert proc.returncode == 2 and proc.stdout == "", (flag, proc.stdout, proc.stderr)
         assert proc.stderr == f"start_training.sh: error: {flag}: a number of 400 digits is out of range (at most 18 " \
                               f"digits)\n"
+    proc = subprocess.run([str(REPO_ROOT / "start_training.sh"), "--cpu", "--config", "demo", "--dry-run", "--gpus",
+                           "08", "--main-port", "0080"], env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # base 10: bash read 08 as a bad octal number
+    assert "--num_processes 8 " in proc.stdout and "--main_process_port 80 " in proc.stdout, proc.stdout
