@@ -15,14 +15,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from utils.cli import CommandLine, number_flag
 from utils.data.download import SyncOptions, sync_prefix
 from utils.errors import DiskFullError
 from utils.io.storage import CredentialsError, StorageError, make_client, parse_gs_url
-from utils.settings import number_flag
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", required=True, action="append", metavar="[NAME=]gs://BUCKET/PREFIX",
                         help="where the .npz shards are; repeat it to mirror several sources, each into DEST/NAME")
     parser.add_argument("--dest", default="data/training", help="local folder (default: data/training)")

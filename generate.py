@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils import layout
+from utils.cli import CommandLine, number_flag
 from utils.errors import UserError
-from utils.settings import number_flag
 
 
 class GenerateError(UserError):
@@ -41,7 +41,7 @@ class GenerateError(UserError):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", metavar="PATH", help="a checkpoint directory, a run's output directory or an HF directory")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable: one batch)")
     p.add_argument("--max-new-tokens", type=number_flag("int"), default=50)

@@ -26,14 +26,14 @@ import math
 import os
 import sys
 
+from utils.cli import CommandLine, number_flag
 from utils.data.partition import DEFAULT_PARTITION_BYTES, MIN_VAL_DOCUMENTS
 from utils.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from utils.errors import UserError
-from utils.settings import number_flag
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="files, folders or globs, or gs://BUCKET/PREFIX (a folder or one object)")
     p.add_argument("--tokenizer", required=True, help="a tokenizer.json, or an HF tokenizer directory (with "

@@ -21,6 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent
 
 from configs.settle import explicit_fields, settle_config
 from configs.training_config import MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields, to_yaml
+from utils.cli import CommandLine
 from utils.errors import BackgroundFailure, UserError
 from utils.io.console import survive_lost_console
 from utils.runtime.run_status import RunStatus, rank_zero
@@ -28,7 +29,7 @@ from utils.runtime.signals import StoppedInSetup, catch_early, watch_supervisor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = CommandLine(
         description="Pretrain GPT-NeoX (see README.md).", formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="training-config fields (--set KEY=VALUE, or KEY: VALUE in a --config file), with defaults:\n"
                + describe_fields())

@@ -22,12 +22,12 @@ import re
 import sys
 from pathlib import Path
 
+from utils.cli import CommandLine, number_flag
 from utils.errors import UserError
-from utils.settings import number_flag
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", metavar="PATH", help="an HF model directory, a checkpoint or a run's output directory")
     p.add_argument("--task", action="append", required=True, metavar="[NAME=]FILE",
                    help="a task file, named NAME or after the file (repeatable)")

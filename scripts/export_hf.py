@@ -18,11 +18,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from utils.cli import CommandLine
 from utils.errors import UserError
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint directory (checkpoints/checkpoint-epoch*-step*-files*)")
     p.add_argument("out_dir", help="the HF model directory to write (must not exist, or be empty)")
     p.add_argument("--tokenizer", help="a prepared data directory (dataset.json), an HF tokenizer directory or a "

@@ -13,12 +13,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from utils.cli import CommandLine, number_flag
 from utils.errors import UserError
-from utils.settings import number_flag
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="the task file to write (JSON Lines)")
     p.add_argument("--examples", type=number_flag("int"), default=500, help="how many examples (default 500)")
     p.add_argument("--seed", type=number_flag("int"), default=0)

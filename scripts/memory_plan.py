@@ -16,11 +16,11 @@ import sys
 from configs.model_config import MODELS, ConfigError, get_model_spec
 from configs.profiles import USABLE_FRACTION, RunShape, memory_plan
 from configs.training_config import ACTIVATION_CHECKPOINTING, OPTIMIZER_STATE_DTYPES, STRATEGIES, default_seq_len
-from utils.settings import number_flag
+from utils.cli import CommandLine, number_flag
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-neox-1.2b", help=f"one of: {', '.join(MODELS)}")
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     p.add_argument("--world-size", type=number_flag("int"), default=1, help="processes (GPUs) in all")

@@ -6,9 +6,9 @@ subclass, and is built from `Settings.of(config)`. Only configs/ and the Trainer
 whole configuration; every other module sees its own fields (tests/test_architecture.py checks both sides).
 
 Also the one numeric parsing every setting and every command-line number goes through (`Bounds`,
-`parse_number`, `number_flag`): an integer lies below 2^63 (int64, as torch and numpy hold it) and a float is
-finite, whatever the entry point, so a value past what the machine holds is one line naming the option, never
-an OverflowError from deep inside a run.
+`parse_number`; utils/cli.py's `number_flag` for flags): an integer lies below 2^63 (int64, as torch and numpy
+hold it) and a float is finite, whatever the entry point, so a value past what the machine holds is one line
+naming the option, never an OverflowError from deep inside a run.
 """
 from __future__ import annotations
 
@@ -112,20 +112,3 @@ def parse_number(raw, kind: str, bounds: Bounds | None = None):
     if refused:
         raise ValueError(f"{refused}, got {shown_number(value)}")
     return value
-
-
-def number_flag(kind: str, interval: str | None = None, special: dict | None = None):
-    """An argparse `type=` for a numeric flag: `parse_number` within `interval` (see Bounds), its words in
-    argparse's one error line (`argument --workers: must be at least 1 ...`) rather than a traceback later."""
-    bounds = Bounds(interval, special) if interval else None
-
-    def parse(text: str):
-        import argparse  # here: the launcher's supervisor parses its numbers without it
-
-        try:
-            return parse_number(text, kind, bounds)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    parse.__name__ = kind  # argparse names the type in its messages
-    return parse
