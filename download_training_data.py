@@ -15,18 +15,19 @@ import argparse
 import sys
 from pathlib import Path
 
+from utils.cli import CommandLine, number_flag
 from utils.data.download import SyncOptions, sync_prefix
 from utils.errors import DiskFullError
 from utils.io.storage import CredentialsError, StorageError, make_client, parse_gs_url
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CommandLine(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", required=True, action="append", metavar="[NAME=]gs://BUCKET/PREFIX",
                         help="where the .npz shards are; repeat it to mirror several sources, each into DEST/NAME")
     parser.add_argument("--dest", default="data/training", help="local folder (default: data/training)")
-    parser.add_argument("--workers", type=int, default=8, help="parallel downloads (default: 8)")
-    parser.add_argument("--max-files", type=int, default=None,
+    parser.add_argument("--workers", type=number_flag("int"), default=8, help="parallel downloads (default: 8)")
+    parser.add_argument("--max-files", type=number_flag("int"), default=None,
                         help="only the first N shards in name order, per source (default: all)")
     parser.add_argument("--dry-run", action="store_true", help="list what would be downloaded; transfer nothing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

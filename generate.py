@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils import layout
+from utils.cli import CommandLine, number_flag
 from utils.errors import UserError
 
 
@@ -40,13 +41,13 @@ class GenerateError(UserError):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", metavar="PATH", help="a checkpoint directory, a run's output directory or an HF directory")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable: one batch)")
-    p.add_argument("--max-new-tokens", type=int, default=50)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    p.add_argument("--max-new-tokens", type=number_flag("int"), default=50)
+    p.add_argument("--temperature", type=number_flag("float"), default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=number_flag("int"), default=50, help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--seed", type=number_flag("int"), default=0, help="seed of the sampling")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--tokenizer", help="a prepared data directory, an HF tokenizer directory or a tokenizer.json "
                                        "(default: the one saved with PATH)")

@@ -26,20 +26,21 @@ import math
 import os
 import sys
 
+from utils.cli import CommandLine, number_flag
 from utils.data.partition import DEFAULT_PARTITION_BYTES, MIN_VAL_DOCUMENTS
 from utils.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_SPLIT_SEED, DEFAULT_VAL_FRACTION
 from utils.errors import UserError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="files, folders or globs, or gs://BUCKET/PREFIX (a folder or one object)")
     p.add_argument("--tokenizer", required=True, help="a tokenizer.json, or an HF tokenizer directory (with "
                                                       "tokenizer.json, or GPT-2-style vocab.json + merges.txt)")
     p.add_argument("--output", required=True,
                    help="the folder to create (empty or absent), or gs://BUCKET/PREFIX, written straight there")
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+    p.add_argument("--workers", type=number_flag("int"), default=max(1, (os.cpu_count() or 2) - 1),
                    help="partitions tokenized at once: processes with --executor local, CPUs of a local Ray "
                         "(default: cores - 1; with --ray-address the cluster's CPUs decide)")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
@@ -54,15 +55,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--merge-only", action="store_true",
                    help="tokenize nothing: merge the partitions already done, refusing, by name, any missing")
     p.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding the text")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+    p.add_argument("--shard-tokens", type=number_flag("int"), default=DEFAULT_SHARD_TOKENS,
                    help=f"token ids per shard (default {DEFAULT_SHARD_TOKENS:,} = 2^24: 32 MiB as uint16, so a "
                         f"bucket holds thousands of objects and each downloads quickly; for a small corpus use "
                         f"less, so the training split has several shards: prepare warns when it has fewer than 8)")
-    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+    p.add_argument("--val-fraction", type=number_flag("float"), default=DEFAULT_VAL_FRACTION,
                    help=f"share of the documents, drawn by a seeded hash of each one's file and position, held out "
                         f"as the validation split under val/ (default {DEFAULT_VAL_FRACTION}; raised for a corpus "
                         f"too small for {MIN_VAL_DOCUMENTS} documents at that rate, at most a quarter; 0: no split)")
-    p.add_argument("--split-seed", type=int, default=DEFAULT_SPLIT_SEED, help="seed of the validation draw")
+    p.add_argument("--split-seed", type=number_flag("int"), default=DEFAULT_SPLIT_SEED,
+                   help="seed of the validation draw")
     p.add_argument("--eos-token", help="the end-of-document token (default: the tokenizer's own)")
     p.add_argument("--upload", metavar="gs://BUCKET/PREFIX", help="then upload the result there, verified")
     p.add_argument("--no-progress", action="store_true")

@@ -128,6 +128,18 @@ fail() {  # the machine is not set up for it: one line, exit 1
 }
 
 is_count() { [[ "$1" =~ ^[0-9]+$ ]]; }
+# A number bash's arithmetic holds exactly: it wraps past 2^63 without a word (400 nines compare as -1), so a
+# number of more than 18 digits (leading zeros aside) is refused in one line before any comparison.
+check_size() {  # check_size FLAG VALUE (a whole number, or seconds with a fraction)
+    local whole="${2%%.*}"
+    whole="${whole#"${whole%%[!0]*}"}"
+    [[ "${#whole}" -le 18 ]] || usage_error "$1: a number of ${#whole} digits is out of range (at most 18 digits)"
+}
+whole() {  # whole FLAG VALUE: prints VALUE in base 10 (bash reads a leading 0 as octal: 08 is no number to it)
+    is_count "$2" || usage_error "$1 '$2' is not a whole number"
+    check_size "$1" "$2"
+    echo "$((10#$2))"
+}
 
 # --- arguments ---------------------------------------------------------------------------------------
 config="" gpus="" cpu=0 nodes=1 node_rank="" node_rank_from="" main_addr="" main_port="" strategy="ddp" dry_run=0
@@ -152,8 +164,7 @@ while [[ $# -gt 0 ]]; do
         --gpus) need_value "$1" $#; gpus="$2"; shift 2 ;;
         --cpu) cpu=1; shift ;;
         --nodes) need_value "$1" $#; nodes="$2"; shift 2 ;;
-        --node-rank) need_value "$1" $#; is_count "$2" || usage_error "--node-rank '$2' is not a whole number"
-                     node_rank="$2"; shift 2 ;;
+        --node-rank) need_value "$1" $#; node_rank="$(whole --node-rank "$2")" || exit 2; shift 2 ;;
         --node-rank-from) need_value "$1" $#; node_rank_from="$2"; shift 2 ;;
         --main-addr) need_value "$1" $#; main_addr="$2"; shift 2 ;;
         --main-port) need_value "$1" $#; main_port="$2"; shift 2 ;;
@@ -161,17 +172,17 @@ while [[ $# -gt 0 ]]; do
                     shift 2 ;;
         --resume) need_value "$1" $#; train_args+=(--resume "$2"); shift 2 ;;
         --max-steps) need_value "$1" $#; is_count "$2" || usage_error "--max-steps '$2' is not a whole number"
-                     train_args+=(--max-steps "$2"); shift 2 ;;
+                     check_size "$1" "$2"; train_args+=(--max-steps "$2"); shift 2 ;;
         --mixed-precision) need_value "$1" $#  # checked with the config, below
                      train_args+=(--mixed-precision "$2"); mixed_precision="$2"; shift 2 ;;
         --no-background-upload) train_args+=(--no-background-upload); shift ;;
         --set) need_value "$1" $#; [[ "$2" == *=* ]] || usage_error "--set '$2': expected KEY=VALUE"
                train_args+=(--set "$2"); sets+=(--set "$2"); shift 2 ;;
         --max-restarts) need_value "$1" $#; is_count "$2" || usage_error "--max-restarts '$2' is not a whole number"
-                        max_restarts="$2"; shift 2 ;;
+                        check_size "$1" "$2"; max_restarts="$2"; shift 2 ;;
         --restart-delay) need_value "$1" $#; [[ "$2" =~ ^[0-9]+(\.[0-9]+)?$ ]] \
                              || usage_error "--restart-delay '$2' is not a number of seconds"
-                         restart_delay="$2"; shift 2 ;;
+                         check_size "$1" "$2"; restart_delay="$2"; shift 2 ;;
         --stop-exit-code) need_value "$1" $#
                           [[ "$2" =~ ^0*[0-9]{1,3}$ ]] && (( 10#$2 == 0 || (10#$2 >= 4 && 10#$2 <= 255) )) \
                               || usage_error "--stop-exit-code '$2': give a status from 4 to 255, or 0 (the default: \
@@ -185,9 +196,10 @@ a finished run's; 1, 2 and 3 are a failure's, a setting error's and a hang's)"
 done
 
 [[ -n "$config" ]] || { load_choices; usage_error "--config NAME is required ($PRESET_CHOICES, or a .yaml/.json file; ./$PROG --help lists the options)"; }
-[[ -z "$gpus" ]] || is_count "$gpus" || usage_error "--gpus '$gpus' is not a whole number"
+[[ -z "$gpus" ]] || gpus="$(whole --gpus "$gpus")" || exit 2
 [[ -z "$gpus" || "$gpus" -ge 1 ]] || usage_error "--gpus must be at least 1"
-is_count "$nodes" && [[ "$nodes" -ge 1 ]] || usage_error "--nodes '$nodes' must be a whole number >= 1"
+nodes="$(whole --nodes "$nodes")" || exit 2
+[[ "$nodes" -ge 1 ]] || usage_error "--nodes $nodes must be at least 1"
 rank_source=""  # where the node's rank came from, as an error names it
 if [[ -n "$node_rank_from" ]]; then
     [[ -z "$node_rank" ]] || usage_error "give --node-rank R or --node-rank-from VAR, not both"
@@ -197,13 +209,15 @@ if [[ -n "$node_rank_from" ]]; then
 (a Kubernetes Indexed Job sets JOB_COMPLETION_INDEX in each pod: completionMode: Indexed); elsewhere give --node-rank R"
     node_rank="${!node_rank_from}"
     is_count "$node_rank" || usage_error "--node-rank-from $node_rank_from: its value is not a whole number (a node's rank)"
+    node_rank="$(whole "--node-rank-from $node_rank_from" "$node_rank")" || exit 2
     rank_source="--node-rank-from $node_rank_from ($node_rank_from=$node_rank)"
 fi
 node_rank="${node_rank:-0}"
 rank_source="${rank_source:-"--node-rank $node_rank"}"
 [[ "$node_rank" -lt "$nodes" ]] || usage_error "$rank_source must be below --nodes $nodes"
-[[ -z "$main_port" ]] || { is_count "$main_port" && [[ "$main_port" -ge 1 && "$main_port" -le 65535 ]]; } \
-    || usage_error "--main-port '$main_port' is not a port number"
+[[ -z "$main_port" ]] || main_port="$(whole --main-port "$main_port")" || exit 2
+[[ -z "$main_port" ]] || [[ "$main_port" -ge 1 && "$main_port" -le 65535 ]] \
+    || usage_error "--main-port $main_port is not a port number (1 to 65535)"
 case "$strategy" in ddp|fsdp) ;; *) usage_error "--strategy '$strategy': use ddp or fsdp" ;; esac
 if [[ "$nodes" -gt 1 && -z "$main_addr" ]]; then
     usage_error "--nodes $nodes needs --main-addr HOST (the address of the node with --node-rank 0)"

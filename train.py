@@ -21,6 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent
 
 from configs.settle import explicit_fields, settle_config
 from configs.training_config import MIXED_PRECISION_MODES, PRESETS, RESUME_FORMS, describe_fields, to_yaml
+from utils.cli import CommandLine
 from utils.errors import BackgroundFailure, UserError
 from utils.io.console import survive_lost_console
 from utils.runtime.run_status import RunStatus, rank_zero
@@ -28,7 +29,7 @@ from utils.runtime.signals import StoppedInSetup, catch_early, watch_supervisor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = CommandLine(
         description="Pretrain GPT-NeoX (see README.md).", formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="training-config fields (--set KEY=VALUE, or KEY: VALUE in a --config file), with defaults:\n"
                + describe_fields())
@@ -60,11 +61,17 @@ def main(argv=None) -> int:
     survive_lost_console()  # a console gone (`| tee` and Ctrl-C, a killed launcher) never stops the run
     catch_early()  # from the start: a stop signal during setup (imports, data index, build) ends it cleanly
     watch_supervisor()  # under the launcher: stop as on SIGTERM once it is gone
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # --help: nothing to run, and the launcher's record says it ended as it should
+        if exc.code == 0:
+            RunStatus(0).write()
+        raise
     try:
         cfg, profile = settle_config(args.config, args.set, cli_aliases(args))
         if args.print_config:
             print(to_yaml(cfg), end="")
+            RunStatus(0).write()
             return 0
         return train(cfg, profile, args)
     except StoppedInSetup as exc:

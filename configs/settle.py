@@ -7,6 +7,7 @@ import os
 from configs.profiles import MemoryProfile, resolve_profile
 from configs.training_config import (
     TrainingConfig,
+    coerce_flag,
     get_training_config,
     is_config_file,
     parse_overrides,
@@ -27,8 +28,10 @@ def local_device() -> tuple[str, float | None]:
 def settle_config(config: str, sets: list[str], aliases: dict,
                   device: tuple[str, float | None] | None = None) -> tuple[TrainingConfig, MemoryProfile | None]:
     """`config`: a preset name or a .yaml/.json file; `sets`: ["KEY=VALUE", ...]; `aliases`: field -> value
-    from shorthand flags (None: not given). Returns the config to train with and the profile applied."""
-    overrides = parse_overrides(sets) | {k: v for k, v in aliases.items() if v is not None}
+    from shorthand flags (None: not given), parsed as `--set` values are. Returns the config to train with and
+    the profile applied."""
+    flags = {k: coerce_flag(k, v, "--" + k.replace("_", "-")) for k, v in aliases.items() if v is not None}
+    overrides = parse_overrides(sets) | flags
     cfg = get_training_config(config, overrides)
     device_type, device_gib = device or local_device()
     return resolve_profile(cfg, device_type, device_gib, world_size=int(os.environ.get("WORLD_SIZE", "1")))

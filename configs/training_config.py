@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 import os
 import re
 import sys
@@ -16,6 +15,7 @@ import yaml
 
 from configs.model_config import ConfigError, get_model_spec
 from utils.observe.trackers import TRACKERS
+from utils.settings import Bounds, parse_number, shown_number
 from utils.training.optim import MUON_SCALES as OPTIMIZER_MUON_SCALES
 from utils.training.optim import OPTIMIZERS as OPTIMIZER_REGISTRY
 from utils.training.schedules import DECAY_SHAPES as SCHEDULE_DECAY_SHAPES
@@ -82,37 +82,6 @@ def check_seq_len(seq_len: int, spec) -> None:
     if seq_len > spec.max_position_embeddings:
         raise ConfigError(f"seq_len={seq_len} exceeds model '{spec.name}' max_position_embeddings="
                           f"{spec.max_position_embeddings}")
-
-
-class Bounds:
-    """A numeric field's range, written as an interval ("[0, 1)", "(0, inf)", "[1, inf)"), and values outside
-    it that mean something of their own ({-1: "all files"}). A float must also be finite: nan fails every
-    comparison, and an open "inf)" refuses inf."""
-
-    def __init__(self, interval: str, special: dict | None = None):
-        match = re.fullmatch(r"([\[(])\s*([^,\s]+)\s*,\s*([^\])\s]+)\s*([\])])", interval)
-        if match is None:
-            raise ValueError(f"bounds {interval!r}: expected an interval such as '[0, 1)'")
-        self.interval, self.special = interval, dict(special or {})
-        self.low_closed, self.low, self.high, self.high_closed = (
-            match[1] == "[", float(match[2]), float(match[3]), match[4] == "]")
-
-    def admits(self, value) -> bool:
-        if value in self.special:
-            return True
-        above = value >= self.low if self.low_closed else value > self.low
-        below = value <= self.high if self.high_closed else value < self.high
-        return above and below
-
-    def rule(self, kind: str) -> str:
-        """What a value must be, in words: 'at least 1', 'a finite number greater than 0', ..."""
-        if self.high == math.inf:
-            words = f"{'at least' if self.low_closed else 'greater than'} {self.low:g}"
-        else:
-            words = f"within {self.interval}"
-        if kind == "float":
-            words = f"a finite number {words}"
-        return words + "".join(f", or {value} ({meaning})" for value, meaning in self.special.items())
 
 
 def _field(default, help: str, bounds: str | None = None, special: dict | None = None):
@@ -280,8 +249,11 @@ class TrainingConfig:
         for f in fields(self):
             bounds = f.metadata.get("bounds")
             value = getattr(self, f.name)
-            if bounds is not None and not bounds.admits(value):
-                raise ConfigError(f"{f.name}={value} must be {bounds.rule(f.type)}")
+            refused = bounds.refusal(value, f.type) if bounds is not None else None
+            if refused:
+                shown = shown_number(value)
+                named = f"{f.name}={value}" if shown == str(value) else f"{f.name} ({shown})"
+                raise ConfigError(f"{named} {refused}")
         if not self.init_from:  # with init_from, the model comes from its config.json (checked when loaded)
             check_seq_len(self.seq_len, get_model_spec(self.model))  # an unknown model raises too
         for name, choices in CHOICES.items():
@@ -353,7 +325,6 @@ class TrainingConfig:
 
 _SETTABLE = {f.name: f for f in fields(TrainingConfig) if f.name != "preset"}
 CONFIG_FILE_SUFFIXES = (".yaml", ".yml", ".json")
-MAX_INT = 2**63  # an integer field's values lie below it (int64, as torch and numpy hold them)
 
 
 def _unknown_field(key: str, where: str) -> ConfigError:
@@ -379,17 +350,13 @@ def _coerce(name: str, raw, where: str):
             if low in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if kind == "int":
-            if isinstance(raw, float) and not raw.is_integer() or isinstance(raw, bool):
-                raise ValueError
-            value = int(raw)
-            if abs(value) >= MAX_INT:  # what a number of steps, files or seconds could be, with room
-                raise ConfigError(f"{where}: {name} must be below 2^63, got a number of {len(str(abs(value)))} digits")
-            return value
-        if kind == "float":
-            if isinstance(raw, bool):
-                raise ValueError
-            return float(raw)
+        if kind in ("int", "float"):  # the one numeric parsing (utils/settings.py): below 2^63, finite
+            try:
+                return parse_number(raw, kind)
+            except ValueError as exc:
+                if str(exc).startswith("must be"):
+                    raise ConfigError(f"{where}: {name} {exc}") from None
+                raise
         if kind == "list[str]":
             if isinstance(raw, str):  # from --set: a JSON list, or one prompt
                 raw = json.loads(raw) if raw.strip().startswith("[") else [raw]
@@ -413,6 +380,12 @@ def _coerce(name: str, raw, where: str):
     except (TypeError, ValueError):
         shown = repr(raw) if len(repr(raw)) <= 80 else repr(raw)[:77] + "..."
         raise ConfigError(f"{where}: expected a value of type {kind} for {name}, got {shown}") from None
+
+
+def coerce_flag(name: str, value, flag: str):
+    """A command-line flag's value for field `name` (train.py's --max-steps, ...), parsed as `--set` parses
+    it (`flag` names it in the error line): a number past 2^63 is one line, never an OverflowError later."""
+    return _coerce(name, value, flag)
 
 
 def _source_from_text(text: str) -> dict | None:

@@ -22,16 +22,18 @@ import re
 import sys
 from pathlib import Path
 
+from utils.cli import CommandLine, number_flag
 from utils.errors import UserError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", metavar="PATH", help="an HF model directory, a checkpoint or a run's output directory")
     p.add_argument("--task", action="append", required=True, metavar="[NAME=]FILE",
                    help="a task file, named NAME or after the file (repeatable)")
-    p.add_argument("--limit", type=int, default=0, help="score the first N examples of each task (0: all)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
+    p.add_argument("--limit", type=number_flag("int"), default=0,
+                   help="score the first N examples of each task (0: all)")
+    p.add_argument("--batch-size", type=number_flag("int"), default=16, help="sequences per forward pass")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     p.add_argument("--tokenizer", help="a prepared data directory, an HF tokenizer directory or a tokenizer.json "
                                        "(default: the one saved with PATH)")

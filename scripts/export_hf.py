@@ -18,18 +18,19 @@ import argparse
 import sys
 from pathlib import Path
 
+from utils.cli import CommandLine
 from utils.errors import UserError
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint directory (checkpoints/checkpoint-epoch*-step*-files*)")
     p.add_argument("out_dir", help="the HF model directory to write (must not exist, or be empty)")
     p.add_argument("--tokenizer", help="a prepared data directory (dataset.json), an HF tokenizer directory or a "
                                        "tokenizer.json (default: the checkpoint's tokenizer.json)")
     args = p.parse_args(argv)
-    from utils.io import files
-    from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
+    from utils.model.hf import ExportTokenizer, load_checkpoint_model
+    from utils.run.export import write_export
 
     out = Path(args.out_dir)
     try:
@@ -46,8 +47,8 @@ def main(argv=None) -> int:
             print(f"warning: {args.checkpoint} holds no tokenizer.json, so {out} has none: AutoTokenizer cannot load "
                   f"it (or loads a wrong one). Export again with --tokenizer PATH (the data directory or the "
                   f"tokenizer.json the model was trained with)", file=sys.stderr)
-        with files.write_guard(out, advice="export into a folder you may write, with space to spare"):
-            export_hf(weights, spec, out, tokenizer=tokenizer)
+        write_export(weights, spec, out, tokenizer, advice="export into a folder you may write, with space to spare "
+                                                           f"(nothing was written to {out})")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

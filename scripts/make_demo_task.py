@@ -13,14 +13,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from utils.cli import CommandLine, number_flag
 from utils.errors import UserError
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="the task file to write (JSON Lines)")
-    p.add_argument("--examples", type=int, default=500, help="how many examples (default 500)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--examples", type=number_flag("int"), default=500, help="how many examples (default 500)")
+    p.add_argument("--seed", type=number_flag("int"), default=0)
     args = p.parse_args(argv)
     from utils.evals.demo_task import build_next_line_task
     from utils.io import files

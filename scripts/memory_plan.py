@@ -24,26 +24,27 @@ from configs.training_config import (
     STRATEGIES,
     default_seq_len,
 )
+from utils.cli import CommandLine, number_flag
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandLine(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-neox-1.2b", help=f"one of: {', '.join(MODELS)}")
     p.add_argument("--strategy", choices=STRATEGIES, default="ddp")
-    p.add_argument("--world-size", type=int, default=1, help="processes (GPUs) in all")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per GPU")
-    p.add_argument("--seq-len", type=int, default=0,
+    p.add_argument("--world-size", type=number_flag("int"), default=1, help="processes (GPUs) in all")
+    p.add_argument("--micro-batch", type=number_flag("int"), default=1, help="sequences per micro-batch per GPU")
+    p.add_argument("--seq-len", type=number_flag("int"), default=0,
                    help="tokens per sequence (default: what a run trains at when seq_len is not set: the model's "
                         "positions, at most its context before rope scaling and 8192)")
     p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="none",
                    help="the policy (training config field activation_checkpointing)")
-    p.add_argument("--every", type=int, default=2, help="every_k: checkpoint every k-th block")
+    p.add_argument("--every", type=number_flag("int"), default=2, help="every_k: checkpoint every k-th block")
     p.add_argument("--checkpointing", action="store_true", help="the same as --activation-checkpointing full")
     p.add_argument("--moments", choices=OPTIMIZER_STATE_DTYPES, default="fp32",
                    help="optimizer state precision (training config field optimizer_state_dtype)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw: two moments per parameter; muon: one momentum per block matrix (AdamW for the rest)")
-    p.add_argument("--device-gib", type=float, default=80.0, help="memory of one GPU, GiB (default 80)")
+    p.add_argument("--device-gib", type=number_flag("float"), default=80.0, help="memory of one GPU, GiB (default 80)")
     args = p.parse_args(argv)
     try:
         spec = get_model_spec(args.model)

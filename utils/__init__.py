@@ -4,7 +4,8 @@ docstring names after "May import:" (tests/test_architecture.py reads those line
 Lowest first:
 - `utils` itself, the base: `errors` (UserError, the one base class for problems the user fixes), `layout`
   (a run folder's file names), `debug` (debug and fault-injection switches), `settings` (the base of every
-  component's typed settings), `quiet_imports` (torchao's import noise on CPU machines).
+  component's typed settings, and the one numeric parsing), `cli` (the entry points' command lines: one-line
+  errors, numeric flags), `quiet_imports` (torchao's import noise on CPU machines).
 - `utils.io`: files, GCS, the run's lock, the console.
 - `utils.runtime`: processes and signals: the launcher's supervisor, the stop signal, the run's status record,
   collectives that strand no rank, host memory.

@@ -17,6 +17,12 @@ class DiskFullError(UserError, OSError):
     needed and free, and what to do."""
 
 
+class NotAFileError(UserError, OSError):
+    """A path a reader was about to open is no regular file (a FIFO, a socket, a device, a folder): reading it
+    could block for good (a FIFO with no writer) or never end (a device). The message names the path and what
+    it is; utils/io/files.py's `regular_file` raises it before any open()."""
+
+
 THREAD_FAILED = "a background thread failed"  # how the line of a BackgroundFailure starts
 
 

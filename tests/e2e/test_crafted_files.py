@@ -828,3 +828,222 @@ def test_a_crafted_dataset_json_or_a_changed_tokenizer_is_one_line_before_step_1
     assert f"{data / 'tokenizer.json'} has sha256 " in line and f"not the {recorded[:16]}... that " \
            f"{data / 'dataset.json'} records: the shards were made with another tokenizer" in line, line
     assert "Step 1" not in proc.stdout and not (tmp_path / "out" / "checkpoints").exists()
+
+
+# ------------------------------------------------- 10: issue 56: a FIFO, a socket or a device named like a file
+
+def non_regular(path: Path, kind: str) -> Path:
+    """A FIFO, a socket or a character device (a link to /dev/zero, endless) at `path`: none needs root."""
+    import stat
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        os.mknod(path, 0o644 | (stat.S_IFIFO if kind == "fifo" else stat.S_IFSOCK))
+    return path
+
+
+def ends_within(seconds: float, fifos=()):
+    """A context in which a blocking call (open() of a FIFO waits for a writer for good) fails the test after
+    `seconds` instead of hanging the suite: SIGALRM interrupts the main thread's system call, and a reader
+    blocked on one of `fifos` in another thread (the index scans on a pool) is released by a writer's open."""
+    import contextlib
+    import signal
+
+    @contextlib.contextmanager
+    def bounded():
+        def expire(_signum, _frame):
+            for fifo in fifos:
+                try:
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the blocked reader's open() returns
+                except OSError:
+                    pass  # nobody reads it
+            raise TimeoutError(f"still blocked after {seconds} s")
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return bounded()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "device"])
+def test_a_non_regular_file_named_like_a_shard_is_one_line_at_once(tmp_path, kind):
+    """A FIFO named like a shard hung the run for good after `data: validating N shard file(s)`, before step 1
+    (no watchdog looks there): the index checks each file's type before any open(), found by the walk or
+    listed in a dataset.json."""
+    from utils.data.index import ShardIndex
+    from utils.data.shards import ShardError
+
+    words = {"fifo": "a FIFO (named pipe)", "socket": "a socket", "device": "a character device"}[kind]
+    data = make_shards(tmp_path / "data", n_files=3, rows=8)
+    special = non_regular(data / "part-1" / "shard-999.npz", kind)
+    with ends_within(20, [special]), pytest.raises(ShardError) as caught:
+        ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
+    assert str(caught.value) == f"{special} is {words}, not a regular file; remove it or put the file there"
+
+    if kind == "device":
+        return  # listed in a dataset.json, a link out of the folder is refused as such (test_dataset_json_paths_...)
+    listed = make_shards(tmp_path / "listed", n_files=2, rows=8)
+    rels = sorted(p.relative_to(listed).as_posix() for p in listed.rglob("*.npz"))
+    write_dataset(listed, rels, [])
+    (listed / rels[0]).unlink()
+    non_regular(listed / rels[0], kind)
+    with ends_within(20, [listed / rels[0]]), \
+            pytest.raises(ShardError, match=re.escape(f"{listed / rels[0]} is {words}, not")):
+        ShardIndex.build(listed, seq_len=64, vocab_size=512, log=lambda *_: None)
+
+
+def test_every_reader_of_a_file_found_in_a_folder_refuses_a_fifo_at_once(tmp_path):
+    """The same for the other readers of files a folder holds: dataset.json itself and the tokenizer it names,
+    a tokenizer, a checkpoint's files (resume's newest one is skipped), a prepare input, a task file, the
+    crc32c of any file: one UserError naming the file, within seconds, nothing opened."""
+    from tests.e2e.test_one_line_errors import fake_checkpoint
+    from utils.checkpoint.format import CheckpointError, find_latest_local, verify_checkpoint
+    from utils.data.corpus import PrepareError, list_inputs
+    from utils.data.dataset_info import DatasetInfo, DatasetInfoError
+    from utils.data.tokenizer import TokenizerError, read_tokenizer
+    from utils.errors import NotAFileError
+    from utils.evals.tasks import TaskFileError, load_task
+
+    data = make_shards(tmp_path / "data", n_files=2, rows=8)
+    non_regular(data / "dataset.json", "fifo")
+    fifo = non_regular(tmp_path / "fifo", "fifo")
+    older = fake_checkpoint(tmp_path / "checkpoints", 2)
+    newest = fake_checkpoint(tmp_path / "checkpoints", 4)
+    (newest / "trainer_state.json").unlink()
+    non_regular(newest / "trainer_state.json", "fifo")
+    described = make_shards(tmp_path / "described", n_files=2, rows=8)
+    write_dataset(described, sorted(p.relative_to(described).as_posix() for p in described.rglob("*.npz")), [])
+    raw = json.loads((described / "dataset.json").read_text())
+    raw["tokenizer"]["sha256"] = "0" * 64
+    (described / "dataset.json").write_text(json.dumps(raw))
+    non_regular(described / "tokenizer.json", "fifo")
+    said = []
+    with ends_within(30):
+        with pytest.raises(DatasetInfoError, match=r"dataset.json is not a readable dataset description "
+                                                   r"\(NotAFileError: .*dataset.json is a FIFO"):
+            DatasetInfo.load(data)
+        with pytest.raises(DatasetInfoError, match=r"names the tokenizer .*tokenizer.json, which cannot be read "
+                                                   r"\(.*is a FIFO"):
+            DatasetInfo.load(described)
+        with pytest.raises(TokenizerError, match=f"--tokenizer {fifo} is a FIFO"):
+            read_tokenizer(fifo)
+        with pytest.raises(CheckpointError, match="trainer_state.json is not a regular file; the checkpoint is"):
+            verify_checkpoint(newest)
+        assert find_latest_local(tmp_path / "checkpoints", log=said.append) == older
+        with pytest.raises(PrepareError, match=f"--input {fifo}: not a regular file or folder"):
+            list_inputs([str(fifo)])
+        with pytest.raises(TaskFileError, match=f"task file {fifo}: cannot read it \\(.* is a FIFO"):
+            load_task(fifo)
+        with pytest.raises(NotAFileError):
+            file_crc32c(fifo)
+    assert said and f"skipping checkpoint {newest.name}" in said[0]
+
+
+@pytest.mark.slow
+def test_train_py_with_a_fifo_named_like_a_shard_ends_in_seconds(tmp_path):
+    """The probe's case through train.py: one line naming the FIFO, exit 2, long before any watchdog."""
+    import time
+
+    data = make_shards(tmp_path / "data", n_files=3, rows=8)
+    fifo = non_regular(data / "part-0" / "shard-009.npz", "fifo")
+    started = time.monotonic()
+    proc = run(train_cmd(tmp_path / "out", data, "max_steps=2"), env_for_runs(), timeout=120, check=False)
+    assert f"error: {fifo} is a FIFO (named pipe), not a regular file" in one_error_line(proc)
+    assert time.monotonic() - started < 60 and "Step 1" not in proc.stdout
+
+
+# --------------------------------------- 11: issue 56: a dataset.json that lists a shard twice, or a wrong crc32c
+
+def test_a_dataset_json_listing_a_shard_twice_or_in_both_splits_is_refused(tmp_path):
+    """Listed twice, a shard trained twice an epoch; in both splits, it was validated on after training on it;
+    neither said a word. prepare_data.py never writes either: one line naming the file and both fields (the same
+    check reads a streamed dataset's dataset.json)."""
+    from utils.data.dataset_info import DatasetInfo, DatasetInfoError
+    from utils.data.index import ShardIndex
+
+    data = make_shards(tmp_path / "data", n_files=3, rows=8)
+    rels = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.npz"))
+    write_dataset(data, [rels[0], rels[1], rels[0]], [rels[2]])
+    with pytest.raises(DatasetInfoError, match=re.escape(f"dataset.json: shards[2].path names {rels[0]}, which "
+                                                         f"shards[0].path names too: a shard is listed once")):
+        ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
+    write_dataset(data, rels[:2], [rels[1], rels[2]])
+    with pytest.raises(DatasetInfoError, match=re.escape(f"validation.shards[0].path names {rels[1]}, which "
+                                                         f"shards[1].path names too")):
+        DatasetInfo.load(data)
+    write_dataset(data, rels[:2], [rels[2]])
+    assert len(ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)) == 3
+
+
+def test_a_local_shard_whose_crc32c_or_size_is_not_its_dataset_json_s_is_one_line(tmp_path):
+    """Local shards were never checked against their dataset.json (a bucket's are, on download): now the size at
+    every start (a stat), the crc32c on the file's first scan (which reads it whole anyway) and from the index's
+    cache after that, so a changed dataset.json is caught without reading a byte of data again."""
+    from utils.data import index as data_index
+    from utils.data.index import ShardIndex
+    from utils.data.shards import ShardError
+
+    data = make_shards(tmp_path / "data", n_files=3, rows=8)
+    rels = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.npz"))
+    write_dataset(data, rels, [])
+    described = json.loads((data / "dataset.json").read_text())
+    for entry in described["shards"]:
+        entry["crc32c"] = file_crc32c(data / entry["path"])
+    (data / "dataset.json").write_text(json.dumps(described))
+    assert len(ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)) == 3
+    cached = json.loads((data / data_index.CACHE_NAME).read_text())["files"]
+    assert [cached[rel]["crc32c"] for rel in rels] == [e["crc32c"] for e in described["shards"]]
+
+    listed = described["shards"][1]["crc32c"]
+    described["shards"][1]["crc32c"] = "AAAAAA=="
+    (data / "dataset.json").write_text(json.dumps(described))
+    reads = []
+    real_crc = data_index.file_crc32c
+    data_index.file_crc32c = lambda path: reads.append(path) or real_crc(path)
+    try:
+        with pytest.raises(ShardError) as caught:
+            ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
+    finally:
+        data_index.file_crc32c = real_crc
+    assert str(caught.value) == (f"{data / rels[1]}: has crc32c {listed}, but {data / 'dataset.json'} lists AAAAAA==; "
+                                 f"it is not the shard prepare_data.py wrote (corrupt, or replaced): download it again "
+                                 f"(download_training_data.py verifies each file) or prepare the data again")
+    assert reads == [], "the cached crc32c answers without reading the data"
+    (data / data_index.CACHE_NAME).unlink()
+    with pytest.raises(ShardError, match=r"has crc32c .*, but .* lists AAAAAA=="):  # found by the first scan too
+        ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
+
+    described["shards"][1]["crc32c"] = listed
+    described["shards"][2]["bytes"] += 1
+    (data / "dataset.json").write_text(json.dumps(described))
+    with pytest.raises(ShardError, match=re.escape(f"{data / rels[2]}: has bytes {(data / rels[2]).stat().st_size}, "
+                                                   f"but {data / 'dataset.json'} lists ")):
+        ShardIndex.build(data, seq_len=64, vocab_size=512, log=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_train_py_on_a_shard_whose_crc32c_is_not_its_dataset_json_s_stops_before_step_1(tmp_path):
+    """The probe's case through train.py: a prepared dataset whose dataset.json lists another crc32c for one
+    shard (it trained and exported without a word): one line naming the shard and both checksums, exit 2."""
+    from tests.e2e.test_prepare_data import bpe_tokenizer
+    from utils.data.prepare import PrepareOptions, prepare
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 40}) + "\n" for i in range(60)))
+    data = tmp_path / "data"
+    prepare([str(corpus)], str(bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)), data,
+            PrepareOptions(shard_tokens=1024))
+    described = json.loads((data / "dataset.json").read_text())
+    described["shards"][0]["crc32c"] = "AAAAAA=="
+    (data / "dataset.json").write_text(json.dumps(described))
+    proc = run(train_cmd(tmp_path / "out", data, "max_steps=2", "seq_len=32"), env_for_runs(), check=False)
+    line = one_error_line(proc)
+    assert f"{data / described['shards'][0]['path']}: has crc32c " in line and "lists AAAAAA==" in line, line
+    assert "Step 1" not in proc.stdout and not (tmp_path / "out" / "final_model").exists()

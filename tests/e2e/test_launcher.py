@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import REPO_ROOT, free_port
 
 # Launched in place of train.py: records what each process saw, and proves the processes form one
 # gloo group by all-reducing (rank + 1).
@@ -35,6 +35,8 @@ with open(os.path.join(os.environ["PROBE_OUT"], f"rank{state.process_index}.json
     json.dump(record, f)
 if dist.is_initialized():
     dist.destroy_process_group()  # without it gloo may abort at exit ("terminate called without an active exception")
+from utils.runtime.run_status import RunStatus
+RunStatus(0).write()  # as train.py does: the launcher takes exit 0 without it for a run that ended early
 '''
 
 
@@ -497,6 +499,23 @@ def _kill_the_rank_after_step_1(out: Path, proc: subprocess.Popen) -> None:
     os.kill(training_process(out), signal.SIGKILL)
 
 
+def _train_py_exiting_0_at_step_3(tmp_path: Path) -> str:
+    """A TRAIN_SCRIPT: train.py, whose process exits 0 as step 3 begins (os._exit: no status record, no
+    final_model/, no word), as a rank that ends halfway without a stop."""
+    script = tmp_path / "exits_0_at_step_3.py"
+    script.write_text("import os, runpy, sys\n"
+                      "from utils.run.trainer import Trainer\n"
+                      "step = Trainer.train_step\n"
+                      "def exit_at_3(self, data):\n"
+                      "    if self.state.step == 3:\n"
+                      "        os._exit(0)\n"
+                      "    step(self, data)\n"
+                      "Trainer.train_step = exit_at_3\n"
+                      f"sys.argv[0] = {str(REPO_ROOT / 'train.py')!r}\n"
+                      "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return str(script)
+
+
 EXIT_CODES = {  # id: (exit status, start_training.sh options, --set values, environment, action, a line it prints)
     "0-finished": (0, [], ["max_steps=2"], {}, None, "start_training.sh: finished after step 2"),
     "1-upload-failed": (1, [], ["max_steps=2", "save_steps=1", "gcs_bucket=nowhere", "run_name=r",
@@ -509,6 +528,8 @@ EXIT_CODES = {  # id: (exit status, start_training.sh options, --set values, env
                        {"NEOX_DEBUG_HANG_AFTER_STEP": "2:1"}, None, "hang watchdog: rank 1 made no training progress"),
     "137-rank-killed": (128 + signal.SIGKILL, [], ["max_steps=100", "logging_steps=1", "hang_timeout_s=0"],
                         {"NEOX_DEBUG_HANG_AFTER_STEP": "2"}, _kill_the_rank_after_step_1, "was killed by SIGKILL"),
+    "1-exit-0-at-step-3": (1, [], ["max_steps=8", "save_steps=2"], {"TRAIN_SCRIPT": _train_py_exiting_0_at_step_3},
+                           None, "start_training.sh: error: training exited with status 0 before its run finished"),
 }
 
 
@@ -516,11 +537,13 @@ EXIT_CODES = {  # id: (exit status, start_training.sh options, --set values, env
 @pytest.mark.parametrize("case", EXIT_CODES, ids=list(EXIT_CODES))
 def test_every_exit_code_of_the_contract_reaches_the_caller(launcher, tmp_path, subprocess_env, case):
     """docs/contracts.md's exit codes, each from a real run through start_training.sh (accelerate exits 1
-    whatever its rank's status; torchrun too): 0 finished, 1 a checkpoint that did not reach GCS, 2 an input
-    error, 3 the hang watchdog (one process, and a rank of two that hangs), 128+N a rank killed by signal N."""
+    whatever its rank's status; torchrun too): 0 finished, 1 a checkpoint that did not reach GCS or a rank that
+    exited 0 halfway (step 3 of 8: it was exit 0, without a word), 2 an input error, 3 the hang watchdog (one
+    process, and a rank of two that hangs), 128+N a rank killed by signal N."""
     from tests.trainkit import TINY, make_shards
 
     code, options, sets, env, action, said = EXIT_CODES[case]
+    env = {name: value(tmp_path) if callable(value) else value for name, value in env.items()}
     data, out = make_shards(tmp_path / "data"), tmp_path / "out"
     args = ["--config", "demo", "--cpu", "--main-port", str(free_port()), *options]
     for s in TINY + ["per_device_train_batch_size=2", *sets]:
@@ -534,3 +557,28 @@ def test_every_exit_code_of_the_contract_reaches_the_caller(launcher, tmp_path, 
     assert res.returncode == code, text[-3000:]
     assert said in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+    if case in ("0-finished", "1-exit-0-at-step-3"):
+        assert (out / "final_model").is_dir() == (code == 0), text[-3000:]
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_a_command_that_exits_0_before_its_run_finished_is_a_failure(subprocess_env, trained):
+    """The supervisor knows a run ended as it should by its status record (utils/runtime/run_status.py): a command
+    that exits 0 without one (a rank that ended halfway, os._exit(0)) is one error line and exit 1, restarted
+    under --max-restarts when it had trained a step (a failure like any other), never before its first step."""
+    rank = ("import os, sys\n"
+            "from utils.runtime.run_status import mark_trained\n"
+            + ("mark_trained()\n" if trained else "") +
+            "os._exit(0)\n")
+    proc = subprocess.run([sys.executable, "-S", str(REPO_ROOT / "utils" / "runtime" / "launch.py"), "--max-restarts",
+                           "1", "--restart-delay", "0", "--", sys.executable, "-c", rank], env=subprocess_env,
+                          capture_output=True, text=True, timeout=60)
+    said = "training exited with status 0 before its run finished (no status record: no final model, no stop)"
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 1 and len(errors) == 1 and said in errors[0], proc.stderr
+    if trained:
+        assert f"{said}: a process ended early; restart 1 of 1 in 0 s" in proc.stderr, proc.stderr
+        assert "gave up after 1 restart(s) (--max-restarts 1)" in proc.stderr, proc.stderr
+    else:
+        assert "not restarting: the run failed before its first training step" in proc.stderr, proc.stderr
+        assert "restart 1" not in proc.stderr, proc.stderr

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -140,6 +141,57 @@ def test_checkpoint_on_a_full_disk_is_one_line(tmp_path):
         assert not any(mount.iterdir()), "the partial checkpoint was left behind"
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def under_file_size_limit(limit_bytes: int):
+    """A preexec_fn: the child may write files of at most `limit_bytes` (RLIMIT_FSIZE, `ulimit -f`)."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+
+@pytest.mark.parametrize("small_disk", ["256k"], indirect=True)
+def test_an_hf_export_on_a_full_disk_is_one_line_and_whole_or_absent(tmp_path, small_disk):
+    """write_export (final_model/ at a run's end, scripts/export_hf.py): a full disk is one DiskFullError naming
+    the folder, and the export is written whole or not at all: an earlier export there stays intact, no
+    half-written folder or temporary is left (one was, with a config.json a later look took for an export)."""
+    from configs.model_config import get_model_spec
+    from utils.model import build_model
+    from utils.run.export import write_export
+
+    spec = get_model_spec("tiny")
+    weights = build_model(spec, seed=0).state_dict()  # ~660 KB as safetensors: past the 256 KB disk
+    final = small_disk / "final_model"
+    final.mkdir()
+    (final / "config.json").write_text("{}")  # an earlier export, kept
+    with pytest.raises(DiskFullError, match=rf"no space left on .*small writing {re.escape(str(final))} .*the "
+                                            r"checkpoints are intact: export one with scripts/export_hf.py"):
+        write_export(weights, spec, final, None)
+    assert [p.name for p in small_disk.iterdir()] == ["final_model"], list(small_disk.iterdir())
+    assert [p.name for p in final.iterdir()] == ["config.json"] and (final / "config.json").read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_export_and_prepare_past_the_file_size_limit_are_one_line(small_corpus, tmp_path, gcs_emulator):
+    """A file past the size limit (EFBIG: `ulimit -f`) is a write that found no room, in the writers' one guard:
+    scripts/export_hf.py (safetensors' SafetensorError) and prepare_data.py writing a gs:// output (numpy's
+    OSError in a worker) were tracebacks; now one line naming the limit, exit 2, nothing exported or
+    published, the partitions done kept."""
+    from tests.e2e.test_crafted_files import tiny_checkpoint
+
+    checkpoint, out = tiny_checkpoint(tmp_path / "ckpt"), tmp_path / "exported"
+    proc = run_py([REPO_ROOT / "scripts" / "export_hf.py", checkpoint, out], preexec_fn=under_file_size_limit(100_000))
+    assert f"error: file too large writing {out}: past this process's file-size limit of 100,000 bytes (ulimit -f);" \
+           in one_line(proc) and not out.exists() and not list(tmp_path.glob(".exported*")), proc.stderr
+    corpus, tok = small_corpus
+    output = f"gs://{gcs_emulator.bucket}/data"
+    proc = run_py([REPO_ROOT / "prepare_data.py", "--no-progress", "--workers", "1", "--input", corpus, "--tokenizer",
+                   tok, "--output", output, "--shard-tokens", "1024"], preexec_fn=under_file_size_limit(1000))
+    line = one_line(proc)
+    assert "error: file too large writing" in line and "raise that limit and run the same command again: nothing " \
+           "was published, and the partitions already done are kept" in line, line
+    names = [blob.name for blob in gcs_emulator.client().list_blobs(gcs_emulator.bucket)]
+    assert "data/dataset.json" not in names and not any(n.startswith("data/") for n in names), names
 
 
 # -------------------------------------------------------------- bug 2: an unreadable newest checkpoint
@@ -531,7 +583,8 @@ def dataset_cases(root: Path, data: Path, tokenizer: Path) -> list[tuple[str, Pa
     shutil.copy(tokenizer, folders["tokenizer"] / "tokenizer.json")
     return [("dataset.json is nested 100,000 deep", folders["nested"]),
             ("dataset.json names a shard path holding a NUL", folders["nul"]),
-            ("tokenizer.json is not the one dataset.json records", folders["tokenizer"])]
+            ("tokenizer.json is not the one dataset.json records", folders["tokenizer"]),
+            ("every token is the end-of-document id", eos_only_data(root / "data-eos", described=True))]
 
 
 def hf_cases(root: Path) -> list[tuple[str, Path]]:
@@ -581,12 +634,12 @@ def record_cases(root: Path) -> list[tuple[str, Path]]:
 
 def resume_cases(root: Path, run_out: Path) -> list[tuple[str, Path]]:
     """Copies of a real run's checkpoint whose trainer_state.json's config is "x", or whose optimizer.pt holds a
-    moment of another shape than its parameter (the manifest rewritten to match)."""
+    moment of another shape than its parameter, or a `step` that is NaN (the manifest rewritten to match)."""
     from tests.e2e.test_crafted_files import refresh_manifest
 
     (checkpoint,) = (run_out / "checkpoints").iterdir()
     copies = []
-    for name in ("config", "optimizer"):
+    for name in ("config", "optimizer", "step"):
         copy = root / f"resume-{name}" / checkpoint.name
         shutil.copytree(checkpoint, copy)
         if name == "config":
@@ -595,12 +648,16 @@ def resume_cases(root: Path, run_out: Path) -> list[tuple[str, Path]]:
             refresh_manifest(copy, "trainer_state.json")
         else:
             optimizer = torch.load(copy / "optimizer.pt", weights_only=True)
-            optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+            if name == "optimizer":
+                optimizer["state"][0]["exp_avg"] = torch.zeros(3, 3)
+            else:
+                optimizer["state"][0]["step"] = torch.tensor(math.nan)
             torch.save(optimizer, copy / "optimizer.pt")
             refresh_manifest(copy, "optimizer.pt")
         copies.append(copy)
     return [("trainer_state.json's config is 'x'", copies[0]),
-            ("optimizer.pt has a moment of the wrong shape", copies[1])]
+            ("optimizer.pt has a moment of the wrong shape", copies[1]),
+            ("optimizer.pt's step is NaN", copies[2])]
 
 
 def prepare_cases(root: Path) -> list[tuple[str, list]]:
@@ -743,10 +800,63 @@ def test_no_entry_point_shows_a_traceback_for_bad_input(tmp_path):
     bad = [f"{what} (exit {p.returncode}):\n{p.stderr[-1500:]}" for what, p in results
            if "Traceback" in p.stderr or p.returncode == 0 or not p.stderr.strip()]
     assert not bad, "\n\n".join(bad)
+    for what, words in (("train: resume from a checkpoint whose optimizer.pt's step is NaN",
+                         "its optimizer state cannot be continued from: gpt_neox.embed_in.weight's step is nan"),
+                        ("train: every token is the end-of-document id",
+                         "is id 0 (the end-of-document token): there is nothing to learn")):
+        said = dict(results)[what].stderr
+        assert words in said, (what, said)
     assert not (tmp_path / "crafted" / "code-ran").exists(), "a crafted checkpoint ran its code"
 
 
 # ------------------------------------------------------------------------------------------------ data
+
+def eos_only_data(folder: Path, described: bool) -> Path:
+    """Three shards whose every token is 0, the end-of-document id of the dataset.json beside them (as prepare
+    writes it, sizes and crc32c true) when `described`."""
+    import numpy as np
+
+    from tests.e2e.test_crafted_files import write_dataset
+    from utils.io.storage import file_crc32c
+
+    folder.mkdir(parents=True)
+    names = [f"shard-{i}.npz" for i in range(3)]
+    for name in names:
+        np.savez(folder / name, input_ids=np.zeros(1024, np.uint16))
+    if described:
+        described = json.loads(write_dataset(folder, names[:2], names[2:]).joinpath("dataset.json").read_text())
+        for entry in described["shards"] + described["validation"]["shards"]:
+            entry.update(tokens=1024, crc32c=file_crc32c(folder / entry["path"]))
+        (folder / "dataset.json").write_text(json.dumps(described))
+    return folder
+
+
+def test_data_of_end_of_document_tokens_alone_is_refused_by_prepare_and_training(small_corpus, tmp_path):
+    """Documents whose text is the tokenizer's end-of-document token alone are empty ones: a corpus of nothing
+    else is prepare's "the corpus is empty" line (it prepared shards of EOS ids); shards whose every token is one
+    id (made by hand, or by an earlier prepare) are refused when training opens them, naming the end-of-document
+    token where dataset.json records it (it trained to a zero loss and exported without a word)."""
+    from utils.data.build import open_source
+    from utils.data.corpus import PrepareError
+    from utils.data.index import DataDirError
+    from utils.data.prepare import PrepareOptions, prepare
+    from utils.data.source import OpenRequest, Source
+
+    _, tok = small_corpus
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "d.jsonl").write_text(json.dumps({"text": "<|endoftext|>"}) + "\n" +
+                                                 json.dumps({"text": "<|endoftext|><|endoftext|>"}) + "\n")
+    with pytest.raises(PrepareError, match=r"the corpus is empty: 1 input file\(s\), 2 empty document\(s\) "
+                                           r"\(no text, or only end-of-document tokens: the tokenizer's "
+                                           r"'<\|endoftext\|>'\)"):
+        prepare([str(tmp_path / "corpus")], str(tok), tmp_path / "out", PrepareOptions(shard_tokens=1024))
+    request = OpenRequest(seq_len=64, vocab_size=512, log=lambda line: None)
+    for described, what in ((True, " (the end-of-document token)"), (False, "")):
+        data = eos_only_data(tmp_path / f"data-{described}", described)
+        said = f"{data}: every token of its 2 training shard(s) is id 0{what}: there is nothing to learn; prepare"
+        with pytest.raises(DataDirError, match="^" + re.escape(said)):
+            open_source(Source("data", path=data, val_files=1), request)
+
 
 def test_hidden_files_and_folders_in_the_data_dir_are_ignored_and_counted(tmp_path):
     from utils.data.index import ShardIndex
@@ -1013,3 +1123,78 @@ def test_write_guard_names_the_path_and_owner(open_tmp):
     with pytest.raises(DiskFullError, match="export elsewhere"):
         with files.write_guard(theirs, advice="export elsewhere"):
             raise OSError(28, "No space left on device")
+
+
+# ------------------------------------------------------------- issue 56: numbers past what the machine holds
+
+def entry_point_parser(module_name: str):
+    """The argparse parser an entry point builds (caught as its main() parses `--help`)."""
+    import argparse
+    import importlib
+
+    caught = []
+
+    class Caught(Exception):
+        pass
+
+    def capture(parser, *args, **kwargs):
+        caught.append(parser)
+        raise Caught
+
+    module = importlib.import_module(module_name)
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        module.main(["--help"])
+    except Caught:
+        pass
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    return caught[0]
+
+
+@pytest.mark.parametrize("module_name", ["prepare_data", "generate", "download_training_data", "scripts.evaluate",
+                                         "scripts.memory_plan", "scripts.make_demo_task"])
+def test_every_numeric_flag_refuses_a_number_past_the_machine_in_one_line(module_name, capsys):
+    """Every int or float flag of every entry point parses through utils/cli.py's number_flag: 400 nines (an int
+    past int64, a float past its range) and inf / nan are one error line naming the flag (CommandLine: argparse
+    printed its usage first), never an OverflowError deep in the run."""
+    parser = entry_point_parser(module_name)
+    numeric = [a for a in parser._actions if getattr(a.type, "__name__", None) in ("int", "float")]
+    assert numeric and all(a.type not in (int, float) for a in numeric), "a numeric flag bypasses number_flag"
+    for action in numeric:
+        flag = action.option_strings[-1]
+        bad = {"9" * 400: "must be below 2^63" if action.type.__name__ == "int" else "must be a finite number"}
+        if action.type.__name__ == "float":
+            bad |= {"inf": "must be a finite number", "nan": "must be a finite number"}
+        for value, words in bad.items():
+            with pytest.raises(SystemExit) as exited:
+                parser.parse_args([flag, value])
+            err = capsys.readouterr().err
+            assert exited.value.code == 2 and err.startswith(f"error: argument {flag}: {words}"), (flag, value, err)
+            assert err.count("\n") == 1 and err.endswith(" --help lists the options\n"), err  # no usage block
+
+
+def test_a_number_flag_and_a_set_value_past_int64_are_one_line_naming_it(tmp_path, subprocess_env):
+    """train.py's --max-steps is parsed as --set's values are (configs/settle.py); the launcher refuses a
+    number bash's arithmetic would wrap (it compared 400 nines as -1) before anything starts."""
+    from configs.model_config import ConfigError
+    from configs.settle import settle_config
+
+    huge = "9" * 400
+    with pytest.raises(ConfigError, match=r"^--max-steps: max_steps must be below 2\^63, got a number of 400 digits$"):
+        settle_config("demo", [], {"max_steps": int(huge)}, device=("cpu", None))
+    with pytest.raises(ConfigError, match=r"learning_rate must be a finite number, got inf"):
+        settle_config("demo", ["learning_rate=1e999"], {}, device=("cpu", None))
+    proc = run_py([REPO_ROOT / "train.py", "--config", "demo", "--max-steps", huge, "--output-dir", tmp_path / "o"])
+    assert "--max-steps: max_steps must be below 2^63" in one_line(proc) and not (tmp_path / "o").exists()
+    for flag in ("--max-steps", "--gpus", "--max-restarts", "--restart-delay", "--node-rank"):
+        proc = subprocess.run([str(REPO_ROOT / "start_training.sh"), "--cpu", "--config", "demo", "--dry-run", flag,
+                               huge], env=subprocess_env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", (flag, proc.stdout, proc.stderr)
+        assert proc.stderr == f"start_training.sh: error: {flag}: a number of 400 digits is out of range (at most 18 " \
+                              f"digits)\n"
+    proc = subprocess.run([str(REPO_ROOT / "start_training.sh"), "--cpu", "--config", "demo", "--dry-run", "--gpus",
+                           "08", "--main-port", "0080"], env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # base 10: bash read 08 as a bad octal number
+    assert "--num_processes 8 " in proc.stdout and "--main_process_port 80 " in proc.stdout, proc.stdout

@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -206,3 +207,22 @@ def test_scancel_during_a_restart_wait_says_only_what_is_true(slurm, tmp_path, s
     assert "requeues itself" not in text and "scancel: error" not in text, text[-3000:]
     assert "the run stopped; not requeued by this script (JobState=" in text, text[-3000:]
 
+
+
+@pytest.mark.parametrize("words, said", [
+    ("'--set sample_prompts=' + 'x' * 200_000", "TRAIN_ARGS is 200021 bytes; Linux passes no environment variable "
+                                                "longer than 128 KiB to a program"),
+    ("' '.join(['x;y'] * 30_000)", "TRAIN_ARGS is 150000 bytes once quoted; Linux passes no environment variable"),
+    ("\"--set a='b\"", "TRAIN_ARGS has an unmatched quote: --set a='b"),
+])
+def test_train_args_too_long_for_the_tasks_says_so_not_a_quote(tmp_path, words, said):
+    """A 200 KB TRAIN_ARGS was reported as "an unmatched quote": exported, it made every program the script started
+    fail ("Argument list too long"), xargs included. The script says the real cause, before starting anything (no
+    Slurm needed: it ends before srun). The variable is set inside the shell: no exec takes one that long."""
+    script = REPO_ROOT / "scripts" / "slurm_train.sbatch"
+    value = f"$(python3 -c \"print({words}, end='')\")" if "join" in words or "*" in words else words
+    shell = (f"export TRAIN_ARGS={value} SLURM_JOB_ID=7 SLURM_JOB_NUM_NODES=1 MAIN_ADDR=127.0.0.1; "
+             f"source {shlex.quote(str(script))}")
+    proc = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr[-2000:])
+    assert proc.stderr.startswith(f"job 7: error: {said}") and proc.stderr.count("\n") == 1, proc.stderr[-2000:]

@@ -70,7 +70,10 @@ def tools(tmp_path_factory):
 def generate_main(capsys, *argv) -> tuple[int, str, str]:
     import generate
 
-    code = generate.main([str(a) for a in argv])
+    try:
+        code = generate.main([str(a) for a in argv])
+    except SystemExit as exc:  # the command line's own errors (utils/cli.py): one line too
+        code = exc.code
     out, err = capsys.readouterr()
     assert "Traceback" not in err
     return code, out, err
@@ -123,8 +126,8 @@ def test_max_new_tokens_is_capped_at_the_context_and_said_once(tools, capsys):
 
 
 @pytest.mark.parametrize("option, value, says", [
-    ("--temperature", "nan", "--temperature must be a finite number, 0 (greedy) or more, got nan"),
-    ("--temperature", "inf", "--temperature must be a finite number"),
+    ("--temperature", "nan", "argument --temperature: must be a finite number, got nan; "),
+    ("--temperature", "inf", "argument --temperature: must be a finite number, got inf"),
     ("--temperature", "-1", "--temperature must be a finite number"),
     ("--top-k", "-1", "--top-k must be 0 (all tokens) or more"),
     ("--top-k", "513", "--top-k 513 is more than the model's 512 token ids"),

@@ -243,6 +243,7 @@ class Checkpointer:
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"checkpoint {path}: its weights or optimizer state do not fit this model "
                                   f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        self._check_optimizer_state(path, core)
         for key, obj in self.objects().items():
             if key == OPTIMIZER or objects.get(key) is None:
                 continue  # the optimizer is loaded with the model; e.g. no grad scaler was saved or none is used now
@@ -277,6 +278,21 @@ class Checkpointer:
         if old_global and old_global != self.run.global_batch_sequences and self.is_main:  # the same on every rank
             self.log.warning(f"  global batch changes from {old_global} to {self.run.global_batch_sequences} "
                              f"sequences per step; the LR schedule is per optimizer step and is not rescaled")
+
+    def _check_optimizer_state(self, path: Path, core: torch.nn.Module) -> None:
+        """The loaded optimizer state's steps and moments checked on every rank (each its own shards), the first
+        problem raised on all of them: one line naming the checkpoint, not a non-finite loss at the next step."""
+        from utils.training.optim import state_problem
+
+        names: dict[int, str] = {}
+        for name, p in core.state_dict(keep_vars=True).items():
+            names.setdefault(id(p), name)
+        problem = state_problem((names.get(id(p), "a parameter"), self.optimizer.state.get(p, {}))
+                                for group in self.optimizer.param_groups for p in group["params"])
+        problems = [found for found in _gather([problem], self.accelerator) if found]
+        if problems:
+            raise CheckpointError(f"checkpoint {path}: its optimizer state cannot be continued from: {problems[0]}; "
+                                  f"resume from another checkpoint (--resume NAME) or start a fresh run")
 
     def newest(self) -> Path | None:
         """The run's newest checkpoint, once its write is done: the last one this run saved, else the one it

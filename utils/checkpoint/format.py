@@ -397,6 +397,9 @@ def verify_checkpoint(path) -> dict:
         if not isinstance(expected, dict) or not {"size", "crc32c"} <= expected.keys():
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry for {rel} is malformed; "
                                   "the checkpoint is corrupt")
+        if file.exists() and not file.is_file():  # a FIFO or a device is never read (a FIFO would wait for good)
+            raise CheckpointError(f"checkpoint {path}: {rel} is not a regular file; the checkpoint is corrupt or "
+                                  f"crafted: resume from another one")
         if not file.is_file():
             if expected.get("remote"):
                 raise PartialCheckpoint(f"checkpoint {path} holds only this node's shards: it was written by "
@@ -524,7 +527,7 @@ def read_trainer_state(path, manifest: dict | None = None) -> dict:
     """A checkpoint's trainer_state.json, checked (check_trainer_state), without loading anything else."""
     path = Path(path)
     try:
-        trainer_state = files.parse_json((path / TRAINER_STATE_FILE).read_text())
+        trainer_state = files.parse_json(files.read_text(path / TRAINER_STATE_FILE))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: cannot read {TRAINER_STATE_FILE}: {e}") from e
     check_trainer_state(path, trainer_state, _read_manifest(path) if manifest is None else manifest)

@@ -273,7 +273,7 @@ def _dcp_failure(exc: BaseException, checkpoint: Path, doing: str, needed: int |
         except OSError:
             full = False
         if full:
-            return files.disk_full_error(checkpoint, needed)
+            return files.disk_full_error(checkpoint, needed, cause=cause)
     on = f" on rank {rank}" if rank is not None else ""
     return CheckpointError(f"checkpoint {checkpoint}: {doing} {SHARDED_DIR}/ failed{on} ({_one_line(cause)})")
 

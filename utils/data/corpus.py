@@ -84,6 +84,8 @@ def _local_inputs(given: str) -> list[InputFile]:
             if not path.name.endswith(SUFFIXES):
                 raise PrepareError(f"{path}: not a supported input ({', '.join(SUFFIXES)})")
             found.append((path, path.name))
+        elif path.exists():  # a FIFO, a socket or a device: never opened (a FIFO would wait for a writer)
+            raise PrepareError(f"--input {path}: not a regular file or folder; give the file itself")
         else:
             raise PrepareError(f"--input {path}: no such file or folder")
     items = []

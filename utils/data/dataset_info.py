@@ -79,10 +79,10 @@ class DatasetInfo:
         """The dataset.json in `data_dir`, or None when there is none; with `check_tokenizer`, its tokenizer file
         must be the one it records (check_tokenizer)."""
         path = Path(data_dir) / FILE
-        if not path.is_file():
+        if not path.exists():
             return None
         try:
-            raw = files.parse_json(path.read_text())
+            raw = files.parse_json(files.read_text(path))  # a FIFO named dataset.json: refused, never waited on
             _check_fields(path, raw)
             tok = raw["tokenizer"]
             info = cls(path=path, vocab_size=int(tok["vocab_size"]), eos_id=int(tok["eos_id"]),
@@ -127,9 +127,12 @@ class DatasetInfo:
         import hashlib
 
         recorded, file = self.tokenizer_sha256, self.tokenizer_file
-        if recorded is None or not file.is_file():
+        if recorded is None or not file.exists():
             return
-        actual = hashlib.sha256(file.read_bytes()).hexdigest()
+        try:
+            actual = hashlib.sha256(files.read_bytes(file)).hexdigest()
+        except OSError as exc:  # a FIFO, a device or a folder of that name; a file this user may not read
+            raise DatasetInfoError(f"{self.path} names the tokenizer {file}, which cannot be read ({exc})") from None
         if actual != recorded:
             raise DatasetInfoError(f"{file} has sha256 {actual[:16]}..., not the {recorded[:16]}... that {self.path} "
                                    f"records: the shards were made with another tokenizer; put back the "
@@ -139,8 +142,10 @@ class DatasetInfo:
 def _check_fields(path: Path, raw) -> None:
     """dataset.json's values (it may come from a bucket, or be crafted) before anything uses them: counts are
     non-negative integers (a string, 1e15 or -5 is refused, not read), the dtype a shard's, each shard entry a
-    plain relative file path with its tokens and bytes, and no shard holds more tokens than its bytes can.
-    DatasetInfoError naming the file and field."""
+    plain relative file path with its tokens and bytes, each listed once in one split (prepare_data.py never
+    lists one twice: twice it would train twice an epoch, in both splits it would be validated on what was
+    trained on, silently either way), and no shard holds more tokens than its bytes can. DatasetInfoError naming
+    the file and field."""
     from utils.data.shards import ALLOWED_DTYPES
 
     def bad(field: str, value, want: str):
@@ -168,6 +173,7 @@ def _check_fields(path: Path, raw) -> None:
         if not isinstance(raw["validation"], dict):
             bad("validation", raw["validation"], "an object")
         splits.append(("validation.shards", raw["validation"].get("shards", [])))
+    listed: dict[str, str] = {}  # path -> the field that lists it
     for name, shards in splits:
         if not isinstance(shards, list):
             bad(name, shards, "a list")
@@ -179,6 +185,11 @@ def _check_fields(path: Path, raw) -> None:
             if (not isinstance(rel, str) or not rel or rel == "." or "\0" in rel
                     or PurePosixPath(rel).as_posix() != rel):
                 bad(f"{field}.path", rel, "the relative path of a file (as part-00000/shard-00000.npz)")
+            if rel in listed:
+                raise DatasetInfoError(f"{path}: {field}.path names {rel}, which {listed[rel]} names too: a shard is "
+                                       f"listed once, in one split (twice it would be trained on twice an epoch, or "
+                                       f"validated on after training on it); rerun prepare_data.py or fix the entry")
+            listed[rel] = f"{field}.path"
             tokens, size = count(shard.get("tokens"), f"{field}.tokens"), count(shard.get("bytes"), f"{field}.bytes")
             if not isinstance(shard.get("crc32c", ""), str):
                 bad(f"{field}.crc32c", shard["crc32c"], "a string")

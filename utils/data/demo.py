@@ -72,7 +72,9 @@ def build_demo_data(data_dir, vocab_size: int, seq_len: int, log: Callable[[str]
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     files.remove_stale_temps(data_dir.parent)
     try:
-        with files.atomic_directory(data_dir, replace=False) as tmp:
+        with files.write_guard(data_dir, advice=f"free space there or point data_dir at a disk with room; nothing was "
+                               f"written to {data_dir}"), \
+                files.atomic_directory(data_dir, replace=False) as tmp:
             names, texts = read_stdlib_corpus(CORPUS_BYTES)
             log(f"demo data: {len(texts)} standard-library files, {sum(map(len, texts)) / 1e6:.1f} MB of text")
             tokenizer = train_tokenizer(texts, vocab_size)

@@ -3,9 +3,12 @@
 `ShardIndex.build(data_dir, seq_len, vocab_size)` finds every `*.npz` under `data_dir` (recursively, each
 real folder once, sorted by relative posix path; hidden files and folders are ignored, and counted; a
 folder with a dataset.json holds exactly the shards it lists), checks each against the shard format
-(utils/data/shards.py) and records how many `seq_len` sequences it holds. The id scan is done once per
-file: results are cached in `data_dir/.shard_index.json`, keyed by relative path, size and mtime, and reused
-while the file is unchanged. Any bad file stops the build with a `ShardError` naming the file and the rule.
+(utils/data/shards.py) and records how many `seq_len` sequences it holds. A shard a dataset.json lists must
+also have the size and crc32c it lists: the size at every build (a stat), the crc32c when the file is first
+scanned (the scan reads it whole anyway; the checksum runs over the pages just read, so a TB of data is not
+read twice) and from the cache after that. The id scan is done once per file: results (the crc32c too) are
+cached in `data_dir/.shard_index.json`, keyed by relative path, size and mtime, and reused while the file is
+unchanged. Any bad file stops the build with a `ShardError` naming the file and the rule.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from typing import Callable
 import numpy as np
 
 from utils.io import files
-from utils.errors import UserError
+from utils.io.storage import file_crc32c
+from utils.errors import NotAFileError, UserError
 from utils.data.dataset_info import FILE as DATASET_FILE
 from utils.data.dataset_info import DatasetInfo
 from utils.data.shards import ShardError, ShardInfo, ShardLayout, check_header, check_vocab, inspect_shard, shard_error
@@ -75,13 +79,22 @@ def _write_cache(path: Path, entries: dict, log: Callable) -> None:
 # The index
 
 
+@dataclass(frozen=True)
+class Listed:
+    """What a dataset.json says of one of its shards: its size and crc32c ("" where it gives none)."""
+    description: Path
+    bytes: int
+    crc32c: str
+
+
 @dataclass
 class FoundShards:
     """What a walk of a data directory found: `files` to index, those `hidden` (they or a folder above them
-    hidden), and `notes` on what dataset.json files decided."""
+    hidden), `notes` on what dataset.json files decided, and what they list of each file (`listed`)."""
     files: list[str] = field(default_factory=list)
     hidden: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    listed: dict[str, Listed] = field(default_factory=dict)
 
 
 def _find_shards(root: Path) -> FoundShards:
@@ -117,8 +130,10 @@ def _add_listed(found: FoundShards, root: Path, rel_dir: Path) -> None:
     info = DatasetInfo.load(folder)
     nested = rel_dir != Path(".")
     listed = info.train_paths + ([] if nested else info.val_paths)
-    present = [rel for rel in listed if (folder / rel).is_file()]
+    present = [rel for rel in listed if (folder / rel).exists()]  # a FIFO listed: refused by _layouts
     found.files += [(rel_dir / rel).as_posix() for rel in present]
+    for entry in (*info.shards, *(info.raw.get("validation") or {}).get("shards", [])):
+        found.listed[(rel_dir / entry["path"]).as_posix()] = Listed(info.path, entry["bytes"], entry.get("crc32c", ""))
     absent = [rel for rel in info.train_paths if rel not in present]
     if absent:
         found.notes.append(f"data: {len(absent)} of the {len(info.train_paths)} training shards {info.path} lists "
@@ -165,7 +180,7 @@ class ShardIndex:
         for note in found.notes:
             log(note)
         files = _select(root, all_files, max_files)
-        layouts, errors = _layouts(root, files, all_files, seq_len, log)
+        layouts, errors = _layouts(root, files, all_files, seq_len, log, found.listed)
         shards = []
         for rel in files:
             if rel in errors:
@@ -265,39 +280,62 @@ def _select(root: Path, all_files: list[str], max_files: int) -> list[str]:
     return files
 
 
-def _layouts(root: Path, files: list[str], all_files: list[str], seq_len: int, log: Callable):
-    """Each file's layout, from the cache while the file is unchanged, else scanned (and cached):
-    (layouts, errors) keyed by relative path."""
+def _not_listed(path: Path, what: str, found, listed: Listed) -> ShardError:
+    return shard_error(path.as_posix(), f"has {what} {found}, but {listed.description} lists {getattr(listed, what)}",
+                       "it is not the shard prepare_data.py wrote (corrupt, or replaced): download it again "
+                       "(download_training_data.py verifies each file) or prepare the data again")
+
+
+def _layouts(root: Path, chosen: list[str], all_files: list[str], seq_len: int, log: Callable,
+             listed: dict[str, Listed]):
+    """Each file's layout, from the cache while the file is unchanged, else scanned (and cached), and its size
+    and crc32c checked against its dataset.json's `listed` entry: (layouts, errors) keyed by relative path."""
     cache_path = root / CACHE_NAME
     cache = _load_cache(cache_path, log)
     layouts: dict[str, ShardLayout] = {}
     errors: dict[str, ShardError] = {}
-    to_scan: list[tuple[str, int, int]] = []
-    for rel in files:
+    to_scan: list[tuple[str, int, int, str]] = []
+    for rel in chosen:
         try:
-            st = (root / rel).stat()
+            st = files.regular_file(root / rel)  # a FIFO named like a shard is refused here, never opened
+        except NotAFileError as e:
+            errors[rel] = ShardError(str(e))
+            continue
         except OSError as e:  # e.g. a dangling symlink
             errors[rel] = shard_error((root / rel).as_posix(), f"cannot be read ({e})", "fix or remove the file")
             continue
+        expected = listed.get(rel)
+        if expected is not None and st.st_size != expected.bytes:
+            errors[rel] = _not_listed(root / rel, "bytes", st.st_size, expected)
+            continue
+        want_crc = expected.crc32c if expected is not None else ""
         layout = _layout_from_cache(cache.get(rel), st.st_size, st.st_mtime_ns)
-        if layout is not None:
+        known_crc = cache[rel].get("crc32c") if layout is not None else None
+        if layout is not None and (not want_crc or known_crc is not None):
             layouts[rel] = layout
+            if want_crc and known_crc != want_crc:
+                errors[rel] = _not_listed(root / rel, "crc32c", known_crc, expected)
         else:
-            to_scan.append((rel, st.st_size, st.st_mtime_ns))
+            to_scan.append((rel, st.st_size, st.st_mtime_ns, want_crc))
     if not to_scan:
         return layouts, errors
     t0 = time.perf_counter()
-    total = sum(s for _, s, _ in to_scan)
+    total = sum(item[1] for item in to_scan)
     log(f"data: validating {len(to_scan)} shard file(s), {total / 1e9:.2f} GB, in {root} "
         f"(once; results cached in {CACHE_NAME})")
-    for (rel, size, mtime_ns), result in zip(to_scan, _scan_all(root, to_scan, seq_len, log)):
+    for (rel, size, mtime_ns, want_crc), result in zip(to_scan, _scan_all(root, to_scan, seq_len, log)):
         if isinstance(result, ShardError):
             errors[rel] = result
             continue
+        result, crc = result
         layouts[rel] = result
         cache[rel] = {"size": size, "mtime_ns": mtime_ns, "compressed": result.compressed,
                       "data_offset": result.data_offset, "descr": result.descr, "shape": list(result.shape),
                       "fortran_order": result.fortran_order, "min_id": result.min_id, "max_id": result.max_id}
+        if crc is not None:
+            cache[rel]["crc32c"] = crc
+            if crc != want_crc:
+                errors[rel] = _not_listed(root / rel, "crc32c", crc, listed[rel])
     existing = set(all_files)
     _write_cache(cache_path, {k: v for k, v in cache.items() if k in existing}, log)
     log(f"data: checked {len(to_scan)} file(s) in {time.perf_counter() - t0:.1f} s")
@@ -316,13 +354,17 @@ def _raise_for(errors: dict, files: list[str], root: Path) -> None:
 
 
 def _scan_all(root: Path, to_scan, seq_len: int, log: Callable) -> list:
-    """Inspect files on a few threads (reads, crc32 and min/max release the GIL); keeps input order."""
+    """Inspect files on a few threads (reads, crc32 and min/max release the GIL), each (layout, its crc32c
+    where a dataset.json lists one, else None) or a ShardError; keeps input order."""
     def one(item):
+        path = root / item[0]
         try:
-            path = root / item[0]
-            return inspect_shard(path, path.as_posix(), seq_len)
+            layout = inspect_shard(path, path.as_posix(), seq_len)
+            return layout, file_crc32c(path) if item[3] else None  # the file's pages are still in memory
         except ShardError as e:
             return e
+        except OSError as e:  # gone or unreadable between the scan and the checksum
+            return shard_error(path.as_posix(), f"cannot be read ({e})", "check the file's permissions and the disk")
 
     workers = max(1, min(8, os.cpu_count() or 1, len(to_scan)))
     results, last_log = [], time.monotonic()

@@ -266,6 +266,9 @@ def tokenize_partition(job: PartitionJob, tokenizer_json: str) -> dict:
                 if not ends:
                     continue
                 document, pending = np.concatenate((*pending, eos)), []
+                if not (document[:-1] != job.eos_id).any():  # only end-of-document tokens (its text is the
+                    record["documents_empty"] += 1         # EOS token's string): no content, as an empty one
+                    continue
                 if is_validation:
                     held_out.append(document.astype(dtype))
                     record["validation"]["documents"] += 1
@@ -289,7 +292,8 @@ def tokenize_partition(job: PartitionJob, tokenizer_json: str) -> dict:
 
 def _batches(job: PartitionJob, record: dict) -> Iterator[list[tuple[bool, str, bool]]]:
     """(is validation, text, ends its document) of the partition's non-empty documents in order, a long
-    one in pieces (`split_document`), in batches; empty ones are counted in `record` and skipped."""
+    one in pieces (`split_document`), in batches; empty ones are counted in `record` and skipped (as are, once
+    tokenized, those of end-of-document tokens alone: tokenize_partition)."""
     batch, chars = [], 0
     for source, start, end in job.pieces:
         for position, text in read_documents(source, job.text_field, start, end):

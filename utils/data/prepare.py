@@ -314,7 +314,8 @@ def _merge(store, dataset: DatasetPlan) -> dict:
     counts = {key: sum(r[key] for r in records) for key in ("documents", "documents_empty", "tokens")}
     if counts["documents"] == 0:
         raise PrepareError(f"the corpus is empty: {len(sources)} input file(s), {counts['documents_empty']} empty "
-                           f"document(s) and no text")
+                           f"document(s) (no text, or only end-of-document tokens: the tokenizer's "
+                           f"{tok.eos_token!r}) and nothing else")
     moves, shards = [], []
     for p, record in enumerate(records):
         for shard in record["shards"]:

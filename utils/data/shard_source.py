@@ -10,7 +10,7 @@ from utils.data.dataset import TokenSequenceDataset
 from utils.data.dataset_info import DatasetInfo
 from utils.data.demo import build_demo_data
 from utils.data.demo import is_built as is_demo_build
-from utils.data.index import ShardIndex
+from utils.data.index import DataDirError, ShardIndex
 from utils.data.source import DEFAULT_SOURCE, OpenRequest, Source, SourceType
 
 
@@ -30,7 +30,21 @@ def open_shards(source: Source, request: OpenRequest) -> tuple[TokenSequenceData
                     f"({info.raw['validation']['documents']:,} documents); val_files does not apply")
     else:
         train, val = index.split(source.val_files)
+    _check_learnable(source, train, info)
     return TokenSequenceDataset(train), TokenSequenceDataset(val)
+
+
+def _check_learnable(source: Source, train: ShardIndex, info: DatasetInfo | None) -> None:
+    """Training shards whose every token is one id (the index's min and max ids, from its cached scan: no read)
+    hold nothing to learn: only end-of-document tokens, say (documents with no text between them). Refused
+    before step 1, where it trained to a zero loss and exported without a word."""
+    ids = {i for layout in train.layouts.values() for i in (layout.min_id, layout.max_id)}
+    if len(ids) != 1:
+        return
+    (token,) = ids
+    what = " (the end-of-document token)" if info is not None and token == info.eos_id else ""
+    raise DataDirError(f"{source.path}: every token of its {len(train)} training shard(s) is id {token}{what}: there "
+                       f"is nothing to learn; prepare the data again from a corpus with text")
 
 
 SHARDS = SourceType("shards", handles=lambda source: isinstance(source.path, Path), open=open_shards)

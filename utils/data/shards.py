@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.errors import UserError
+from utils.errors import NotAFileError, UserError
+from utils.io import files
 
 ALLOWED_DTYPES = ("uint16", "int32", "uint32", "int64")
 INPUT_KEY = "input_ids"
@@ -154,6 +155,7 @@ def inspect_shard(path: Path, name: str, seq_len: int) -> ShardLayout:
     """Open one shard, check every format rule except the vocabulary bound, scan its ids (min/max)
     and, for stored members, verify the zip crc32. Raises ShardError."""
     try:
+        files.regular_file(path)  # a FIFO or a device named like a shard: refused, never opened
         with open(path, "rb") as fh:
             try:
                 zf = zipfile.ZipFile(fh)
@@ -176,6 +178,8 @@ def inspect_shard(path: Path, name: str, seq_len: int) -> ShardLayout:
                 return _inspect_compressed(zf, info, name, seq_len)
     except ShardError:
         raise
+    except NotAFileError as e:
+        raise ShardError(str(e)) from None
     except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError, RuntimeError, ValueError) as e:
         raise shard_error(name, f"is not a readable .npz (zip) archive ({e})",
                     "re-download or regenerate the shard") from None

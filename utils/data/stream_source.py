@@ -42,6 +42,7 @@ import io
 import itertools
 import math
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -291,7 +292,8 @@ class ShardFetcher:
 
     def _adopt_leftovers(self) -> None:
         """Files an earlier run left: shards of the right size are kept (checked before first use); partial
-        downloads, unchecked files and notes go."""
+        downloads, unchecked files, notes and anything not a regular file of its own (a FIFO, a socket, a
+        symlink: reading a FIFO would wait for good) go."""
         index = {rel: f for f, rel in enumerate(self.rels)}
         self._on_disk = {f: b for f, b in self._on_disk.items() if f in self._inflight}
         self._ready -= set(self._ready) - set(self._on_disk)
@@ -303,7 +305,8 @@ class ShardFetcher:
                 f = index.get(rel)
                 if rel == self._lock.path.name or f in self._inflight or files.is_temp_name(name):
                     continue  # the lock; a download still running in this process
-                if f is not None and path.stat().st_size == self.sizes[f]:
+                st = path.lstat()
+                if f is not None and stat.S_ISREG(st.st_mode) and st.st_size == self.sizes[f]:
                     self._on_disk[f] = self.sizes[f]
                 else:
                     path.unlink(missing_ok=True)

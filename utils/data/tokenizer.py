@@ -18,7 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.errors import UserError
+from utils.errors import NotAFileError, UserError
+from utils.io import files
 
 FILE = "tokenizer.json"
 GPT2_FILES = ("vocab.json", "merges.txt")
@@ -65,8 +66,11 @@ def read_tokenizer(source, option: str = "--tokenizer") -> LoadedTokenizer | Non
     where = f"{option} " if option else ""
     source = Path(source).expanduser()
     file = source / FILE if source.is_dir() else source
-    if file.is_file():
-        data = file.read_bytes()
+    if file.exists() and not file.is_dir():
+        try:
+            data = files.read_bytes(file)  # a FIFO or a device is refused, never waited on
+        except NotAFileError as exc:
+            raise TokenizerError(f"{where}{exc}") from None
         try:
             return LoadedTokenizer(Tokenizer.from_str(data.decode("utf-8")), data, source)
         except Exception as exc:  # tokenizers raises its own exception type for malformed files
@@ -89,7 +93,7 @@ def _from_gpt2_files(directory: Path, where: str):
     from transformers.utils import logging as hf_logging
 
     try:
-        vocab = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
+        vocab = json.loads(files.read_text(directory / "vocab.json", encoding="utf-8"))
         named = configured_tokens(directory)
         unset = {} if GPT2_SPECIAL in vocab else {
             key: None for key in ("unk_token", "bos_token", "eos_token") if key not in named}
@@ -110,7 +114,7 @@ def configured_tokens(directory: Path) -> dict[str, str]:
     names = {}
     for file in ("special_tokens_map.json", "tokenizer_config.json"):
         try:
-            raw = json.loads((directory / file).read_text(encoding="utf-8"))
+            raw = json.loads(files.read_text(directory / file, encoding="utf-8"))
         except (OSError, ValueError):
             continue
         if not isinstance(raw, dict):

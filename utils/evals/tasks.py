@@ -35,6 +35,7 @@ from typing import Callable
 
 from configs.training_config import task_name
 from utils.errors import UserError
+from utils.io import files
 
 MULTIPLE_CHOICE, CLOZE = "multiple_choice", "cloze"
 METRICS = {MULTIPLE_CHOICE: ("acc", "acc_norm"), CLOZE: ("acc", "ppl")}
@@ -183,7 +184,7 @@ def load_task(path, name: str | None = None, limit: int = 0) -> Task:
     path = Path(path).expanduser()
     name = task_name(path, name)
     try:
-        lines = path.read_bytes().split(b"\n")
+        lines = files.read_bytes(path).split(b"\n")  # a FIFO is refused, never waited on
     except OSError as exc:
         raise TaskFileError(f"task file {path}: cannot read it ({exc.strerror or exc})") from None
     layout = None

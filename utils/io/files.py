@@ -9,8 +9,11 @@ restarts). Temporaries this process is writing are registered, so a cleanup pass
 a later process that reuses this pid (PID 1 in a container, every time), never deletes a live one.
 
 Also the one walk over a directory tree (`walk_once`), the one test that a path a file names (a
-checkpoint's manifest, a dataset.json) stays inside its folder (`inside`), and the one parse of a JSON file
-that may be crafted (`parse_json`: too deep a nesting is a ValueError like any other malformed text).
+checkpoint's manifest, a dataset.json) stays inside its folder (`inside`), the one parse of a JSON file
+that may be crafted (`parse_json`: too deep a nesting is a ValueError like any other malformed text), and the
+one check that a file found in a folder (a shard, a checkpoint's file, a dataset.json, a tokenizer) is a
+regular file before anything opens it (`regular_file`, `read_bytes`, `read_text`): a FIFO named like a shard
+blocked its reader's open() for good, before the first step, where no watchdog looks.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -253,10 +257,24 @@ RESUME_ADVICE = ("free space there (or lower save_total_limit), then resume with
                  "written before are intact")
 
 
-def disk_full_error(path, needed_bytes: int | None = None, advice: str = RESUME_ADVICE):
-    """The one-line DiskFullError for a write to `path` that ran out of space: where, how much, what to do."""
+def disk_full_error(path, needed_bytes: int | None = None, advice: str = RESUME_ADVICE,
+                    cause: BaseException | None = None):
+    """The one-line DiskFullError for a write to `path` that ran out of room: where, how much, what to do. With
+    a `cause` that is a file past the size limit (EFBIG: `ulimit -f`, or the filesystem's largest file), it says
+    that, not "no space left"."""
     from utils.errors import DiskFullError
 
+    if cause is not None and _no_room_errno(cause) == errno.EFBIG:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if soft == resource.RLIM_INFINITY:
+            limit, remedy = "past the largest file its filesystem holds", "write to a filesystem that holds it"
+        else:
+            limit, remedy = f"past this process's file-size limit of {soft:,} bytes (ulimit -f)", "raise that limit"
+        # the writer's advice begins with what frees room on a full disk; here the remedy is the limit
+        advice = re.sub(r"^free space there( \([^)]*\))?", remedy, advice)
+        return DiskFullError(f"file too large writing {path}: {limit}; {advice}")
     need = f"about {needed_bytes / 1e9:.2f} GB needed, " if needed_bytes else ""
     try:
         where, free = mount_point(path), f"{free_bytes(path) / 1e9:.2f} GB free"
@@ -278,7 +296,7 @@ def disk_full_guard(path, needed_bytes: int | None = None, advice: str = RESUME_
         raise
     except Exception as exc:
         if is_disk_full(exc):
-            raise disk_full_error(path, needed_bytes, advice) from None
+            raise disk_full_error(path, needed_bytes, advice, exc) from None
         raise
 
 
@@ -297,21 +315,66 @@ def write_guard(path, advice: str, needed_bytes: int | None = None, denied_advic
         raise UserError(f"cannot write {where} ({exc.strerror}){owner_of(where)}; {denied_advice or advice}") from None
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    """True for 'no space left' / 'quota exceeded', including torch's wrapped writer errors. The walk over
-    `__cause__` / `__context__` visits each exception once and at most 64 (a chain may be cyclic)."""
+# A write that found no room, by errno and by the words of its strerror (for writers that wrap the OSError in an
+# error of their own: safetensors' SafetensorError chains nothing, torch's writer says it in its message).
+NO_ROOM = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
+           errno.EFBIG: "File too large"}
+
+
+def _no_room_errno(exc: BaseException) -> int | None:
+    """The NO_ROOM errno `exc` or an exception it was raised from says, or None. The walk over `__cause__` /
+    `__context__` visits each exception once and at most 64 (a chain may be cyclic)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen and len(seen) < 64:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
-            return True  # e.g. safetensors' SafetensorError, which chains nothing
+        if isinstance(exc, OSError) and exc.errno in NO_ROOM:
+            return exc.errno
+        text = str(exc)
+        for number, words in NO_ROOM.items():
+            if words in text:
+                return number
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for a write that found no room: no space left, a quota exceeded, or a file past the size limit
+    (EFBIG: `ulimit -f`, RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails instead of killing it),
+    including writers' wrapped errors."""
+    return _no_room_errno(exc) is not None
 
 
 # ------------------------------------------------------------------------------------------------- paths
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"))
+
+
+def regular_file(path) -> os.stat_result:
+    """`os.stat(path)` (through symlinks) when `path` is a regular file; NotAFileError (a UserError and an
+    OSError, one line naming the path and what it is) when it is a FIFO, a socket, a device or a folder: never
+    opened, since opening a FIFO waits for a writer for good and a device never ends. A missing path raises
+    FileNotFoundError as open() would."""
+    from utils.errors import NotAFileError
+
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((words for test, words in _KINDS if test(st.st_mode)), "not a regular file")
+        raise NotAFileError(f"{path} is {kind}, not a regular file; remove it or put the file there")
+    return st
+
+
+def read_bytes(path) -> bytes:
+    """`Path(path).read_bytes()` of a regular file (`regular_file` first: a FIFO is refused, not waited on)."""
+    regular_file(path)
+    return Path(path).read_bytes()
+
+
+def read_text(path, encoding: str | None = None, errors: str | None = None) -> str:
+    """`Path(path).read_text()` of a regular file (see read_bytes)."""
+    regular_file(path)
+    return Path(path).read_text(encoding=encoding, errors=errors)
+
 
 def inside(root, rel) -> bool:
     """Whether `rel`, a path a file in `root` names (a manifest entry, dataset.json's tokenizer), stays in

@@ -337,8 +337,10 @@ def _explain(exc: BaseException, url: str) -> StorageError:
 
 
 def file_crc32c(path) -> str:
-    """The file's crc32c as GCS reports it (`blob.crc32c`): base64 of the 4 big-endian bytes."""
+    """The file's crc32c as GCS reports it (`blob.crc32c`): base64 of the 4 big-endian bytes. A FIFO or a device
+    is refused (files.NotAFileError), never read."""
     checksum = google_crc32c.Checksum()
+    files.regular_file(path)
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
             checksum.update(chunk)

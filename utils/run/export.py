@@ -1,5 +1,6 @@
 """The end of a run: the exported model (final_model/, HF format) of a run that finished, and of a resume
-that finds its run already finished."""
+that finds its run already finished; and `write_export`, the one way an HF directory is written (these and
+scripts/export_hf.py): whole or not at all, a full disk or a file past the size limit one line."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +12,19 @@ from utils.data.tokenizer import FILE as TOKENIZER_FILE
 from utils.io import files
 from utils.model.hf import ExportTokenizer, export_hf, load_checkpoint_model
 from utils.runtime.run_status import RunStatus
+
+FINAL_MODEL_ADVICE = ("the checkpoints are intact: export one with scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into "
+                      "a folder you may write, with space to spare")
+
+
+def write_export(weights, spec, out: Path, tokenizer, warn=None, advice: str = FINAL_MODEL_ADVICE) -> Path:
+    """`export_hf` into a temporary folder beside `out`, renamed to `out` when whole (an earlier export there
+    is replaced): a write that fails leaves no half-written model that a later look (`finished_run`, a user's
+    rerun into a folder that must be empty) takes for one. No room (a full disk, `ulimit -f`) or no permission
+    is one line naming `out` and `advice`."""
+    with files.write_guard(out, advice=advice), files.atomic_directory(out) as tmp:
+        export_hf(weights, spec, tmp, tokenizer=tokenizer, warn=warn)
+    return out
 
 
 def export_final_model(model, spec, described: Path, state, output_dir: Path, parallel,
@@ -28,10 +42,7 @@ def export_final_model(model, spec, described: Path, state, output_dir: Path, pa
         log.warning(f"no tokenizer.json in {described}, so {output_dir / layout.FINAL_MODEL} has none: "
                     f"AutoTokenizer cannot load it. Export a checkpoint again with scripts/export_hf.py CHECKPOINT "
                     f"OUT --tokenizer PATH (the tokenizer.json the data was prepared with)")
-    with files.write_guard(output_dir / layout.FINAL_MODEL, advice="the checkpoints are intact: export one with "
-                           "scripts/export_hf.py CHECKPOINT_DIR OUT_DIR into a folder you may write"):
-        export_dir = export_hf(weights, spec, output_dir / layout.FINAL_MODEL, tokenizer=tokenizer,
-                               warn=log.warning)
+    export_dir = write_export(weights, spec, output_dir / layout.FINAL_MODEL, tokenizer, log.warning)
     log.write_row({"step": state.step, "tokens": state.tokens, "weights_in_sync": in_sync, "weight_sums": all_sums,
                    "final": True})
     log.info(f"Done: {state.step} steps, {state.tokens:,} tokens. Model exported to {export_dir}")
@@ -55,7 +66,7 @@ def finished_run(resume_path: Path, max_steps: int, described: Path, output_dir:
         else:
             spec, weights, _ = load_checkpoint_model(resume_path)
             has_tokenizer = (described / DATASET_FILE).is_file() or (described / TOKENIZER_FILE).is_file()
-            export_hf(weights, spec, final, tokenizer=described if has_tokenizer else resume_path, warn=log.warning)
+            write_export(weights, spec, final, described if has_tokenizer else resume_path, log.warning)
             log.info(f"The run already finished at step {step} ({resume_path.name}); final_model/ was missing: "
                      f"exported it to {final}")
     accelerator.wait_for_everyone()

@@ -19,13 +19,15 @@ workers and torchrun before train.py could act on it. So:
   runs within a fraction of a second whenever it comes;
 - the supervisor is a child subreaper (PID 1 is one anyway): whatever the ranks leave behind is reparented
   here and waited for, so nothing outlives the launcher;
-- the last line says how the run ended and names the checkpoint, from the record rank 0 writes to
-  `NEOX_STATUS_FILE` (utils/runtime/run_status.py). Exit status: 0 for a finished run or a clean stop on a signal,
-  train.py's own status otherwise (2: a problem the user fixes, already explained on stderr in one `error:`
-  line; 3: the hang watchdog ended a rank, which any rank marks beside the record), not the launcher's
-  (accelerate and torchrun exit 1 whatever their rank's status). `--stop-exit-code N` makes a stop signal's
-  clean end N where the run did not finish (a Kubernetes Job takes a pod that exits 0 as done): on every
-  node, since every rank marks such a stop beside the record;
+- the last line says how the run ended and names the checkpoint, from the record each node's first rank writes
+  to `NEOX_STATUS_FILE` (utils/runtime/run_status.py). Exit status: 0 for a finished run or a clean stop on a
+  signal, train.py's own status otherwise (2: a problem the user fixes, already explained on stderr in one
+  `error:` line; 3: the hang watchdog ended a rank, which any rank marks beside the record), not the launcher's
+  (accelerate and torchrun exit 1 whatever their rank's status). A command that exits 0 without a record saying
+  exit 0 ended before its run finished (a rank that exited halfway, whatever its status): one `error:` line,
+  exit 1 (a failure, restarted under --max-restarts like any other after a training step);
+  `--stop-exit-code N` makes a stop signal's clean end N where the run did not finish (a Kubernetes Job takes
+  a pod that exits 0 as done): on every node, since every rank marks such a stop beside the record;
 - the command's stderr passes through `StderrFilter` (with its stdout, over a pseudo-terminal, when ours is
   a terminal, so progress bars still draw and stay in order with the log lines), which leaves out the
   traceback accelerate or torchrun print after a rank failed: that rank has already said what went wrong.
@@ -87,6 +89,7 @@ from utils.runtime.run_status import (
     hung_ranks,
 )
 from utils.runtime.signals import SIGNAL_SUFFIX, SUPERVISOR_PID, parent_pid
+from utils.settings import Bounds, parse_number
 
 PROG = "start_training.sh"
 FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM, signal.SIGUSR1: signal.SIGTERM,
@@ -362,15 +365,17 @@ def started_by_launcher() -> int | None:
 
 @dataclass
 class Launch:
-    """How one launch of the command ended: its exit status, rank 0's status record, what its output said,
-    whether a rank finished a training step, the ranks the hang watchdog ended (first to fire first), and
-    whether a stop signal ended it before the run finished."""
+    """How one launch of the command ended: its exit status, its node's status record, what its output said,
+    whether a rank finished a training step, the ranks the hang watchdog ended (first to fire first), whether a
+    stop signal ended it before the run finished, and, for a command that exited 0 before its run finished, what
+    says so (`code` is then a failure's)."""
     code: int
     status: RunStatus | None
     output: StderrFilter
     trained: bool
     hung: list[int]
     stopped: bool = False
+    ended_early: str | None = None
 
 
 class Supervisor:
@@ -516,6 +521,8 @@ class Supervisor:
             return f"training was killed by {_signal_name(-code)}"
         if launch.hung:
             return f"the hang watchdog ended rank {launch.hung[0]} (exit status {HANG_EXIT})"
+        if launch.ended_early:
+            return launch.ended_early
         return f"training failed (exit status {status.exit_code if status and status.exit_code else code})"
 
     def _launch(self, restarts: int) -> Launch | int:
@@ -544,8 +551,15 @@ class Supervisor:
         pump = _start_thread(output.pump, read_end)
         code = self._wait_all()
         pump.join(timeout=5)  # every writer has exited: the rest of its output is already in the channel
-        launch = Launch(code, RunStatus.read(status_path), output, os.path.exists(status_path + TRAINED_SUFFIX),
-                        hung_ranks(status_path), os.path.exists(status_path + STOPPED_SUFFIX))
+        status = RunStatus.read(status_path)
+        launch = Launch(code, status, output, os.path.exists(status_path + TRAINED_SUFFIX), hung_ranks(status_path),
+                        os.path.exists(status_path + STOPPED_SUFFIX))
+        if code == 0 and (status is None or status.exit_code):  # exit 0, but the run did not say it ended well
+            launch.code = status.exit_code if status else 1
+            launch.ended_early = ("training exited with status 0 before its run finished ("
+                                  + ("no status record" if status is None else
+                                     f"its status record says exit status {status.exit_code}")
+                                  + ": no final model, no stop): a process ended early")
         for suffix in ("", SIGNAL_SUFFIX, TRAINED_SUFFIX, HUNG_SUFFIX, STOPPED_SUFFIX):
             try:
                 os.unlink(status_path + suffix)
@@ -606,6 +620,10 @@ class Supervisor:
             return HANG_EXIT  # the rank's watchdog said which and where; accelerate and torchrun exit 1 for it
         if code != 0 and output.peer_lost is not None:
             print(f"{PROG}: a rank lost its connection to the others: {output.peer_lost}", file=sys.stderr, flush=True)
+        if launch.ended_early:
+            print(f"{PROG}: error: {launch.ended_early}; continue from the newest checkpoint with --resume auto",
+                  file=sys.stderr, flush=True)
+            return code
         if status and status.exit_code:
             return int(status.exit_code)  # train.py's own status, not the launcher's (accelerate: always 1)
         if not status or code != 0:
@@ -642,8 +660,8 @@ def main(argv=None) -> int:
     while options:
         name, value = options.pop(0), options.pop(0) if options else ""
         try:
-            settings[name] = type(settings[name])(value)
-            if settings[name] < 0 or name == "--stop-exit-code" and settings[name] > 255:
+            settings[name] = parse_number(value, type(settings[name]).__name__, Bounds("[0, inf)"))
+            if name == "--stop-exit-code" and settings[name] > 255:
                 raise ValueError
         except (KeyError, ValueError):
             print(f"{Path(__file__).name}: error: {name} {value!r}: expected --max-restarts N (a whole number), "

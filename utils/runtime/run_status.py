@@ -1,12 +1,15 @@
-"""How a run ended, as rank 0 tells the launcher: the one definition both sides import.
+"""How a run ended, as its ranks tell the launcher: the one definition both sides import.
 
-The launcher (utils/runtime/launch.py) names a file in `NEOX_STATUS_FILE`; rank 0 of train.py writes a RunStatus
-there as it exits (how it ended, what stopped it, the step, the last checkpoint, the exported model, or
-the error it said), and the launcher's last line reads it back. Beside it, any rank marks that this launch
+The launcher (utils/runtime/launch.py) names a file in `NEOX_STATUS_FILE`; each node's first process of train.py
+(rank 0, and local rank 0 of every other node, whose launcher has a file of its own) writes a RunStatus there as
+it exits (how it ended, what stopped it, the step, the last checkpoint, rank 0's exported model, or the error it
+said), and the launcher's last line reads it back. It is also how the launcher knows the run ended as it should:
+a launch whose processes exit 0 without a record saying exit 0 ended before its run finished (a process that
+exited halfway), which the launcher reports as a failure. Beside it, any rank marks that this launch
 trained a step (`mark_trained`: a failure from then on may be restarted), that the hang watchdog ended a
 rank (`mark_hung`: the launcher exits 3), and that a stop signal ended the run before it finished
-(`STOPPED_SUFFIX`, every rank: for `--stop-exit-code` on nodes without rank 0, which have no record).
-Standard library only: the launcher imports it without site-packages (`python -S`)."""
+(`STOPPED_SUFFIX`, every rank: for `--stop-exit-code`). Standard library only: the launcher imports it without
+site-packages (`python -S`)."""
 from __future__ import annotations
 
 import json
@@ -70,6 +73,12 @@ def rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def node_first() -> bool:
+    """Whether this process is its node's first (local rank 0, or the only one): the one that answers its node's
+    launcher."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 @dataclass(frozen=True)
 class RunStatus:
     exit_code: int
@@ -81,16 +90,16 @@ class RunStatus:
     restarts: int = field(default_factory=restarts_so_far)  # the launcher's restarts before this launch
 
     def write(self) -> None:
-        """Rank 0, where the launcher asks for it: the record, atomically; every rank: the mark of a stop that
-        left the run unfinished. A courtesy to the launcher: the run's own output says the same, so a failure to
-        write either is ignored."""
+        """Each node's first process, where the launcher asks for it: the record, atomically; every rank: the mark
+        of a stop that left the run unfinished. The run's own output says the same, so a failure to write either
+        is ignored (the launcher then reports a run that exits 0 without a record as ended early)."""
         path = os.environ.get(STATUS_FILE_ENV)
         if path and self.stopped_by is not None and self.stopped_by != PLANNED_STOP and not self.exit_code:
             try:
                 open(path + STOPPED_SUFFIX, "a").close()
             except OSError:
                 pass
-        if not path or not rank_zero():
+        if not path or not node_first():
             return
         try:
             from utils.io.files import write_text

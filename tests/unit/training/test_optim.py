@@ -116,3 +116,37 @@ def test_wsd_resume_with_more_steps_extends_the_stable_phase():
     for step in range(271, 301):
         assert abs(seen[step] - wsd_formula(step, peak, 5, 300, 30, long.min_lr_ratio, "linear")) <= 1e-12
     assert seen[271] < peak and math.isclose(seen[300], peak * long.min_lr_ratio)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_loaded_state_no_run_can_continue_from_is_named(optimizer):
+    """state_problem (the Checkpointer runs it on every resume): a `step` that is NaN, inf, negative or not whole,
+    a non-finite moment or a negative second moment is said naming the parameter (each made every later update
+    NaN, which the run blamed on the learning rate); the state of real steps passes, Muon's bf16 momentum too."""
+    from utils.training.optim import state_problem
+
+    cfg = get_training_config("demo", {"model": "tiny", "optimizer": optimizer, "optimizer_state_dtype": "bf16"})
+    model = build_model(get_model_spec("tiny"), seed=0)
+    opt = build_optimizer(model, OptimizerSettings.of(cfg), fused=False)
+    for _ in range(2):
+        model(torch.randint(0, 512, (2, 16))).backward()
+        opt.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def problem():
+        return state_problem((names[id(p)], opt.state.get(p, {})) for g in opt.param_groups for p in g["params"])
+
+    assert problem() is None
+    bias = model.gpt_neox.final_layer_norm.bias  # in AdamW's part under Muon too
+    state = opt.state[bias]
+    saved = {k: v.clone() for k, v in state.items()}
+    for step, shown in ((math.nan, "nan"), (math.inf, "inf"), (-3.0, "-3.0"), (2.5, "2.5")):
+        state["step"] = torch.tensor(step)
+        assert problem() == f"gpt_neox.final_layer_norm.bias's step is {shown}, not a whole number of steps " \
+                            f"(at least 0)"
+    state["step"] = saved["step"]
+    state["exp_avg"][0] = math.nan
+    assert problem() == "gpt_neox.final_layer_norm.bias's exp_avg holds a non-finite value (NaN or inf)"
+    state["exp_avg"], state["exp_avg_sq"][0] = saved["exp_avg"], -1.0
+    assert problem() == "gpt_neox.final_layer_norm.bias's exp_avg_sq holds a negative value (a second moment is a " \
+                        "mean of squares)"

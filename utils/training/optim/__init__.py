@@ -42,6 +42,35 @@ class OptimizerSettings(Settings):
     mixed_precision: str  # muon_ns_dtype=auto follows it
 
 
+def state_problem(named_states) -> str | None:
+    """What makes a loaded optimizer state one no run can continue from, in words naming the parameter, or None.
+    `named_states`: (parameter name, its state: this rank's part of each tensor). A `step` must be a whole number
+    of steps, at least 0 (AdamW's bias correction raises its betas to it: NaN, inf or a negative turns every update
+    into NaN, which the run would only show as a non-finite loss, blaming the learning rate); every floating
+    tensor finite; a second moment (`exp_avg_sq`, a mean of squares under a square root) not negative."""
+    import math
+
+    import torch
+
+    from utils.runtime.distributed import local_tensor
+
+    for name, state in named_states:
+        for key, value in state.items():
+            if key == "step":
+                number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) \
+                        or number < 0 or not float(number).is_integer():
+                    shown = number if isinstance(number, (int, float)) else type(value).__name__
+                    return f"{name}'s step is {shown}, not a whole number of steps (at least 0)"
+            elif isinstance(value, torch.Tensor) and value.is_floating_point():
+                local = local_tensor(value)
+                if not bool(torch.isfinite(local).all()):
+                    return f"{name}'s {key} holds a non-finite value (NaN or inf)"
+                if key == "exp_avg_sq" and bool((local < 0).any()):
+                    return f"{name}'s {key} holds a negative value (a second moment is a mean of squares)"
+    return None
+
+
 def build_optimizer(model, settings: OptimizerSettings, fused: bool):
     """The optimizer `settings.optimizer` names, over `model`'s parameters (`fused`: torch's fused kernels)."""
     module = importlib.import_module(f"{__name__}.{OPTIMIZERS[settings.optimizer]}")
