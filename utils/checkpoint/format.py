@@ -525,10 +525,10 @@ def check_trainer_state(path: Path, state, manifest: dict) -> None:
     """trainer_state.json's values (a checkpoint may come from a bucket, or be crafted) before anything uses
     them: step, tokens and epoch non-negative integers, world_size a positive one, the run record's config an
     object, its strategy a string and its seq_len and global batch positive integers, the model record's fields
-    of their types and ranges (configs/model_config.py check_model_record) and a shape the checkpoint's weight
+    of their types and ranges (utils/model/families.py check_model_record) and a shape the checkpoint's weight
     files can hold (a crafted shape would have generate.py or the export allocate it). CheckpointError naming
     the file and field."""
-    from configs.model_config import check_model_record
+    from utils.model.families import check_model_record
 
     where = f"checkpoint {path}: {TRAINER_STATE_FILE}"
     advice = "the checkpoint is corrupt or crafted: resume from another one"

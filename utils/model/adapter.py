@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from configs.model_config import ModelSpec
+from utils.model.architecture import ModelSpec
 
 _ENGINE_CLASSES: dict[tuple[type, str], type] = {}
 

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from configs.model_config import ConfigError, ModelSpec
 from utils.data.tokenizer import TokenizerError
+from utils.errors import ConfigError
 from utils.io import files
+from utils.model.architecture import ModelSpec
 
 EXPORT_SHARD_SIZE = "5GB"  # larger exports are sharded safetensors with an index json, as transformers writes them
 # What an export's tokenizer_config.json names: the tokenizer that reads tokenizer.json as it is, in transformers 4

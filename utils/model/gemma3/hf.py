@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from configs.model_config import ConfigError, ModelSpec
+from utils.errors import ConfigError
 from utils.model.adapter import HFAdapter, config_sizes, decoder_config_fields, rope_type
+from utils.model.architecture import ModelSpec
 from utils.model.common.mlp import ACTIVATIONS
 
 _KINDS = {"full": "full_attention", "sliding": "sliding_attention"}

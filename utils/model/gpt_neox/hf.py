@@ -11,8 +11,9 @@ import re
 
 import torch
 
-from configs.model_config import ConfigError, ModelSpec
+from utils.errors import ConfigError
 from utils.model.adapter import HFAdapter, config_sizes, no_special_ids, rope_type
+from utils.model.architecture import ModelSpec
 
 _NOT_WEIGHTS = re.compile(r"(attention\.(bias|masked_bias)|rotary_emb\.inv_freq)$")
 

@@ -8,7 +8,7 @@ model (biases on q/k/v, none on o), any other a Llama one.
 """
 from __future__ import annotations
 
-from configs.model_config import ConfigError, ModelSpec
+from utils.errors import ConfigError
 from utils.model.adapter import (
     HFAdapter,
     config_sizes,
@@ -17,6 +17,7 @@ from utils.model.adapter import (
     rope_parameters,
     rope_type,
 )
+from utils.model.architecture import ModelSpec
 
 
 class LlamaAdapter(HFAdapter):

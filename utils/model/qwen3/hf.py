@@ -2,7 +2,7 @@
 are transformers' own (`model.layers.N.self_attn.q_norm.weight`, ...), so the keys go both ways unchanged."""
 from __future__ import annotations
 
-from configs.model_config import ConfigError, ModelSpec
+from utils.errors import ConfigError
 from utils.model.adapter import (
     HFAdapter,
     config_sizes,
@@ -11,6 +11,7 @@ from utils.model.adapter import (
     rope_parameters,
     rope_type,
 )
+from utils.model.architecture import ModelSpec
 from utils.model.common.mlp import ACTIVATIONS
 
 _KINDS = {"full": "full_attention", "sliding": "sliding_attention"}
