@@ -198,9 +198,11 @@ def test_a_run_started_under_the_demo_presets_adamw_resumes_with_it_after_the_pr
     shutil.copytree(split, again)
     shutil.rmtree(again / "checkpoints" / "checkpoint-epoch0-step4-files0")
     shutil.rmtree(again / "final_model")
-    proc = run(command(REPO_ROOT, again, "learning_rate=1e-3") + ["--resume", "latest"], subprocess_env)
+    proc = run(command(REPO_ROOT, again, "learning_rate=1e-3", "max_grad_norm=0.5") + ["--resume", "latest"],
+               subprocess_env)
     assert "recipe it started with (optimizer=adamw); 'demo' now says optimizer=muon" in proc.stdout, proc.stdout
     assert "resume: learning_rate changed 0.002 -> 0.001" in proc.stdout
+    assert "resume: max_grad_norm changed 1 -> 0.5: gradient clipping follows the new value from step 3" in proc.stdout
 
 
 def test_every_row_says_how_many_steps_it_averages_across_a_resume(tmp_path, subprocess_env):
