@@ -675,13 +675,16 @@ def get_training_config(preset: str, overrides: dict | None = None) -> TrainingC
 RECIPE_FIELDS = ("optimizer", "learning_rate", "min_lr_ratio", "warmup_steps", "lr_schedule", "decay_steps",
                  "decay_fraction", "decay_shape", "max_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
                  "muon_momentum", "muon_scale", "cautious_weight_decay", "z_loss", "max_grad_norm")
-# Every field a resume reads back from a checkpoint's config record: the recipe, and what the checkpoint's state
-# must agree with (utils/checkpoint/checkpointer.py KEEP_ON_RESUME, FOLLOW_CONFIG_ON_RESUME).
-RECORDED_FIELDS = (*RECIPE_FIELDS, "seed", "optimizer_state_dtype")
+# Every field the engine reads back from a checkpoint's config record: the recipe, what the checkpoint's state
+# must agree with (utils/checkpoint/checkpointer.py KEEP_ON_RESUME, FOLLOW_CONFIG_ON_RESUME), and the model class
+# its weights were trained as (utils/model/hf.py load_checkpoint_model).
+RECORDED_FIELDS = (*RECIPE_FIELDS, "seed", "optimizer_state_dtype", "model_impl")
 # When each of them appeared after the first engine's config (dfae064, which had the others), and what the
 # engines before it did: a record they wrote lacks the field, and its run trained with that value
-# (`git log -S "    FIELD: " -- configs/training_config.py`; each default at its introduction kept the old way).
+# (`git log -S "    FIELD: " -- configs/training_config.py`; each default at its introduction kept the old way,
+# but model_impl's: the native model came with it, and the engines before trained transformers' class).
 FIELDS_ADDED = {
+    "model_impl": ("2e1d95f", "hf"),
     "optimizer_state_dtype": ("772787b", "fp32"),  # AdamW's moments in fp32
     "lr_schedule": ("98a7c31", "cosine"),  # warmup, then cosine to learning_rate * min_lr_ratio
     "decay_steps": ("98a7c31", 0), "decay_fraction": ("98a7c31", 0.2), "decay_shape": ("98a7c31", "linear"),

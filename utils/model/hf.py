@@ -370,9 +370,11 @@ def load_checkpoint_model(checkpoint) -> tuple[ModelSpec, dict[str, torch.Tensor
         from utils.checkpoint.sharded import read_full_model_state
 
         weights = read_full_model_state(checkpoint)
-    impl = (payload.trainer_state.get("config") or {}).get("model_impl")  # the model it was trained as
-    check_weights(spec, weights, checkpoint, option="", impl="hf" if impl == "hf" else "native",
-                  described="its trainer_state.json's model record")
+    from configs.training_config import recorded_settings
+
+    config = payload.trainer_state.get("config") or {}  # checked by read_checkpoint
+    impl = recorded_settings(config, "config")["model_impl"] if config else "native"  # the model it was trained as
+    check_weights(spec, weights, checkpoint, option="", impl=impl, described="its trainer_state.json's model record")
     return spec, weights, payload.trainer_state
 
 

@@ -285,8 +285,9 @@ def test_a_record_of_an_earlier_engine_resumes_its_recipe_and_every_field_read_b
 
 def test_each_field_an_earlier_engine_lacked_appeared_when_and_as_the_table_says():
     """FIELDS_ADDED against the repository's history: each field is absent from the config of the commit before
-    the one named and present in it with that default; every other field a resume reads back was in the first
-    engine's config (dfae064). Skipped in a clone without the history."""
+    the one named and present in it with that default (model_impl's was the native model it came with; the
+    engines before built transformers' class); every other field a resume reads back was in the first engine's
+    config (dfae064). Skipped in a clone without the history."""
     import ast
     import subprocess
 
@@ -310,7 +311,10 @@ def test_each_field_an_earlier_engine_lacked_appeared_when_and_as_the_table_says
             assert default(first, field) is not None, field
     for field, (commit, before) in FIELDS_ADDED.items():
         assert default(config_at(f"{commit}^"), field) is None, (field, commit)
-        assert default(config_at(commit), field) == before, (field, commit)
+        assert default(config_at(commit), field) == {"model_impl": "native"}.get(field, before), (field, commit)
+    model_before = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{FIELDS_ADDED['model_impl'][0]}^:"
+                                   "utils/model/__init__.py"], capture_output=True, text=True).stdout
+    assert "GPTNeoXForCausalLM(" in model_before  # transformers' class: model_impl=hf
 
 
 def test_a_settings_warning_is_the_configs_to_print_once_it_is_decided():
