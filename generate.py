@@ -59,6 +59,9 @@ def resolve_model_path(path: Path) -> tuple[str, Path]:
     """("hf" | "checkpoint", directory) for PATH; a run's output directory gives its newest checkpoint."""
     from utils.checkpoint.format import find_latest_local, parse_checkpoint_name
 
+    if path.exists() and not path.is_dir():
+        raise GenerateError(f"{path}: a file, not a directory; give the folder of a checkpoint, a run's output "
+                            f"directory or an HF model (the one holding its config.json)")
     if not path.is_dir():
         raise GenerateError(f"{path}: no such directory (a checkpoint, a run's output directory or an HF model)")
     if (path / "config.json").is_file():

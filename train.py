@@ -71,6 +71,8 @@ def main(argv=None) -> int:
         cfg, profile = settle_config(args.config, args.set, cli_aliases(args))
         if args.print_config:
             print(to_yaml(cfg), end="")
+            for line in cfg.warnings():
+                print(line, file=sys.stderr)
             RunStatus(0).write()
             return 0
         return train(cfg, profile, args)

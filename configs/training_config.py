@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import os
 import re
-import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -247,18 +245,11 @@ class TrainingConfig:
         positions, vocabulary against the data) is checked once the model is known (see train.py). Every
         number is checked against the range declared beside its field, every choice against its list."""
         for f in fields(self):
-            bounds = f.metadata.get("bounds")
-            value = getattr(self, f.name)
-            refused = bounds.refusal(value, f.type) if bounds is not None else None
-            if refused:
-                shown = shown_number(value)
-                named = f"{f.name}={value}" if shown == str(value) else f"{f.name} ({shown})"
-                raise ConfigError(f"{named} {refused}")
+            check_range(f.name, getattr(self, f.name))
         if not self.init_from:  # with init_from, the model comes from its config.json (checked when loaded)
             check_seq_len(self.seq_len, get_model_spec(self.model))  # an unknown model raises too
-        for name, choices in CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ConfigError(f"{name}='{getattr(self, name)}' is not valid; use one of {', '.join(choices)}")
+        for name in CHOICES:
+            check_choice(name, getattr(self, name))
         self._validate_report_to()
         self._validate_combinations()
         self._validate_data_mix()
@@ -266,10 +257,16 @@ class TrainingConfig:
             raise ConfigError(
                 f"gcs_bucket='{self.gcs_bucket}' must be a bare bucket name; put folders in gcs_prefix"
             )
-        if self.warmup_steps > self.max_steps and os.environ.get("RANK", "0") == "0":  # said once, not per rank
-            print(f"warning: warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}: the learning rate "
-                  f"never reaches learning_rate={self.learning_rate:g}; lower warmup_steps", file=sys.stderr)
         return self
+
+    def warnings(self) -> list[str]:
+        """Settings valid alone that will not do what they say: one line each, for the run to print once it has
+        decided its values (after a resume kept its recipe: train.py, the Trainer)."""
+        lines = []
+        if self.warmup_steps > self.max_steps:
+            lines.append(f"warning: warmup_steps={self.warmup_steps} exceeds max_steps={self.max_steps}: the learning "
+                         f"rate never reaches learning_rate={self.learning_rate:g}; lower warmup_steps")
+        return lines
 
     def _validate_combinations(self) -> None:
         """Fields valid alone that do not go together."""
@@ -323,8 +320,26 @@ class TrainingConfig:
         return dataclasses.asdict(self)
 
 
-_SETTABLE = {f.name: f for f in fields(TrainingConfig) if f.name != "preset"}
+_FIELDS = {f.name: f for f in fields(TrainingConfig)}
+_SETTABLE = {name: f for name, f in _FIELDS.items() if name != "preset"}
 CONFIG_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def check_range(name: str, value) -> None:
+    """A number against the range declared beside its field (Bounds): ConfigError 'NAME=VALUE must be ...'."""
+    f = _FIELDS[name]
+    bounds = f.metadata.get("bounds")
+    refused = bounds.refusal(value, f.type) if bounds is not None else None
+    if refused:
+        shown = shown_number(value)
+        named = f"{name}={value}" if shown == str(value) else f"{name} ({shown})"
+        raise ConfigError(f"{named} {refused}")
+
+
+def check_choice(name: str, value) -> None:
+    """A field whose value is one of a list (CHOICES) against it."""
+    if name in CHOICES and value not in CHOICES[name]:
+        raise ConfigError(f"{name}='{value}' is not valid; use one of {', '.join(CHOICES[name])}")
 
 
 def _unknown_field(key: str, where: str) -> ConfigError:
@@ -639,28 +654,67 @@ def get_training_config(preset: str, overrides: dict | None = None) -> TrainingC
 RECIPE_FIELDS = ("optimizer", "learning_rate", "min_lr_ratio", "warmup_steps", "lr_schedule", "decay_steps",
                  "decay_fraction", "decay_shape", "max_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
                  "muon_momentum", "muon_scale", "cautious_weight_decay", "z_loss", "max_grad_norm")
+# Every field the engine reads back from a checkpoint's config record: the recipe, what the checkpoint's state
+# must agree with (utils/checkpoint/checkpointer.py KEEP_ON_RESUME, FOLLOW_CONFIG_ON_RESUME), and the model class
+# its weights were trained as (utils/model/hf.py load_checkpoint_model).
+RECORDED_FIELDS = (*RECIPE_FIELDS, "seed", "optimizer_state_dtype", "model_impl")
+# When each of them appeared after the first engine's config (dfae064, which had the others), and what the
+# engines before it did: a record they wrote lacks the field, and its run trained with that value
+# (`git log -S "    FIELD: " -- configs/training_config.py`; each default at its introduction kept the old way,
+# but model_impl's: the native model came with it, and the engines before trained transformers' class).
+FIELDS_ADDED = {
+    "model_impl": ("2e1d95f", "hf"),
+    "optimizer_state_dtype": ("772787b", "fp32"),  # AdamW's moments in fp32
+    "lr_schedule": ("98a7c31", "cosine"),  # warmup, then cosine to learning_rate * min_lr_ratio
+    "decay_steps": ("98a7c31", 0), "decay_fraction": ("98a7c31", 0.2), "decay_shape": ("98a7c31", "linear"),
+    "optimizer": ("3ea89f9", "adamw"),  # AdamW was the only optimizer
+    "muon_momentum": ("3ea89f9", 0.95), "z_loss": ("3ea89f9", 0.0),
+    "cautious_weight_decay": ("67d5821", False),
+    "muon_scale": ("460b1dc", "moonlight"),  # Muon matched AdamW's update RMS (torch's match_rms_adamw) from the start
+}
+
+
+def recorded_settings(saved: dict, where: str) -> dict:
+    """The fields a resume reads back from a checkpoint's config record (RECORDED_FIELDS; `saved` may come from a
+    bucket, or be crafted), each checked as a setting is: its type as a config file's value, its declared range,
+    its choices (ConfigError 'FIELD=VALUE must be ...'); each the record lacks is the value of the engine that wrote
+    it (FIELDS_ADDED). A whole record (one naming its preset: every engine's does) lacking a field every engine
+    wrote is refused. `where` names the record in an error's line. The one place such a record is checked:
+    check_trainer_state (utils/checkpoint/format.py) and keep_recipe both ask here."""
+    values = {}
+    try:
+        for key in RECORDED_FIELDS:
+            if key in saved:
+                values[key] = _coerce(key, saved[key], where)
+                check_range(key, values[key])
+                check_choice(key, values[key])
+            elif key in FIELDS_ADDED:
+                values[key] = FIELDS_ADDED[key][1]
+            elif "preset" in saved:
+                raise ConfigError(f"{key} is missing, which every engine records")
+    except ConfigError as exc:
+        raise ConfigError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
+    return values
 
 
 def keep_recipe(cfg: TrainingConfig, saved: dict, explicit, where: str) -> tuple[TrainingConfig, str | None]:
     """`cfg` with the recipe (RECIPE_FIELDS) of the checkpoint's config `saved` where this command did not set
     the field (`explicit`: the fields it set) and the checkpoint's run started from the same preset or config
-    file; and the line that says what was kept (None: nothing). `where` names the checkpoint's file for an error:
-    its values are checked as a config file's are."""
-    if saved.get("preset") != cfg.preset:
-        return cfg, None
-    kept = {}
+    file; and the line that says what was kept (None: nothing). A field the record lacks (an earlier engine's)
+    is what that engine trained with (recorded_settings). `where` names the checkpoint's file for an error."""
     try:
-        for key in RECIPE_FIELDS:
-            if key in saved and key not in explicit:
-                value = _coerce(key, saved[key], where)
-                if value != getattr(cfg, key):
-                    kept[key] = value
+        recorded = recorded_settings(saved, where)
+        if saved.get("preset") != cfg.preset:
+            return cfg, None
+        kept = {key: recorded[key] for key in RECIPE_FIELDS
+                if key in recorded and key not in explicit and recorded[key] != getattr(cfg, key)}
         continued = replace(cfg, **kept).validate()
     except ConfigError as exc:
         shown = str(exc) if str(exc).startswith(where) else f"{where}: {exc}"
         raise ConfigError(f"{shown}; the checkpoint is corrupt or crafted: resume from another one") from None
     if not kept:
         return cfg, None
+
     def listed(values) -> str:
         return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 

@@ -115,6 +115,82 @@ def layer_order(allowed: dict[str, set[str]]) -> list[str] | None:
     return order
 
 
+def import_circles(root=REPO_ROOT) -> list[list[str]]:
+    """Every circle of imports among the engine's modules (utils/, configs/), counting an import inside a function
+    as one at the top: a deferred import only moves a circle from import time to call time. Each circle is its
+    modules in a cycle (the first repeated at the end), found as the strongly connected components of the graph
+    (Tarjan's algorithm). A package's implicit import of its parent, and its `__init__`'s `from PACKAGE import
+module`, are not counted."""
+    paths = sorted([*root.glob("utils/**/*.py"), *root.glob("configs/*.py")])
+    graph = {module_name(p, root): sorted(project_imports(p, root) - {module_name(p, root)}) for p in paths}
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in graph.get(module, ()):
+            if other not in graph:
+                continue
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1:
+                found.append(_cycle_through(sorted(component), graph))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return found
+
+
+def _cycle_through(component: list[str], graph: dict) -> list[str]:
+    """One cycle inside a strongly connected `component`, from its first module back to it (breadth first)."""
+    start, members = component[0], set(component)
+    came_from, queue = {start: None}, [start]
+    while queue:
+        module = queue.pop(0)
+        for other in graph[module]:
+            if other == start:
+                path = [module]
+                while came_from[path[-1]] is not None:
+                    path.append(came_from[path[-1]])
+                return [*reversed(path), start]
+            if other in members and other not in came_from:
+                came_from[other] = module
+                queue.append(other)
+    return component
+
+
+def test_no_import_circle_among_the_engines_modules_counting_imports_inside_functions(tmp_path):
+    """No module imports, at its top or inside a function, one that imports it back (through any others). On a
+    copy in a temporary folder, a deferred import that closes a circle inside one layer (as configs/model_config.py
+    and the family registry once did, which the layers' check cannot see) is caught."""
+    import shutil
+
+    assert import_circles() == []
+    for name in PACKAGE_ROOTS:
+        shutil.copytree(REPO_ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    assert import_circles(tmp_path) == []
+    spec = tmp_path / "utils" / "model" / "architecture.py"
+    spec.write_text(spec.read_text() + "\n\ndef preset(name):\n    from configs.model_config import get_model_spec\n\n"
+                    "    return get_model_spec(name)\n")
+    circles = import_circles(tmp_path)
+    assert len(circles) == 1 and circles[0][0] == circles[0][-1], circles
+    assert {"configs.model_config", "utils.model.architecture"} <= set(circles[0]), circles
+    assert layer_violations(tmp_path) == []  # within one layer: only the circle check sees it
+
+
 def test_no_module_imports_from_a_layer_its_folder_does_not_allow():
     assert layer_violations() == []
 

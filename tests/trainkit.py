@@ -49,6 +49,16 @@ def earlier_engine_cmd(engine: Path, out: Path, data: Path, *sets: str, extra: t
     return cmd[:at - 1] + cmd[at + 1:]
 
 
+def demo_recipe_cmd(engine: Path, out: Path, data: Path, *sets: str, extra: tuple = ()) -> list[str]:
+    """A run of the demo preset's own recipe (its optimizer, learning rate and warmup: none of them set on the
+    command) on the tiny settings, by the train.py of `engine` (REPO_ROOT, or an earlier engine: engine_at):
+    the command a user who started a demo run on an earlier engine resumes with."""
+    own = [s for s in TINY if not s.startswith(("learning_rate=", "optimizer=", "warmup_steps="))]
+    cmd = [sys.executable, str(engine / "train.py"), "--config", "demo", "--output-dir", str(out),
+           "--data-dir", str(data)]
+    return cmd + [a for s in [*own, *sets] for a in ("--set", s)] + list(extra)
+
+
 def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True,
         cwd=REPO_ROOT) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)

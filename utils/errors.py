@@ -12,6 +12,11 @@ class UserError(Exception):
     """A problem the user can fix; the message says what, where and how."""
 
 
+class ConfigError(UserError, ValueError):
+    """A configuration problem the user can fix (a setting, a model's architecture); the message says what and
+    how."""
+
+
 class DiskFullError(UserError, OSError):
     """No space left (or quota exceeded) while writing; the message names the filesystem, the space
     needed and free, and what to do."""

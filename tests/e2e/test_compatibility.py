@@ -1,16 +1,16 @@
-"""Earlier engines and today's: a sharded (FSDP) checkpoint an old engine wrote resumes on today's code and
-continues the losses the old engine logged. The engine before the package layout, the Trainer and typed
-settings (commit a3d8304), and the engine before each rank orthogonalised only its share of Muon's matrices
-(40dd9a8), whose Muon checkpoint of 2 FSDP ranks resumes on 4 DDP ranks. (DDP checkpoints of a3d8304, GPT-NeoX
-and Llama, resume bitwise and export byte for byte: tests/e2e/test_model_io.py.)"""
+"""Earlier engines and today's: a sharded (FSDP) checkpoint an old engine wrote resumes on today's code with the
+command that started it and continues the losses the old engine logged. The engine before the package layout, the
+Trainer and typed settings (commit a3d8304), of a run on the demo preset's own recipe (AdamW at 2e-3 then, Muon at
+8e-3 now), and the engine before each rank orthogonalised only its share of Muon's matrices (40dd9a8), whose Muon
+checkpoint of 2 FSDP ranks resumes on 4 DDP ranks. (DDP checkpoints of a3d8304, GPT-NeoX and Llama, resume bitwise
+and export byte for byte: tests/e2e/test_model_io.py.)"""
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 
-from tests.trainkit import REPO_ROOT, TINY, engine_at, make_shards, run, train_cmd, train_rows
+from tests.trainkit import REPO_ROOT, TINY, demo_recipe_cmd, engine_at, make_shards, run, train_rows
 
 BEFORE_THE_HOUSE = "a3d8304"
 BEFORE_DISTRIBUTED_MUON = "40dd9a8"
@@ -31,13 +31,14 @@ def test_a_checkpoint_of_a3d8304_resumes_and_continues_its_losses(model, strateg
     old_env = dict(subprocess_env, PYTHONPATH=str(old_engine))
 
     def old(out, *more):
-        return run([sys.executable, str(old_engine / "train.py")] + train_cmd(out, data, *sets, *more)[2:], old_env)
+        return run(demo_recipe_cmd(old_engine, out, data, *sets, *more), old_env)
 
     split, straight = tmp_path / "split", tmp_path / "straight"
     old(split, "stop_at_step=3")
     old(straight)
-    proc = run(train_cmd(split, data, *sets, extra=("--resume", "latest")), subprocess_env)
+    proc = run(demo_recipe_cmd(REPO_ROOT, split, data, *sets, extra=("--resume", "latest")), subprocess_env)
     assert "Resumed from" in proc.stdout and "at step 3" in proc.stdout, proc.stdout
+    assert "the run continues the recipe it started with (optimizer=adamw, learning_rate=0.002)" in proc.stdout
     resumed, reference = train_rows(split), train_rows(straight)
     for step in (4, 5, 6):
         assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-6, (step, resumed[step], reference[step])

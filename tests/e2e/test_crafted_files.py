@@ -702,6 +702,107 @@ def test_an_hf_directory_crafted_past_its_config_check_is_one_line(hf_model, tmp
                 f"{tmp_path / 'one-position'}/config.json: max_position_embeddings is 1, not at least 2")
 
 
+def family_hf_model(preset: str, path: Path, **config) -> Path:
+    """A tiny model of a family's test-size preset as transformers saves it, its config changed by `config`."""
+    from configs.model_config import get_model_spec
+    from utils.model.families import family_of
+
+    spec = get_model_spec(preset)
+    adapter = family_of(spec).hf()
+    hf_config = adapter.hf_config(spec)
+    for key, value in config.items():
+        setattr(hf_config, key, value)
+    adapter.causal_lm_class(spec)(hf_config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_an_hf_directory_transformers_would_read_otherwise_or_not_at_all_is_one_line_everywhere(
+        hf_model, tmp_path, capsys):
+    """Issue 56's and 57's HF folders, read by the one HF reader every entry point uses: a NUL in a weight path
+    of model.safetensors.index.json, a Gemma 3 sliding_window_pattern of 0 or -1 and a Qwen3 max_window_layers
+    of -1 (no layer_types), a config.json symlinked out of the folder, yarn in rope_scaling beside a plain
+    rope_parameters (what transformers applies): each one line naming the file, no traceback, exit 2, through
+    generate.py and scripts/evaluate.py (in process) and init_from's reader; through train.py's init_from (a real
+    process) for the NUL. A tied config whose weights hold a head of their own trains untied, as transformers
+    loads it, said in one line, and exports so (a real train.py)."""
+    from safetensors.torch import load_file, save_file
+
+    import generate
+    from scripts import evaluate
+    from utils.model.hf import load_hf_pretrained
+
+    def folder(name: str, source: Path, edit) -> Path:
+        copy = tmp_path / name
+        shutil.copytree(source, copy)
+        edit(copy)
+        return copy
+
+    def config_edit(**change):
+        def edit(copy: Path):
+            config = json.loads((copy / "config.json").read_text()) | change
+            (copy / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+        return edit
+
+    def nul_in_index(copy: Path):
+        (copy / "model.safetensors").rename(copy / "model-00001-of-00001.safetensors")
+        weights = load_file(str(copy / "model-00001-of-00001.safetensors"))
+        index = {"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors\0x" for k in weights}}
+        (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    def config_outside(copy: Path):
+        (copy / "config.json").rename(tmp_path / "outside-config.json")
+        (copy / "config.json").symlink_to(tmp_path / "outside-config.json")
+
+    gemma = family_hf_model("gemma3-tiny", tmp_path / "gemma3")
+    qwen = family_hf_model("qwen3-tiny", tmp_path / "qwen3")
+    cases = {
+        "nul": (folder("nul", hf_model, nul_in_index),
+                "model.safetensors.index.json: weight_map names 'model-00001-of-00001.safetensors\\x00x', not a "
+                "file name"),
+        "pattern-0": (folder("pattern-0", gemma, config_edit(layer_types=None, sliding_window_pattern=0)),
+                      "config.json: sliding_window_pattern is 0, not a positive integer"),
+        "pattern--1": (folder("pattern--1", gemma, config_edit(layer_types=None, sliding_window_pattern=-1)),
+                       "config.json: sliding_window_pattern is -1, not a positive integer"),
+        "window-layers--1": (folder("window-layers--1", qwen, config_edit(layer_types=None, max_window_layers=-1)),
+                             "config.json: max_window_layers is -1, not an integer of at least 0"),
+        "config-out": (folder("config-out", hf_model, config_outside),
+                       "its config is 'config.json', a symlink out of"),
+        "yarn-over": (folder("yarn-over", qwen, config_edit(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+                      "config.json: rope scaling 'yarn' is not supported (from rope_scaling, which transformers "
+                      "applies over rope_parameters)"),
+    }
+    task = tmp_path / "task.jsonl"
+    task.write_text(json.dumps({"context": "a", "choices": [" b", " c"], "gold": 0}) + "\n")
+    for name, (model, said) in cases.items():
+        with pytest.raises(UserError) as refused:
+            load_hf_pretrained(model)
+        assert str(model) in str(refused.value) and said in str(refused.value), (name, str(refused.value))
+        for entry, argv in (("generate", ["--prompt", "x"]), ("evaluate", ["--task", str(task)])):
+            main = generate.main if entry == "generate" else evaluate.main
+            assert main([str(model), *argv]) == 2, (name, entry)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1].startswith(f"error: {model}") and said in err[-1], (name, entry, err)
+
+    data = make_shards(tmp_path / "data", n_files=3, rows=16)
+    train = ["train.py", "--config", "demo", "--data-dir", data, *[a for s in TINY for a in ("--set", s)],
+             "--set", "max_steps=1"]
+    one_line_of([*train, "--output-dir", tmp_path / "out-nul", "--set", f"init_from={cases['nul'][0]}"],
+                f"init_from {cases['nul'][0]}/{cases['nul'][1]}")
+    own_head = tmp_path / "own-head"  # tied, as the preset is, with a head of its own in the weights
+    family_hf_model("llama-tiny", own_head)
+    weights = load_file(str(own_head / "model.safetensors"))
+    weights["lm_head.weight"] = torch.randn_like(weights["model.embed_tokens.weight"]) * 0.02
+    save_file(weights, str(own_head / "model.safetensors"))
+    proc = run([sys.executable, *map(str, [*train, "--output-dir", tmp_path / "out-head", "--set",
+                                           f"init_from={own_head}"])], env_for_runs())
+    warned = [line for line in proc.stderr.splitlines() if "the two stay apart" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: init_from {own_head}: config.json ties"), proc.stderr
+    exported = tmp_path / "out-head" / "final_model"
+    assert json.loads((exported / "config.json").read_text())["tie_word_embeddings"] is False
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(load_file(str(exported / "model.safetensors")))
+
+
 def tiny_checkpoint(root: Path, model: dict | None = None, config: dict | None = None) -> Path:
     """A checkpoint of the tiny model (its weights as built, by the real writer) whose trainer_state.json holds
     `model` as the model record (default: the tiny model's) and `config` as the run's config."""

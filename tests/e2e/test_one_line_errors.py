@@ -230,12 +230,13 @@ def test_report_to_none_with_trackers_is_refused():
     assert get_training_config("demo", {"report_to": "none"}).report_to == "none"
 
 
-def test_warmup_longer_than_the_run_warns(capsys):
-    from configs.training_config import get_training_config
+def test_warmup_longer_than_the_run_warns_once_with_print_config(capsys):
+    """(A run prints it once, after a resume decided its values: tests/e2e/test_resume.py.)"""
+    import train
 
-    get_training_config("demo", {"max_steps": 10, "warmup_steps": 50})
-    assert "warning: warmup_steps=50 exceeds max_steps=10" in capsys.readouterr().err
-    get_training_config("demo", {"max_steps": 100, "warmup_steps": 50})
+    assert train.main(["--config", "demo", "--set", "max_steps=10", "--set", "warmup_steps=50", "--print-config"]) == 0
+    assert capsys.readouterr().err.count("warning: warmup_steps=50 exceeds max_steps=10") == 1
+    assert train.main(["--config", "demo", "--set", "max_steps=100", "--set", "warmup_steps=50", "--print-config"]) == 0
     assert "warmup_steps" not in capsys.readouterr().err
 
 

@@ -120,10 +120,13 @@ def test_upload_failure_keeps_training_and_exits_nonzero(tmp_path, subprocess_en
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_checkpoint_of_the_previous_engine_resumes_exactly(strategy, tmp_path, subprocess_env):
     """A checkpoint written by the engine before the Checkpointer took one `states` mapping, a policy and a
-    typed run record (and before the parallelism seam: commit f282397), DDP's and FSDP's alike, resumes on
-    today's code and continues the old engine's uninterrupted run: the same losses and final weights."""
+    typed run record, before the parallelism seam and before the `optimizer` field (commit f282397: its record
+    has none; AdamW was the only optimizer), DDP's and FSDP's alike, of a run on the demo preset's own recipe
+    (AdamW at 2e-3 then, Muon at 8e-3 now), resumes on today's code with the command that started it and
+    continues the old engine's uninterrupted run: the same losses and final weights. The recipe kept is said in
+    one line, and the warmup warning (30 warmup steps of 4) once, with the rate the run trains at."""
 
-    from tests.trainkit import earlier_engine_cmd, engine_at
+    from tests.trainkit import demo_recipe_cmd, engine_at
 
     old = engine_at("f282397", tmp_path / "old-engine")
     data = make_shards(tmp_path / "data")
@@ -131,16 +134,23 @@ def test_a_checkpoint_of_the_previous_engine_resumes_exactly(strategy, tmp_path,
     old_env = dict(subprocess_env, PYTHONPATH=str(old))
 
     def old_engine(out, *more):
-        return run(earlier_engine_cmd(old, out, data, *sets, *more), old_env)
+        return run(demo_recipe_cmd(old, out, data, *sets, *more), old_env)
 
     split, straight = tmp_path / "split", tmp_path / "straight"
     old_engine(split, "stop_at_step=2")
     old_engine(straight)
-    proc = run(train_cmd(split, data, *sets, extra=("--resume", "latest")), subprocess_env)
+    saved = json.loads(next((split / "checkpoints").iterdir()).joinpath("trainer_state.json").read_text())
+    assert "optimizer" not in saved["config"] and saved["config"]["learning_rate"] == 0.002
+    proc = run(demo_recipe_cmd(REPO_ROOT, split, data, *sets, extra=("--resume", "latest")), subprocess_env)
     assert "Resumed from" in proc.stdout and "at step 2" in proc.stdout
+    assert ("resume: the run continues the recipe it started with (optimizer=adamw, learning_rate=0.002); 'demo' "
+            "now says optimizer=muon, learning_rate=0.008" in proc.stdout), proc.stdout
+    warned = [line for line in proc.stderr.splitlines() if "warmup_steps=30 exceeds" in line]
+    assert len(warned) == 1 and "learning_rate=0.002" in warned[0], proc.stderr
     resumed, reference = train_rows(split), train_rows(straight)
     for step in (3, 4):
         assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-6, step
+        assert resumed[step]["lr"] == reference[step]["lr"], step
     a, b = _final_weights(split), _final_weights(straight)
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
 
@@ -188,9 +198,11 @@ def test_a_run_started_under_the_demo_presets_adamw_resumes_with_it_after_the_pr
     shutil.copytree(split, again)
     shutil.rmtree(again / "checkpoints" / "checkpoint-epoch0-step4-files0")
     shutil.rmtree(again / "final_model")
-    proc = run(command(REPO_ROOT, again, "learning_rate=1e-3") + ["--resume", "latest"], subprocess_env)
+    proc = run(command(REPO_ROOT, again, "learning_rate=1e-3", "max_grad_norm=0.5") + ["--resume", "latest"],
+               subprocess_env)
     assert "recipe it started with (optimizer=adamw); 'demo' now says optimizer=muon" in proc.stdout, proc.stdout
     assert "resume: learning_rate changed 0.002 -> 0.001" in proc.stdout
+    assert "resume: max_grad_norm changed 1 -> 0.5: gradient clipping follows the new value from step 3" in proc.stdout
 
 
 def test_every_row_says_how_many_steps_it_averages_across_a_resume(tmp_path, subprocess_env):

@@ -77,7 +77,8 @@ FOLLOW_CONFIG_ON_RESUME = {
     **dict.fromkeys(("learning_rate", "warmup_steps", "min_lr_ratio", "lr_schedule", "decay_steps", "decay_fraction",
                      "decay_shape", "max_steps"), "the LR schedule"),
     **dict.fromkeys(("adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "optimizer_state_dtype"), "AdamW"),
-    "muon_momentum": "Muon", "z_loss": "the loss",
+    **dict.fromkeys(("muon_momentum", "muon_scale", "cautious_weight_decay"), "Muon"), "z_loss": "the loss",
+    "max_grad_norm": "gradient clipping",
 }
 # Settings a resume cannot change (it continues the checkpoint's data order and random generators): refused
 # in one line, as are another model, seq_len or data (_check_fits).
@@ -481,7 +482,7 @@ def _check_fits(path: Path, saved: RunRecord, step: int, run: RunRecord) -> None
                                   f"{key}={run.config[key]}: a resume continues the checkpoint's data order and "
                                   f"random generators; resume with --set {key}={saved.config[key]} or start a fresh "
                                   f"run in another --output-dir")
-    old_opt, new_opt = saved.config.get("optimizer", "adamw"), run.config.get("optimizer", "adamw")
+    old_opt, new_opt = saved.config["optimizer"], run.config["optimizer"]  # (an earlier engine's record: adamw)
     if old_opt != new_opt:
         raise CheckpointError(f"checkpoint {path} was trained with optimizer={old_opt} but this run has "
                               f"optimizer={new_opt}: its optimizer state does not carry over; resume with --set "

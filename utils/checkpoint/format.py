@@ -541,11 +541,14 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
 def check_trainer_state(path: Path, state, manifest: dict) -> None:
     """trainer_state.json's values (a checkpoint may come from a bucket, or be crafted) before anything uses
     them: step, tokens and epoch non-negative integers, world_size a positive one, the run record's config an
-    object, its strategy a string and its seq_len and global batch positive integers, the model record's fields
-    of their types and ranges (configs/model_config.py check_model_record) and a shape the checkpoint's weight
-    files can hold (a crafted shape would have generate.py or the export allocate it). CheckpointError naming
-    the file and field."""
-    from configs.model_config import check_model_record
+    object whose fields a resume reads back are valid settings (configs/training_config.py recorded_settings),
+    its strategy a string and its seq_len and global batch positive integers, the model record's fields of their
+    types and ranges (utils/model/families.py check_model_record) and a shape the checkpoint's weight files can
+    hold (a crafted shape would have generate.py or the export allocate it). CheckpointError naming the file and
+    field."""
+    from configs.training_config import recorded_settings
+    from utils.errors import ConfigError
+    from utils.model.families import check_model_record
 
     where = f"checkpoint {path}: {TRAINER_STATE_FILE}"
     advice = "the checkpoint is corrupt or crafted: resume from another one"
@@ -565,6 +568,10 @@ def check_trainer_state(path: Path, state, manifest: dict) -> None:
     for field, kind, want in (("config", dict, "an object of training-config fields"), ("strategy", str, "a string")):
         if field in state and not isinstance(state[field], kind):
             bad(field, state[field], want)
+    try:  # what a resume reads back of the run's config, as its settings are checked
+        recorded_settings(state.get("config") or {}, "config")
+    except ConfigError as exc:
+        raise CheckpointError(f"{where}: {exc}; {advice}") from None
     model = state.get("model")
     if model is None:
         return

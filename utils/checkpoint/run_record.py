@@ -22,6 +22,12 @@ class RunRecord:
 
     @classmethod
     def from_json(cls, saved: dict) -> "RunRecord":
-        """From a trainer_state.json of any version (fields it lacks keep their defaults)."""
+        """From a trainer_state.json of any version (checked: utils/checkpoint/format.py check_trainer_state).
+        Fields it lacks keep their defaults; its config's fields a resume reads back are typed, and those an
+        earlier engine did not record are what it trained with (configs/training_config.py recorded_settings)."""
+        from configs.training_config import recorded_settings
+
         known = {k: saved[k] for k in cls.__dataclass_fields__ if k in saved and k != "max_steps"}
+        config = dict(known.get("config") or {})
+        known["config"] = config | recorded_settings(config, "config")
         return cls(**{"world_size": 1} | known)

@@ -12,16 +12,18 @@ The loss is computed inside the module, not by the loop: under DDP, gradient-syn
 wrapped module's own forward. This package's import loads nothing (the config layer reads the family
 registry through it); torch loads with `build_model`.
 
-- `families`: the family registry; `family`: the Family bundle each family folder exports (`gpt_neox`, `llama`,
-  `qwen3`, `gemma3`, ...: one folder each); `adapter`: HFAdapter, a family's transformers side;
+- `architecture`: ModelSpec, an architecture (every field a family may read); `families`: the family registry
+  (and the check of a spec's record); `family`: the Family bundle each family folder exports (`gpt_neox`,
+  `llama`, `qwen3`, `gemma3`, ...: one folder each); `adapter`: HFAdapter, a family's transformers side;
 - `common`: the shared blocks families compose (attention, rotary, masks, MLPs, norms, the decoder);
 - `layers`: the CausalLM interface, the chunked loss, document masking; `lm_loss`: the LM head's chunked loss
   and the z-loss; `spec`: a run's architecture (a preset or init_from's config.json); `hf`: HF in and out;
 - `init`: fresh weights; `preflight`: the first passes checked before step 1; `activation_checkpointing`: the
   policies; `fsdp`: FSDP2's unit layout; `fp8`: float8 training (torchao); `fit`: whether a batch fits.
 
-The family descriptions (`families`, `family` and each family folder's package: torch-free) are read by the
-config layer and say so ("Layer: configs" in their docstrings); a family's model and transformers side stay here.
+The model's description (`architecture`, `families`, `family` and each family folder's package: torch-free, importing
+nothing above the base layer) is read by the config layer and says so ("Layer: configs" in their docstrings); a
+family's model and transformers side stay here.
 
 May import: utils, utils.io, utils.runtime, configs, utils.data, utils.checkpoint.
 """
@@ -33,8 +35,8 @@ def build_model(spec, seed: int, impl: str = "native", init: str = "hf"):
     of its fresh weights (utils/model/init.py: hf as built, or neox)."""
     import torch
 
-    from configs.model_config import ConfigError
     from configs.training_config import MODEL_IMPLS
+    from utils.errors import ConfigError
     from utils.model.families import family_of
     from utils.model.init import init_weights
 

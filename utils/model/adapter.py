@@ -13,7 +13,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from configs.model_config import ModelSpec
+from utils.errors import ConfigError
+from utils.model.architecture import ModelSpec
 
 _ENGINE_CLASSES: dict[tuple[type, str], type] = {}
 
@@ -63,15 +64,59 @@ class HFAdapter(ABC):
         return _ENGINE_CLASSES[key]
 
 
-def config_sizes(config: dict, name: str) -> dict:
-    """The ModelSpec fields every family reads alike from a config.json: its sizes (the embedding rows as the
-    file has them, no padding) and initializer_range; the caller catches KeyError, TypeError and ValueError."""
-    return dict(name=name, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=int(config["num_attention_heads"]),
-                intermediate_size=int(config["intermediate_size"]),
-                max_position_embeddings=int(config["max_position_embeddings"]),
-                initializer_range=float(config.get("initializer_range", 0.02)), pad_vocab_multiple=1)
+def transformers_config(config: dict, source: str):
+    """What transformers makes of a config.json (its values checked first: utils/model/hf.py check_hf_config):
+    the config class AutoConfig takes for its `model_type`, built from the file as `from_pretrained` builds it
+    (`from_dict`), so every precedence and default rule is theirs: `rope_scaling` read over `rope_parameters`,
+    `rope_theta` where the rope object has none, Qwen3's `head_dim` of 128 and Qwen2's 32 k/v heads where the
+    file names none, `layer_types` from `max_window_layers` or `sliding_window_pattern`, Gemma 3's tied head.
+    A family reads its architecture from this object. What the class itself refuses is one ConfigError line
+    naming the file."""
+    import copy
+
+    from transformers import CONFIG_MAPPING
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its advice on a file's values: the engine's own lines say what it does
+    try:
+        return CONFIG_MAPPING[config["model_type"]].from_dict(copy.deepcopy(config))
+    except Exception as exc:  # noqa: BLE001 - transformers' validation raises ValueError, TypeError, its own kinds
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{source}: transformers cannot read it as a {config['model_type']} config "
+                          f"({first[:200]})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def config_sizes(hf, name: str) -> dict:
+    """The ModelSpec fields every family reads alike from transformers' config of a config.json
+    (`transformers_config`): its sizes (the embedding rows as the file has them, no padding), k/v heads and
+    initializer_range; the caller catches KeyError, TypeError and ValueError."""
+    return dict(name=name, vocab_size=int(hf.vocab_size), hidden_size=int(hf.hidden_size),
+                num_hidden_layers=int(hf.num_hidden_layers), num_attention_heads=int(hf.num_attention_heads),
+                intermediate_size=int(hf.intermediate_size), max_position_embeddings=int(hf.max_position_embeddings),
+                initializer_range=float(hf.initializer_range), pad_vocab_multiple=1)
+
+
+def kv_heads(hf) -> int:
+    """The k/v heads transformers' attention takes (its config sets them: all the query heads where unset)."""
+    return int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+
+
+def layer_kinds(hf) -> tuple[str, ...]:
+    """Each layer's attention in transformers' config ("full" or "sliding"): its `layer_types`, all full
+    where it has none."""
+    return tuple("sliding" if kind == "sliding_attention" else "full"
+                 for kind in (getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers))
+
+
+def rope_refusal(config: dict, kind: str, supported: str) -> str:
+    """The line for a rope type the engine does not implement, naming which of the file's objects it came from
+    where it has both (transformers applies `rope_scaling` over `rope_parameters`)."""
+    both = (" (from rope_scaling, which transformers applies over rope_parameters)"
+            if config.get("rope_scaling") and config.get("rope_parameters") else "")
+    return f"rope scaling {kind!r} is not supported{both}; {supported}"
 
 
 def decoder_config_fields(spec: ModelSpec, special_ids: dict | None) -> dict:

@@ -28,7 +28,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from configs.model_config import ALWAYS_RECORDED, ConfigError, ModelSpec, spec_fields
+from utils.errors import ConfigError
+from utils.model.architecture import ALWAYS_RECORDED, ModelSpec, spec_fields
 
 
 class Sizes(NamedTuple):

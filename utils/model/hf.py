@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from configs.model_config import ConfigError, ModelSpec
 from utils.data.tokenizer import TokenizerError
+from utils.errors import ConfigError
 from utils.io import files
+from utils.model.architecture import ModelSpec
 
 EXPORT_SHARD_SIZE = "5GB"  # larger exports are sharded safetensors with an index json, as transformers writes them
 # What an export's tokenizer_config.json names: the tokenizer that reads tokenizer.json as it is, in transformers 4
@@ -43,9 +44,12 @@ class HFLoadError(ConfigError):
     the file."""
 
 
-def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """(architecture, weights with the engine's names) from an HF model directory; errors name `option`
-    (what the user gave the directory as: init_from, or nothing for generate.py's PATH) and the file."""
+def load_hf_pretrained(directory, option: str = "init_from", say=None) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """(architecture, weights with the engine's names) from an HF model directory, as transformers loads it:
+    the architecture from what its config class makes of config.json, the tensors as `from_pretrained` ties or
+    unties them (`tied_as_transformers_loads`; `say`, default stderr, gets the line where that differs from the
+    file's config). Errors name `option` (what the user gave the directory as: init_from, or nothing for
+    generate.py's PATH) and the file."""
     import pickle
 
     from safetensors.torch import load_file
@@ -53,6 +57,8 @@ def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec,
     where = f"{option} " if option else ""
     directory = Path(directory).expanduser()
     config_path = directory / "config.json"
+    if config_path.is_symlink() or config_path.exists():
+        _check_inside(directory, "config.json", f"{where}{directory}: its config is")
     try:
         config = files.parse_json(config_path.read_text())
     except FileNotFoundError:
@@ -77,7 +83,37 @@ def load_hf_pretrained(directory, option: str = "init_from") -> tuple[ModelSpec,
             # safetensors / torch raise their own error types for truncated or foreign files
             raise HFLoadError(f"{where}{shard}: cannot read it "
                               f"({str(exc).splitlines()[0] if str(exc) else exc!r})") from None
-    return spec, family_of(spec).hf().from_hf_state(state)
+    return tied_as_transformers_loads(spec, family_of(spec).hf().from_hf_state(state), f"{where}{directory}",
+                                      say or _warn_on_stderr)
+
+
+HEAD = "lm_head.weight"  # the LM head's weight in the engine's names, every family's
+
+
+def tied_as_transformers_loads(spec: ModelSpec, state: dict[str, torch.Tensor], source: str,
+                               say) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """A tied config's weights as transformers' `from_pretrained` ties them: a head without its embedding is
+    both (the embedding taken from it), a head equal to the embedding is the embedding, and a head that differs
+    is kept apart: the model is untied, as the one transformers loads (and exported so, with
+    `tie_word_embeddings` false), said in one `say` line."""
+    if not spec.tie_word_embeddings or HEAD not in state:
+        return spec, state
+    from utils.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(spec, seed=0)
+    embedding = next(name for name, p in model.named_parameters() if p is model.input_embedding().weight)
+    state = dict(state)
+    if embedding not in state:
+        state[embedding] = state.pop(HEAD)
+    elif state[embedding].shape == state[HEAD].shape and torch.equal(state[embedding], state[HEAD]):
+        del state[HEAD]
+    else:
+        spec = replace(spec, tie_word_embeddings=False)
+        say(f"warning: {source}: config.json ties the head to the embedding (tie_word_embeddings) but the weights "
+            f"hold an {HEAD} of its own; as transformers loads it, the two stay apart: this model is untied "
+            f"(and exports with tie_word_embeddings false)")
+    return spec, state
 
 
 def spec_from_hf_config(config: dict, name: str, source: str = "config.json") -> ModelSpec:
@@ -109,8 +145,9 @@ _HF_LAYER_TYPES = ("full_attention", "sliding_attention")
 def check_hf_config(config: dict, source: str) -> None:
     """An HF config.json's values (the directory may come from a bucket, or be crafted) before a family reads
     them: the sizes positive integers (a JSON number, not a string or 1.5) below 2**31, hidden_size divisible
-    by num_attention_heads where no head_dim is given, num_attention_heads by num_key_value_heads, head_dim and
-    sliding_window positive integers, layer_types one known kind per layer, at least 2 positions, norms' eps,
+    by num_attention_heads where no head_dim is given, num_attention_heads by num_key_value_heads, head_dim,
+    sliding_window and sliding_window_pattern positive integers, max_window_layers a non-negative one,
+    layer_types one known kind per layer, at least 2 positions, norms' eps,
     rotary bases, rope scaling factors, scalars and initializer_range positive finite numbers, the rotary share
     in (0, 1], flags true/false, activations strings, BOS and EOS ids inside the vocabulary. ConfigError naming
     the file and field."""
@@ -157,9 +194,12 @@ def _check_hf_sizes(config: dict, source: str) -> None:
         if field not in config:
             raise ConfigError(f"{source}: {field} is missing; an HF model's config.json names it")
         _hf_size(source, field, config[field])
-    for field in ("num_key_value_heads", "head_dim", "sliding_window"):
+    for field in ("num_key_value_heads", "head_dim", "sliding_window", "sliding_window_pattern"):
         if config.get(field) is not None:
             _hf_size(source, field, config[field])
+    layers = config.get("max_window_layers")  # the layers below it attend fully: 0 makes every layer slide
+    if layers is not None and (type(layers) is not int or not 0 <= layers < _HF_MAX_SIZE):
+        _bad_hf(source, "max_window_layers", layers, f"an integer of at least 0, below {_HF_MAX_SIZE:,}")
     if config["max_position_embeddings"] < 2:  # one position has no next token to predict
         _bad_hf(source, "max_position_embeddings", config["max_position_embeddings"], "at least 2")
     heads = config["num_attention_heads"]
@@ -176,30 +216,31 @@ def _check_hf_sizes(config: dict, source: str) -> None:
 
 
 def _check_hf_rope(config: dict, source: str) -> dict:
-    """The rope object(s): one, or one per layer kind (transformers 5 writes one per kind for models with
+    """The rope objects, `rope_parameters` and `rope_scaling` (transformers reads the second over the first where
+    both are given): each one, or one per layer kind (transformers 5 writes one per kind for models with
     several, Gemma 3); their factors and bases positive finite numbers, their original positions a size.
-    Returns the top one."""
+    Returns the one transformers reads."""
     import math
 
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    if not isinstance(rope, dict):
-        _bad_hf(source, rope_field, rope, "an object")
-    ropes = {"": rope}
-    for kind in _HF_LAYER_TYPES:
-        if kind in rope:
-            if not isinstance(rope[kind], dict):
-                _bad_hf(source, f"{rope_field}.{kind}", rope[kind], "an object")
-            ropes = ropes | {f"{kind}.": rope[kind]}
-    for kind, r in ropes.items():
-        if r.get("original_max_position_embeddings") is not None:
-            _hf_size(source, f"{rope_field}.{kind}original_max_position_embeddings",
-                     r["original_max_position_embeddings"])
-        for f in _HF_ROPE_NUMBERS:
-            value = r.get(f)
-            if value is not None and (type(value) not in (int, float) or not math.isfinite(value) or value <= 0):
-                _bad_hf(source, f"{rope_field}.{kind}{f}", value, "a positive finite number")
-    return rope
+    for rope_field in ("rope_parameters", "rope_scaling"):
+        rope = config.get(rope_field) or {}
+        if not isinstance(rope, dict):
+            _bad_hf(source, rope_field, rope, "an object")
+        ropes = {"": rope}
+        for kind in _HF_LAYER_TYPES:
+            if kind in rope:
+                if not isinstance(rope[kind], dict):
+                    _bad_hf(source, f"{rope_field}.{kind}", rope[kind], "an object")
+                ropes = ropes | {f"{kind}.": rope[kind]}
+        for kind, r in ropes.items():
+            if r.get("original_max_position_embeddings") is not None:
+                _hf_size(source, f"{rope_field}.{kind}original_max_position_embeddings",
+                         r["original_max_position_embeddings"])
+            for f in _HF_ROPE_NUMBERS:
+                value = r.get(f)
+                if value is not None and (type(value) not in (int, float) or not math.isfinite(value) or value <= 0):
+                    _bad_hf(source, f"{rope_field}.{kind}{f}", value, "a positive finite number")
+    return config.get("rope_scaling") or config.get("rope_parameters") or {}
 
 
 def check_weights_hold(spec: ModelSpec, shards: list[Path], where: str, config_path: Path) -> None:
@@ -247,9 +288,12 @@ def _weight_files(directory: Path, where: str) -> list[Path]:
 
 
 def _check_inside(directory: Path, rel, what: str) -> None:
-    """A weight file an HF directory's index names stays in the directory: a relative path without '..', and
-    no symlink out of it, except into the hub cache's blobs/ beside snapshots/ (how the hub stores files)."""
-    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+    """A file of an HF directory (its config.json, a weight file its index names) stays in the directory: a
+    file name (a string without NUL), relative without '..', and no symlink out of it, except into the hub
+    cache's blobs/ beside snapshots/ (how the hub stores files)."""
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        raise HFLoadError(f"{what} {rel!r}, not a file name; an index names the weight files beside it")
+    if Path(rel).is_absolute() or ".." in Path(rel).parts:
         raise HFLoadError(f"{what} {rel!r}, a path out of {directory} (absolute or '..'); an index names only "
                           f"the weight files beside it")
     if files.inside(directory, rel):
@@ -257,7 +301,7 @@ def _check_inside(directory: Path, rel, what: str) -> None:
     real = (directory / rel).resolve()
     blobs = directory.resolve().parent.parent / "blobs" if directory.resolve().parent.name == "snapshots" else None
     if blobs is None or not real.is_relative_to(blobs.resolve()):
-        raise HFLoadError(f"{what} {rel!r}, a symlink out of {directory} (to {real}); a model directory's weight files "
+        raise HFLoadError(f"{what} {rel!r}, a symlink out of {directory} (to {real}); a model directory's files "
                           f"are its own (or the hub cache's blobs/): copy them in (cp -L)")
 
 
@@ -326,9 +370,11 @@ def load_checkpoint_model(checkpoint) -> tuple[ModelSpec, dict[str, torch.Tensor
         from utils.checkpoint.sharded import read_full_model_state
 
         weights = read_full_model_state(checkpoint)
-    impl = (payload.trainer_state.get("config") or {}).get("model_impl")  # the model it was trained as
-    check_weights(spec, weights, checkpoint, option="", impl="hf" if impl == "hf" else "native",
-                  described="its trainer_state.json's model record")
+    from configs.training_config import recorded_settings
+
+    config = payload.trainer_state.get("config") or {}  # checked by read_checkpoint
+    impl = recorded_settings(config, "config")["model_impl"] if config else "native"  # the model it was trained as
+    check_weights(spec, weights, checkpoint, option="", impl=impl, described="its trainer_state.json's model record")
     return spec, weights, payload.trainer_state
 
 

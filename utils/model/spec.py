@@ -31,7 +31,7 @@ def resolve_model_spec(settings: ModelSettings, described: Path, log):
     (`utils.data.build.description_dir`)."""
     weights = None
     if settings.init_from:
-        spec, weights = load_hf_pretrained(settings.init_from)
+        spec, weights = load_hf_pretrained(settings.init_from, say=log.warning if log.is_main else lambda line: None)
         check_weights(spec, weights, settings.init_from)
         log.info(f"init_from {settings.init_from}: architecture from its config.json (hidden {spec.hidden_size}, "
                  f"{spec.num_hidden_layers} layers, vocab {spec.vocab_size}); the model field ('{settings.model}') is "

@@ -102,6 +102,9 @@ class Trainer:
                                             self.remote_root, self.log) if self.options.resume else None)
         if self.resume_path is not None and self.options.explicit is not None:
             self.config = cfg = self._continued_recipe(cfg)
+        if self.accelerator.is_main_process:  # once, with the values this run trains with
+            for line in cfg.warnings():
+                self.log.warning(line)
         self.data_settings = DataSettings.of(cfg)
         self.described = description_dir(self.data_settings)  # dataset.json, tokenizer.json: vocabulary, evals
         self.startup.mark("setup")

@@ -542,9 +542,10 @@ def test_dcp_metadata_builds_nothing_but_dcp_s_own_metadata(tmp_path, subprocess
 
 @pytest.mark.slow
 def test_a_crafted_trainer_state_json_is_one_line_naming_the_field(tmp_path, subprocess_env):
-    """trainer_state.json (a checkpoint may come from a bucket) with a string step, a negative one, and a model
-    shape far beyond the weights saved: --resume and generate.py stop in one line naming the file and field
-    (they were a traceback, "Resumed at step -5", and a traceback allocating the shape)."""
+    """trainer_state.json (a checkpoint may come from a bucket) with a string step, a negative one, a config whose
+    max_steps is -5, and a model shape far beyond the weights saved: --resume and generate.py stop in one line
+    naming the file and field (they were a traceback, "Resumed at step -5", "max_steps changed -5 -> 4", and a
+    traceback allocating the shape)."""
     import sys
 
     from tests.trainkit import REPO_ROOT, make_shards, run, train_cmd
@@ -569,6 +570,8 @@ def test_a_crafted_trainer_state_json_is_one_line_naming_the_field(tmp_path, sub
     cases = [
         ("string", lambda s: s.update(step="2"), "resume", r"trainer_state\.json: step is '2', not an integer"),
         ("negative", lambda s: s.update(step=-5), "resume", r"trainer_state\.json: step is -5, not an integer"),
+        ("max_steps", lambda s: s["config"].update(max_steps=-5), "resume",  # --max-steps set: checked all the same
+         r"trainer_state\.json: config: max_steps=-5 must be at least 1; the checkpoint is corrupt or crafted"),
         ("huge", lambda s: s["model"].update(hidden_size=1_000_000), "generate",
          r"trainer_state\.json: model's shape \(hidden_size 1,000,000, .*more than its [\d,]+ bytes of weights hold"),
     ]

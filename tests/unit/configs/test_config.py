@@ -244,3 +244,83 @@ def test_a_resume_keeps_the_recipe_its_run_started_with_unless_the_command_sets_
         keep_recipe(now, saved | {"learning_rate": "fast"}, frozenset(), "checkpoint c: trainer_state.json")
     with pytest.raises(ConfigError, match=r"^checkpoint c: optimizer='sgd' is not valid.*corrupt or crafted"):
         keep_recipe(now, saved | {"optimizer": "sgd"}, frozenset(), "checkpoint c")
+
+
+def test_a_record_of_an_earlier_engine_resumes_its_recipe_and_every_field_read_back_is_checked():
+    """A record lacking a field an earlier engine did not have (its `optimizer`: the demo preset trained AdamW at
+    2e-3 then, Muon at 8e-3 now) continues what that engine trained with (FIELDS_ADDED), then today's keep-or-set
+    rule; every field a resume reads back is checked as a setting, ranges included, whether or not the command
+    sets it (`max_steps=-5` with `--max-steps 8`), each one line naming the checkpoint; a whole record lacking a
+    field every engine wrote is refused."""
+    from configs.training_config import RECORDED_FIELDS, keep_recipe
+
+    now = get_training_config("demo")
+    assert (now.optimizer, now.learning_rate) == ("muon", 0.008)
+    old = {k: v for k, v in now.to_dict().items()
+           if k not in ("optimizer", "muon_momentum", "muon_scale", "cautious_weight_decay", "z_loss")}
+    old["learning_rate"] = 0.002
+    kept, line = keep_recipe(now, old, frozenset({"max_steps"}), "checkpoint c: trainer_state.json")
+    assert (kept.optimizer, kept.learning_rate, kept.z_loss) == ("adamw", 0.002, 0.0)
+    assert line.startswith("resume: the run continues the recipe it started with (optimizer=adamw, "
+                           "learning_rate=0.002); 'demo' now says optimizer=muon, learning_rate=0.008")
+    assert keep_recipe(now, old, frozenset({"optimizer", "learning_rate"}), "c") == (now, None)  # set: followed
+    crafted = {"max_steps": (-5, "max_steps=-5 must be at least 1"),
+               "optimizer": (123, "optimizer='123' is not valid"),
+               "learning_rate": (float("nan"), "learning_rate=nan must be a finite number within (0, 1e12]"),
+               "decay_fraction": (1e308, "decay_fraction=1e+308 must be a finite number within [0, 1]"),
+               "z_loss": (5, "z_loss=5.0 must be a finite number within [0, 1]"),
+               "muon_momentum": (7, "muon_momentum=7.0 must be a finite number within [0, 1)"),
+               "lr_schedule": ("bogus", "lr_schedule='bogus' is not valid"),
+               "seed": ("x", "expected a value of type int for seed, got 'x'")}
+    for field, (value, said) in crafted.items():
+        with pytest.raises(ConfigError) as refused:
+            keep_recipe(now, old | {field: value}, frozenset({"max_steps"}), "checkpoint c: trainer_state.json")
+        message = str(refused.value)
+        assert message.startswith("checkpoint c: trainer_state.json: ") and said in message, message
+        assert message.endswith("the checkpoint is corrupt or crafted: resume from another one"), message
+    assert {"seed", "optimizer_state_dtype", "max_grad_norm", "max_steps"} <= set(RECORDED_FIELDS)
+    with pytest.raises(ConfigError, match=r"^c: learning_rate is missing, which every engine records"):
+        keep_recipe(now, {k: v for k, v in old.items() if k != "learning_rate"}, frozenset(), "c")
+
+
+def test_each_field_an_earlier_engine_lacked_appeared_when_and_as_the_table_says():
+    """FIELDS_ADDED against the repository's history: each field is absent from the config of the commit before
+    the one named and present in it with that default (model_impl's was the native model it came with; the
+    engines before built transformers' class); every other field a resume reads back was in the first engine's
+    config (dfae064). Skipped in a clone without the history."""
+    import ast
+    import subprocess
+
+    from configs.training_config import FIELDS_ADDED, RECORDED_FIELDS
+    from tests.trainkit import REPO_ROOT
+
+    def config_at(commit: str) -> str:
+        shown = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{commit}:configs/training_config.py"],
+                               capture_output=True, text=True)
+        if shown.returncode != 0:
+            pytest.skip(f"needs the repository's history (git show {commit})")
+        return shown.stdout
+
+    def default(text: str, field: str):
+        match = re.search(rf"^    {field}: \w+ = (?:_field\()?\s*([^,)#\n]+)", text, re.M)
+        return None if match is None else ast.literal_eval(match[1].strip())
+
+    first = config_at("dfae064")
+    for field in RECORDED_FIELDS:
+        if field not in FIELDS_ADDED:
+            assert default(first, field) is not None, field
+    for field, (commit, before) in FIELDS_ADDED.items():
+        assert default(config_at(f"{commit}^"), field) is None, (field, commit)
+        assert default(config_at(commit), field) == {"model_impl": "native"}.get(field, before), (field, commit)
+    model_before = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{FIELDS_ADDED['model_impl'][0]}^:"
+                                   "utils/model/__init__.py"], capture_output=True, text=True).stdout
+    assert "GPTNeoXForCausalLM(" in model_before  # transformers' class: model_impl=hf
+
+
+def test_a_settings_warning_is_the_configs_to_print_once_it_is_decided():
+    """warmup_steps beyond max_steps: a line from `warnings()`, printed by the run once it has decided its
+    values (not by each settling or validation of the config: a resume validates twice)."""
+    cfg = get_training_config("demo", {"max_steps": 10, "warmup_steps": 50})
+    assert cfg.warnings() == ["warning: warmup_steps=50 exceeds max_steps=10: the learning rate never reaches "
+                              "learning_rate=0.008; lower warmup_steps"]
+    assert get_training_config("demo", {"max_steps": 100, "warmup_steps": 50}).warnings() == []

@@ -157,6 +157,7 @@ def test_evaluate_py_errors_are_one_line(tmp_path, capsys):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"context": "c", "choices": ["a", "b"], "gold": 5}])
     cases = [([str(tmp_path / "nowhere"), "--task", str(bad)], f"error: task file {bad}, line 1"),
              ([str(tmp_path / "nowhere"), "--task", str(good)], "no such directory"),
+             ([str(good), "--task", str(good)], f"{good}: a file, not a directory; give the folder of a checkpoint"),
              ([str(tmp_path), "--task", str(good), "--samples", str(tmp_path / "no" / "s.jsonl")], "--samples"),
              ([str(tmp_path), "--task", str(good)], "not a checkpoint, an HF model directory"),
              ([str(tmp_path), "--task", str(good), "--limit", "-1"], "--limit must not be negative")]

@@ -44,6 +44,19 @@ class FamilyCase:
     fits_80gib: str  # a published preset whose memory plan at a 4096-token training length fits an 80 GiB GPU
     refused: list[tuple[dict, str]] = field(default_factory=list)  # config.json changes -> what the line says
     accepted: list[tuple[dict, dict]] = field(default_factory=list)  # config.json changes -> the spec's fields
+    # config.json changes the engine reads as transformers' config class does (its precedence and defaults): each,
+    # and each `accepted`, builds the model transformers loads from the same directory (logits within 1e-5)
+    as_transformers: list[dict] = field(default_factory=list)
+
+
+ABSENT = "<absent>"  # a config.json change's value that removes the key: transformers' default applies
+YARN_OVER = ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},  # beside rope_parameters: transformers' choice
+             "rope scaling 'yarn' is not supported (from rope_scaling, which transformers applies over "
+             "rope_parameters)")
+
+
+def changed(config: dict, change: dict) -> dict:
+    return {k: v for k, v in (config | change).items() if v != ABSENT}
 
 
 CASES = {
@@ -56,9 +69,11 @@ CASES = {
          "tied-unpadded": {"tie_word_embeddings": True, "pad_vocab_multiple": 1, "vocab_size": 300}},
         {"pythia-160m": 162_322_944, "pythia-410m": 405_334_016, "pythia-1b": 1_011_781_632,
          "pythia-1.4b": 1_414_647_808, "pythia-2.8b": 2_775_208_960, "pythia-6.9b": 6_857_302_016}, "gpt-neox-1.2b",
-        [({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "linear")],
+        [({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "linear"), YARN_OVER],
         [({"rope_parameters": None, "rotary_pct": 0.5, "rotary_emb_base": 500.0},  # transformers 4's keys
-          {"rotary_pct": 0.5, "rotary_emb_base": 500.0})]),
+          {"rotary_pct": 0.5, "rotary_emb_base": 500.0})],
+        [{"rope_scaling": {"rope_type": "default", "rope_theta": 500.0}},  # read over rope_parameters' 10,000
+         {"rotary_pct": 0.5, "tie_word_embeddings": ABSENT}]),
     "llama": FamilyCase(
         "llama-tiny",
         {"gqa-tied": {},
@@ -70,13 +85,18 @@ CASES = {
          "qk-norm-exports-as-qwen3": {"qk_norm": True}},
         {"llama-3.2-1b": 1_235_814_400, "smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120,
          "smollm2-1.7b": 1_711_376_384, "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}, "llama-3.2-1b",
-        [({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
-         ({"mlp_bias": True}, "mlp_bias"), ({"hidden_act": "gelu"}, "hidden_act"), ({"head_dim": 32}, "head_dim")],
+        [({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"), YARN_OVER,
+         ({"mlp_bias": True}, "mlp_bias"), ({"hidden_act": "gelu"}, "hidden_act"), ({"head_dim": 32}, "head_dim"),
+         ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 1}, "sliding-window layers")],
         [({"rope_parameters": None, "rope_theta": 5e5,  # transformers 4's keys
            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 8192}},
           {"rotary_emb_base": 5e5, "rope_scaling": (32.0, 1.0, 4.0, 8192)}),
-         ({"model_type": "qwen2", "use_sliding_window": False}, {"qkv_bias": True})]),
+         ({"model_type": "qwen2", "use_sliding_window": False}, {"qkv_bias": True})],
+        [{"rope_scaling": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},  # over plain rotary
+         {"model_type": "qwen2", "use_sliding_window": True},  # its window from layer 28 on: none of these slide
+         {"head_dim": ABSENT, "num_key_value_heads": ABSENT, "tie_word_embeddings": ABSENT}]),
     "qwen3": FamilyCase(
         "qwen3-tiny",
         {"head-dim-32-sliding": {},
@@ -85,12 +105,18 @@ CASES = {
          "llama3-rope-mqa": {"rope_scaling": (8.0, 1.0, 4.0, 16), "num_key_value_heads": 1,
                              "rotary_emb_base": 500000.0}},
         {"qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976}, "qwen3-0.6b",
-        [({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
+        [({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"), YARN_OVER,
          ({"hidden_act": "swish2"}, "hidden_act"), ({"layer_types": ["full_attention"]}, "layer_types is"),
-         ({"sliding_window": 0}, "sliding_window is 0, not a positive integer")],
-        [({"use_sliding_window": False}, {"sliding_window": 0, "layer_types": ()}),
+         ({"sliding_window": 0}, "sliding_window is 0, not a positive integer"),
+         ({"layer_types": None, "max_window_layers": -1}, "max_window_layers is -1, not an integer of at least 0"),
+         ({"use_sliding_window": False}, "layer_types names sliding layers but there is no sliding_window")],
+        [({"use_sliding_window": False, "layer_types": ABSENT}, {"sliding_window": 0, "layer_types": ()}),
          ({"layer_types": None, "max_window_layers": 1}, {"layer_types": ("full", "sliding")}),
-         ({"hidden_size": 70, "head_dim": 32}, {"hidden_size": 70, "attention_head_dim": 32})]),
+         ({"hidden_size": 70, "head_dim": 32}, {"hidden_size": 70, "attention_head_dim": 32}),
+         ({"head_dim": ABSENT}, {"attention_head_dim": 128})],  # transformers' default, not hidden / heads
+        [{"rope_scaling": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+         {"layer_types": ABSENT, "max_window_layers": 0}, {"tie_word_embeddings": ABSENT}]),
     "gemma3": FamilyCase(
         "gemma3-tiny",
         {"sliding-then-global": {},
@@ -102,12 +128,18 @@ CASES = {
         [({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
          ({"use_bidirectional_attention": True}, "bidirectional"),
          ({"rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
-                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "linear")],
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "linear"),
+         YARN_OVER, ({"rope_scaling": {"rope_type": "bogus"}}, "rope scaling 'bogus' is not supported"),
+         ({"layer_types": ABSENT, "sliding_window_pattern": 0}, "sliding_window_pattern is 0, not a positive"),
+         ({"layer_types": ABSENT, "sliding_window_pattern": -1}, "sliding_window_pattern is -1, not a positive"),
+         ({"sliding_window": None}, "its layers slide but sliding_window is unset")],
         [({"rope_parameters": None, "rope_theta": 1e6, "rope_local_base_freq": 1e4,  # the published files' keys
-           "layer_types": None, "sliding_window_pattern": 2, "hidden_activation": None,
-           "hidden_act": "gelu_pytorch_tanh"},
+           "layer_types": None, "sliding_window_pattern": 2, "hidden_activation": ABSENT},
           {"rotary_emb_base": 1e6, "rope_local_base": 1e4, "layer_types": ("sliding", "full"),
-           "hidden_act": "gelu_pytorch_tanh"})]),
+           "hidden_act": "gelu_pytorch_tanh"}),
+         ({"sliding_window": ABSENT}, {"sliding_window": 4096})],
+        [{"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}},  # merged into the full layers' rope
+         {"layer_types": ABSENT, "tie_word_embeddings": ABSENT, "head_dim": ABSENT, "query_pre_attn_scalar": ABSENT}]),
 }
 
 
@@ -220,12 +252,57 @@ def test_config_json_is_read_and_what_the_family_cannot_build_is_one_line(name):
     config = family(name).hf().hf_config(spec).to_dict()
     assert spec_from_hf_config(config, name=spec.name).family == name
     for change, says in CASES[name].refused:
-        with pytest.raises(ConfigError, match=f"x/config.json: .*{says}") as refused:
-            spec_from_hf_config(config | change, name="x", source="x/config.json")
+        with pytest.raises(ConfigError, match=f"x/config.json: .*{re.escape(says)}") as refused:
+            spec_from_hf_config(changed(config, change), name="x", source="x/config.json")
         assert "\n" not in str(refused.value)
     for change, fields in CASES[name].accepted:  # other spellings of the same architecture
-        read = spec_from_hf_config(config | change, name="x", source="x/config.json")
+        read = spec_from_hf_config(changed(config, change), name="x", source="x/config.json")
         assert {k: getattr(read, k) for k in fields} == fields, change
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", CASES)
+def test_an_hf_directory_is_the_model_transformers_loads_from_it(name, tmp_path):
+    """config.json read as transformers' config class reads it (every `accepted` and `as_transformers` spelling:
+    rope_scaling over rope_parameters, its defaults where a key is absent) and the tensors as `from_pretrained`
+    loads them (a tied config whose file holds a head of its own keeps them apart, said in one line; a head without
+    its embedding is both): the engine's model of each directory gives the logits of transformers' own
+    `AutoModelForCausalLM.from_pretrained` of it."""
+    from safetensors.torch import save_file
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    spec = get_model_spec(CASES[name].preset)
+    base = family(name).hf().hf_config(spec).to_dict()
+    head = "lm_head.weight"  # (every family's class, GPT-NeoX's too, names it so in transformers 5)
+    cases = [*(change for change, _ in CASES[name].accepted), *CASES[name].as_transformers,
+             {"tie_word_embeddings": True, "own head": True}, {"tie_word_embeddings": True, "head only": True}]
+    for i, change in enumerate(cases):
+        config = changed(base, {k: v for k, v in change.items() if k not in ("own head", "head only")})
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        torch.manual_seed(i)
+        theirs = CONFIG_MAPPING[config["model_type"]].from_dict(json.loads(json.dumps(config)))
+        weights = {k: v.clone() for k, v in AutoModelForCausalLM.from_config(theirs).state_dict().items()}
+        embedding = next(k for k in weights if weights[k].shape == weights[head].shape and k != head)
+        if "own head" in change:
+            weights[head] = torch.randn_like(weights[head]) * 0.02
+        if "head only" in change:
+            del weights[embedding]
+        save_file(weights, str(folder / "model.safetensors"))
+        reference = AutoModelForCausalLM.from_pretrained(folder).float().eval()
+        said = []
+        loaded, state = load_hf_pretrained(folder, say=said.append)
+        native = build_model(loaded, seed=0)
+        native.load_state_dict(state, strict=not loaded.tie_word_embeddings)
+        native.tie_weights()
+        x = ids(loaded)
+        assert (native.logits(x) - reference(input_ids=x).logits).abs().max().item() <= 1e-5, change
+        assert loaded.tie_word_embeddings == ("own head" not in change and bool(reference.config.tie_word_embeddings))
+        assert len(said) == ("own head" in change), said
+        if said:
+            assert said[0].startswith(f"warning: init_from {folder}: config.json ties the head to the embedding") and \
+                "as transformers loads it, the two stay apart: this model is untied" in said[0], said
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -7,7 +7,7 @@ model.py, its transformers side hf.py.
 
 Layer: configs (a torch-free description the config layer reads: presets, counts, the registry).
 """
-from configs.model_config import ModelSpec
+from utils.model.architecture import ModelSpec
 from utils.model.family import (
     DECODER_RESIDUAL_OUTPUTS,
     Family,

@@ -1,6 +1,7 @@
-"""Gemma 3 text <-> transformers (`Gemma3ForCausalLM`, model_type `gemma3_text`): its config both ways
-(transformers 5's per-kind `rope_parameters` or the published files' `rope_theta` + `rope_local_base_freq`,
-`layer_types` or the older `sliding_window_pattern`). The parameter names are transformers' own.
+"""Gemma 3 text <-> transformers (`Gemma3ForCausalLM`, model_type `gemma3_text`): its config both ways, read
+as transformers' Gemma3TextConfig reads it (transformers 5's per-kind `rope_parameters` or the published files'
+`rope_theta` + `rope_local_base_freq`, `layer_types` or the older `sliding_window_pattern`). The parameter
+names are transformers' own.
 
 Refused in one line: attention logit softcapping (SDPA and FlexAttention's fused kernels have none), rotary
 scaling other than plain (the published 270M and 1B have none), bidirectional attention. The multimodal
@@ -10,8 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from configs.model_config import ConfigError, ModelSpec
-from utils.model.adapter import HFAdapter, config_sizes, decoder_config_fields, rope_type
+from utils.errors import ConfigError
+from utils.model.adapter import (
+    HFAdapter,
+    config_sizes,
+    decoder_config_fields,
+    kv_heads,
+    layer_kinds,
+    rope_refusal,
+    rope_type,
+    transformers_config,
+)
+from utils.model.architecture import ModelSpec
 from utils.model.common.mlp import ACTIVATIONS
 
 _KINDS = {"full": "full_attention", "sliding": "sliding_attention"}
@@ -40,30 +51,25 @@ class Gemma3Adapter(HFAdapter):
         return cfg
 
     def spec_from_hf_config(self, config: dict, name: str, source: str = "config.json") -> ModelSpec:
-        _refuse_what_it_cannot_build(config, source)
-        ropes = _ropes(config)
+        """As transformers' Gemma3TextConfig reads it: its per-kind rotary bases (from `rope_parameters`, or
+        `rope_theta` and `rope_local_base_freq`, `rope_scaling` merged into the full layers'), `layer_types` or
+        every `sliding_window_pattern`-th layer full, a head_dim, scalar and window of its defaults where unset,
+        a tied head unless the file says otherwise."""
+        hf = transformers_config(config, source)
+        kinds = layer_kinds(hf)
+        _refuse_what_it_cannot_build(hf, kinds, config, source)
+        ropes, sliding = hf.rope_parameters, "sliding" in kinds
         try:
-            layers = int(config["num_hidden_layers"])
-            named = config.get("layer_types")
-            if named:
-                kinds = tuple("sliding" if kind == "sliding_attention" else "full" for kind in named)
-            else:  # older files: every sliding_window_pattern-th layer global
-                every = int(config.get("sliding_window_pattern", 6))
-                kinds = tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(layers))
             return ModelSpec(
-                **config_sizes(config, name), rotary_pct=1.0,
-                rotary_emb_base=float(ropes["full_attention"]), rope_local_base=float(ropes["sliding_attention"]),
-                use_parallel_residual=False, layer_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                attention_bias=bool(config.get("attention_bias", False)),
-                hidden_act=str(config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-                family="gemma3",
-                num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-                attention_head_dim=int(config.get("head_dim") or 256), qk_norm=True,
-                sliding_window=int(config.get("sliding_window") or 0) if "sliding" in kinds else 0,
-                layer_types=kinds if "sliding" in kinds else (),
-                query_pre_attn_scalar=int(config.get("query_pre_attn_scalar") or 256),
-                final_logit_softcapping=float(config.get("final_logit_softcapping") or 0.0))
+                **config_sizes(hf, name), rotary_pct=1.0,
+                rotary_emb_base=float(ropes["full_attention"]["rope_theta"]),
+                rope_local_base=float(ropes["sliding_attention"]["rope_theta"]), use_parallel_residual=False,
+                layer_norm_eps=float(hf.rms_norm_eps), attention_bias=bool(hf.attention_bias),
+                hidden_act=hf.hidden_activation, tie_word_embeddings=bool(hf.tie_word_embeddings), family="gemma3",
+                num_key_value_heads=kv_heads(hf), attention_head_dim=int(hf.head_dim), qk_norm=True,
+                sliding_window=int(hf.sliding_window) if sliding else 0, layer_types=kinds if sliding else (),
+                query_pre_attn_scalar=int(hf.query_pre_attn_scalar),
+                final_logit_softcapping=float(hf.final_logit_softcapping or 0.0))
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise ConfigError(f"{source}: not a usable gemma3_text config ({type(exc).__name__}: {exc})") from None
 
@@ -74,32 +80,20 @@ class Gemma3Adapter(HFAdapter):
         embedding.embed_scale = torch.tensor(embedding.scalar_embed_scale)
 
 
-def _ropes(config: dict) -> dict[str, float]:
-    """The rotary base of each layer kind: transformers 5's per-kind rope_parameters, or the published files'
-    rope_theta (global) and rope_local_base_freq (local)."""
-    rope = config.get("rope_parameters") or {}
-    if "full_attention" in rope or "sliding_attention" in rope:
-        return {kind: (rope.get(kind) or {}).get("rope_theta", default)
-                for kind, default in (("full_attention", 1000000.0), ("sliding_attention", 10000.0))}
-    return {"full_attention": rope.get("rope_theta", config.get("rope_theta", 1000000.0)),
-            "sliding_attention": config.get("rope_local_base_freq", 10000.0)}
-
-
-def _refuse_what_it_cannot_build(config: dict, source: str) -> None:
-    rope = config.get("rope_parameters") or {}
-    kinds = [rope.get(k) or {} for k in _KINDS.values()] if any(k in rope for k in _KINDS.values()) else [rope]
-    kinds.append(config.get("rope_scaling") or {})
-    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+def _refuse_what_it_cannot_build(hf, kinds: tuple, config: dict, source: str) -> None:
+    ropes = hf.rope_parameters or {}
+    other = [rope_type(r or {}) for r in ropes.values() if rope_type(r or {}) != "default"]
     refuse = None
-    if config.get("attn_logit_softcapping"):
+    if hf.attn_logit_softcapping:
         refuse = "attn_logit_softcapping is not supported (the fused attention kernels have none)"
-    elif config.get("use_bidirectional_attention"):
+    elif hf.use_bidirectional_attention:
         refuse = "use_bidirectional_attention is not supported (causal language models only)"
-    elif any(rope_type(r) != "default" for r in kinds):
-        refuse = (f"rope scaling {next(rope_type(r) for r in kinds if rope_type(r) != 'default')!r} is not "
-                  f"supported (plain rotary, as gemma-3-270m and gemma-3-1b have)")
-    elif act not in ACTIVATIONS:
-        refuse = f"hidden_activation {act!r} is not supported; use one of {', '.join(ACTIVATIONS)}"
+    elif other:
+        refuse = rope_refusal(config, other[0], "plain rotary, as gemma-3-270m and gemma-3-1b have")
+    elif hf.hidden_activation not in ACTIVATIONS:
+        refuse = f"hidden_activation {hf.hidden_activation!r} is not supported; use one of {', '.join(ACTIVATIONS)}"
+    elif "sliding" in kinds and not hf.sliding_window:
+        refuse = "its layers slide but sliding_window is unset, which transformers cannot run; give sliding_window"
     if refuse:
         raise ConfigError(f"{source}: {refuse}")
 

@@ -4,7 +4,7 @@ what the engine knows of it (utils/model/family.py).
 
 Layer: configs (a torch-free description the config layer reads: presets, counts, the registry).
 """
-from configs.model_config import ModelSpec
+from utils.model.architecture import ModelSpec
 from utils.model.family import Family
 
 

@@ -11,8 +11,16 @@ import re
 
 import torch
 
-from configs.model_config import ConfigError, ModelSpec
-from utils.model.adapter import HFAdapter, config_sizes, no_special_ids, rope_type
+from utils.errors import ConfigError
+from utils.model.adapter import (
+    HFAdapter,
+    config_sizes,
+    no_special_ids,
+    rope_refusal,
+    rope_type,
+    transformers_config,
+)
+from utils.model.architecture import ModelSpec
 
 _NOT_WEIGHTS = re.compile(r"(attention\.(bias|masked_bias)|rotary_emb\.inv_freq)$")
 
@@ -50,22 +58,20 @@ class GPTNeoXAdapter(HFAdapter):
         return None
 
     def spec_from_hf_config(self, config: dict, name: str, source: str = "config.json") -> ModelSpec:
-        """Old `rotary_pct`/`rotary_emb_base` keys or transformers 5's `rope_parameters`. The embedding rows are
-        the config's `vocab_size`, kept as they are."""
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        """As transformers' GPTNeoXConfig reads it: old `rotary_pct`/`rotary_emb_base` keys or transformers 5's
+        `rope_parameters` (`rope_scaling` over it). The embedding rows are the config's `vocab_size`, kept as
+        they are."""
+        hf = transformers_config(config, source)
+        rope = dict(hf.rope_parameters or {})
         if rope_type(rope) != "default":
-            raise ConfigError(f"{source}: rope scaling {rope_type(rope)!r} is not supported; only plain rotary "
-                              f"embeddings")
+            raise ConfigError(f"{source}: {rope_refusal(config, rope_type(rope), 'only plain rotary embeddings')}")
         try:
             return ModelSpec(
-                **config_sizes(config, name),
-                rotary_pct=float(rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25))),
-                rotary_emb_base=float(rope.get("rope_theta", config.get("rotary_emb_base", 10000.0))),
-                use_parallel_residual=bool(config.get("use_parallel_residual", True)),
-                layer_norm_eps=float(config.get("layer_norm_eps", 1e-5)),
-                attention_bias=bool(config.get("attention_bias", True)),
-                hidden_act=str(config.get("hidden_act", "gelu")),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+                **config_sizes(hf, name), rotary_pct=float(rope.get("partial_rotary_factor", 0.25)),
+                rotary_emb_base=float(rope.get("rope_theta", 10000.0)),
+                use_parallel_residual=bool(hf.use_parallel_residual), layer_norm_eps=float(hf.layer_norm_eps),
+                attention_bias=bool(hf.attention_bias), hidden_act=str(hf.hidden_act),
+                tie_word_embeddings=bool(hf.tie_word_embeddings))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: not a usable GPT-NeoX config ({type(exc).__name__}: {exc})") from None
 

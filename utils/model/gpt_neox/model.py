@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from configs.model_config import ConfigError, ModelSpec
+from utils.errors import ConfigError
+from utils.model.architecture import ModelSpec
 from utils.model.common.attention import SelfAttention
 from utils.model.common.mlp import ACTIVATIONS, PlainMLP
 from utils.model.common.norms import LayerNorm

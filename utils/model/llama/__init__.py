@@ -6,7 +6,8 @@ utils/model/common/decoder.py's; its transformers side (LlamaForCausalLM / Qwen2
 
 Layer: configs (a torch-free description the config layer reads: presets, counts, the registry).
 """
-from configs.model_config import ConfigError, ModelSpec
+from utils.errors import ConfigError
+from utils.model.architecture import ModelSpec
 from utils.model.family import (
     DECODER_RESIDUAL_OUTPUTS,
     Family,

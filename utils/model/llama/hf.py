@@ -8,15 +8,20 @@ model (biases on q/k/v, none on o), any other a Llama one.
 """
 from __future__ import annotations
 
-from configs.model_config import ConfigError, ModelSpec
+from utils.errors import ConfigError
 from utils.model.adapter import (
     HFAdapter,
     config_sizes,
     decoder_config_fields,
+    kv_heads,
+    layer_kinds,
     llama3_scaling,
     rope_parameters,
+    rope_refusal,
     rope_type,
+    transformers_config,
 )
+from utils.model.architecture import ModelSpec
 
 
 class LlamaAdapter(HFAdapter):
@@ -44,33 +49,32 @@ class LlamaAdapter(HFAdapter):
         return cfg
 
     def spec_from_hf_config(self, config: dict, name: str, source: str = "config.json") -> ModelSpec:
-        """transformers 4's `rope_theta` + `rope_scaling` or 5's `rope_parameters`. The embedding rows are the
-        config's `vocab_size`, kept as they are."""
-        qwen = config.get("model_type") == "qwen2"
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        """As transformers' LlamaConfig or Qwen2Config reads it: transformers 4's `rope_theta` + `rope_scaling`
+        or 5's `rope_parameters` (`rope_scaling` over it). The embedding rows are the config's `vocab_size`,
+        kept as they are."""
+        hf = transformers_config(config, source)
+        qwen = hf.model_type == "qwen2"
+        rope = dict(hf.rope_parameters or {})
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         refuse = None
         if rope_type(rope) not in ("default", "llama3"):
-            refuse = f"rope scaling {rope_type(rope)!r} is not supported (plain rotary or Llama 3's 'llama3')"
-        elif config.get("mlp_bias"):
+            refuse = rope_refusal(config, rope_type(rope), "plain rotary or Llama 3's 'llama3'")
+        elif getattr(hf, "mlp_bias", False):
             refuse = "mlp_bias is not supported"
-        elif config.get("hidden_act", "silu") != "silu":
-            refuse = f"hidden_act {config.get('hidden_act')!r} is not supported (SwiGLU: 'silu')"
-        elif qwen and config.get("use_sliding_window"):
-            refuse = "use_sliding_window is not supported (full attention only)"
-        elif (config.get("head_dim")
-              and int(config["head_dim"]) * int(config["num_attention_heads"]) != int(config["hidden_size"])):
+        elif hf.hidden_act != "silu":
+            refuse = f"hidden_act {hf.hidden_act!r} is not supported (SwiGLU: 'silu')"
+        elif "sliding" in layer_kinds(hf):
+            refuse = "sliding-window layers are not supported (use_sliding_window: full attention only)"
+        elif head_dim * hf.num_attention_heads != hf.hidden_size:
             refuse = "a head_dim other than hidden_size / num_attention_heads is not supported"
         if refuse:
             raise ConfigError(f"{source}: {refuse}")
         try:
             return ModelSpec(
-                **config_sizes(config, name),
-                rotary_pct=1.0, rotary_emb_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-                use_parallel_residual=False, layer_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                attention_bias=bool(config.get("attention_bias", False)) and not qwen, hidden_act="silu",
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                family="llama",
-                num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+                **config_sizes(hf, name), rotary_pct=1.0, rotary_emb_base=float(rope.get("rope_theta", 10000.0)),
+                use_parallel_residual=False, layer_norm_eps=float(hf.rms_norm_eps),
+                attention_bias=bool(getattr(hf, "attention_bias", False)) and not qwen, hidden_act="silu",
+                tie_word_embeddings=bool(hf.tie_word_embeddings), family="llama", num_key_value_heads=kv_heads(hf),
                 rope_scaling=llama3_scaling(rope) if rope_type(rope) == "llama3" else (), qkv_bias=qwen)
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: not a usable {config.get('model_type')} config "

@@ -6,7 +6,7 @@ turns them on. Its native model is utils/model/common/decoder.py's; its transfor
 
 Layer: configs (a torch-free description the config layer reads: presets, counts, the registry).
 """
-from configs.model_config import ModelSpec
+from utils.model.architecture import ModelSpec
 from utils.model.family import (
     DECODER_RESIDUAL_OUTPUTS,
     Family,

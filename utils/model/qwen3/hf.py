@@ -2,15 +2,20 @@
 are transformers' own (`model.layers.N.self_attn.q_norm.weight`, ...), so the keys go both ways unchanged."""
 from __future__ import annotations
 
-from configs.model_config import ConfigError, ModelSpec
+from utils.errors import ConfigError
 from utils.model.adapter import (
     HFAdapter,
     config_sizes,
     decoder_config_fields,
+    kv_heads,
+    layer_kinds,
     llama3_scaling,
     rope_parameters,
+    rope_refusal,
     rope_type,
+    transformers_config,
 )
+from utils.model.architecture import ModelSpec
 from utils.model.common.mlp import ACTIVATIONS
 
 _KINDS = {"full": "full_attention", "sliding": "sliding_attention"}
@@ -35,43 +40,34 @@ class Qwen3Adapter(HFAdapter):
         return cfg
 
     def spec_from_hf_config(self, config: dict, name: str, source: str = "config.json") -> ModelSpec:
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        act = config.get("hidden_act", "silu")
+        """As transformers' Qwen3Config reads it: `rope_scaling` over `rope_parameters`, a `head_dim` of 128
+        where the file names none, sliding layers where `use_sliding_window` (its `layer_types`, else the
+        layers from `max_window_layers` on)."""
+        hf = transformers_config(config, source)
+        rope = dict(hf.rope_parameters or {})
+        kinds = layer_kinds(hf)
+        refuse = None
         if rope_type(rope) not in ("default", "llama3"):
-            raise ConfigError(f"{source}: rope scaling {rope_type(rope)!r} is not supported (plain rotary or "
-                              f"Llama 3's 'llama3')")
-        if act not in ACTIVATIONS:
-            raise ConfigError(f"{source}: hidden_act {act!r} is not supported; use one of {', '.join(ACTIVATIONS)}")
+            refuse = rope_refusal(config, rope_type(rope), "plain rotary or Llama 3's 'llama3'")
+        elif hf.hidden_act not in ACTIVATIONS:
+            refuse = f"hidden_act {hf.hidden_act!r} is not supported; use one of {', '.join(ACTIVATIONS)}"
+        elif "sliding" in kinds and not hf.sliding_window:
+            refuse = ("layer_types names sliding layers but there is no sliding_window (use_sliding_window is "
+                      "false), which transformers cannot run; set use_sliding_window or make every layer full")
+        if refuse:
+            raise ConfigError(f"{source}: {refuse}")
+        sliding = "sliding" in kinds
         try:
-            layers = int(config["num_hidden_layers"])
-            window, kinds = _sliding(config, layers)
             return ModelSpec(
-                **config_sizes(config, name), rotary_pct=1.0,
-                rotary_emb_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-                use_parallel_residual=False, layer_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                attention_bias=bool(config.get("attention_bias", False)), hidden_act=act,
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                family="qwen3",
-                num_key_value_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-                attention_head_dim=int(config.get("head_dim") or 0), qk_norm=True,
+                **config_sizes(hf, name), rotary_pct=1.0, rotary_emb_base=float(rope.get("rope_theta", 10000.0)),
+                use_parallel_residual=False, layer_norm_eps=float(hf.rms_norm_eps),
+                attention_bias=bool(hf.attention_bias), hidden_act=hf.hidden_act,
+                tie_word_embeddings=bool(hf.tie_word_embeddings), family="qwen3", num_key_value_heads=kv_heads(hf),
+                attention_head_dim=int(hf.head_dim), qk_norm=True,
                 rope_scaling=llama3_scaling(rope) if rope_type(rope) == "llama3" else (),
-                sliding_window=window, layer_types=kinds)
+                sliding_window=int(hf.sliding_window) if sliding else 0, layer_types=kinds if sliding else ())
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: not a usable qwen3 config ({type(exc).__name__}: {exc})") from None
-
-
-def _sliding(config: dict, layers: int) -> tuple[int, tuple]:
-    """(sliding_window, layer_types) of a Qwen3 config.json: none unless use_sliding_window; its layer_types
-    where given, else the layers from max_window_layers on (transformers' rule)."""
-    if not config.get("use_sliding_window") or not config.get("sliding_window"):
-        return 0, ()
-    named = config.get("layer_types")
-    if named:
-        kinds = tuple("sliding" if kind == "sliding_attention" else "full" for kind in named)
-    else:
-        first = int(config.get("max_window_layers", 28))
-        kinds = tuple("sliding" if i >= first else "full" for i in range(layers))
-    return (int(config["sliding_window"]), kinds) if "sliding" in kinds else (0, ())
 
 
 ADAPTER = Qwen3Adapter()
