@@ -4,7 +4,8 @@
 - `signals`: the stop signal, agreed by every rank at a step boundary; the supervisor watch;
 - `run_status`: how a run ended, as rank 0 tells the launcher;
 - `distributed`: collectives that strand no rank (rank 0 first, barriers), local shards of DTensors;
-- `host_memory`: CPU training keeps the large blocks it frees.
+- `host_memory`: CPU training keeps the large blocks it frees;
+- `threads`: how CPU threads wait (set before torch loads OpenMP) and the run's line on how many and why.
 
 May import: utils, utils.io.
 """

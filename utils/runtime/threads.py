@@ -52,13 +52,17 @@ def settle_wait(environ=None) -> str:
     global _wait
     environ = os.environ if environ is None else environ
     _wait = _users_wait(environ)
-    if _wait is None and "torch" in sys.modules:  # OpenMP may be running: its threads keep the wait they have
+    if _wait is None and torch_imported():  # OpenMP may be running: its threads keep the wait they have
         _wait = "as OpenMP started it (torch was imported before the engine could choose)"
     if _wait is None:
         environ["GOMP_SPINCOUNT"] = str(SPINCOUNT)
         _wait = (f"spin {SPINCOUNT:,} times, then sleep (GOMP_SPINCOUNT={SPINCOUNT}, the engine's default; "
                  f"OMP_WAIT_POLICY or GOMP_SPINCOUNT change it)")
     return _wait
+
+
+def torch_imported() -> bool:
+    return "torch" in sys.modules
 
 
 def _users_wait(environ) -> str | None:
