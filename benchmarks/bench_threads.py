@@ -223,7 +223,10 @@ class BusyLoops:
     """The other programs of the `busy` scenario: `count` Python busy loops, frozen while the runs are alone."""
 
     def __init__(self, count: int):
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+        # each in a session of its own, as independent programs are: with the kernel's autogroup scheduling (on by
+        # default) each session shares the cores as one, so loops in one session would hold only one core's worth
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+                      for _ in range(count)]
         self.freeze()
 
     def freeze(self):
