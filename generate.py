@@ -34,6 +34,7 @@ from pathlib import Path
 from utils import layout
 from utils.cli import CommandLine, number_flag
 from utils.errors import UserError
+from utils.runtime.threads import settle_wait
 
 
 class GenerateError(UserError):
@@ -205,6 +206,7 @@ def shown(texts: list[str]) -> list[str]:
 
 
 def main(argv=None) -> int:
+    settle_wait()  # how CPU threads wait: before torch (and its OpenMP runtime) is imported
     args = parse_args(argv)
     try:
         device = check_options(args)

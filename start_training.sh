@@ -103,6 +103,8 @@ Environment:
   CUDA_VISIBLE_DEVICES     limits the GPUs counted and used
   TRAIN_SCRIPT             script to launch instead of train.py (used by the tests)
   OMP_NUM_THREADS          CPU threads per process (CPU runs default to cores / processes)
+  OMP_WAIT_POLICY, GOMP_SPINCOUNT   how those threads wait (default: a short spin, then sleep; see
+                           docs/contracts.md)
 
 Examples:
   ./$PROG --config demo                                  # anywhere: one process (GPU if present)
@@ -283,6 +285,7 @@ total=$((per_node * nodes))
 
 # --- the accelerate command --------------------------------------------------------------------------
 env_args=()
+threads_choice=""
 launch=()
 if [[ -x "$(dirname "$(command -v python3 || echo /nonexistent)")/accelerate" ]]; then
     launch=(accelerate launch)
@@ -300,10 +303,11 @@ if [[ "$cpu" -eq 1 ]]; then
     # processes go through the multi-GPU (torchrun) launcher with ACCELERATE_USE_CPU, which selects gloo.
     env_args+=(ACCELERATE_USE_CPU=true)
     [[ "$total" -eq 1 ]] && launch+=(--cpu)
-    if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    if [[ -z "${OMP_NUM_THREADS:-}" ]]; then  # how they wait: utils/runtime/threads.py, in each rank
         cores="$(nproc 2>/dev/null || echo 1)"
         threads=$((cores / per_node)); [[ "$threads" -ge 1 ]] || threads=1
         env_args+=(OMP_NUM_THREADS="$threads")
+        threads_choice="start_training.sh: $cores core(s) / $per_node process(es) per node"
     fi
 fi
 if [[ "$nodes" -gt 1 ]]; then
@@ -325,6 +329,9 @@ echo "+ ${env_args[*]:+${env_args[*]} }${printed% }"
 for assignment in "${env_args[@]}"; do
     export "${assignment?}"
 done
+if [[ -n "$threads_choice" ]]; then
+    export NEOX_THREADS_CHOICE="$threads_choice"  # the ranks' first lines say why they have that many
+fi
 # The supervisor runs as a child in a session of its own (a signal to this script's process group reaches it
 # once, through this script), never exec'd: an exec'd interpreter dies of a stop signal that comes before its
 # first line has installed its handlers. A signal until then is held here and handed over once it catches them.

@@ -26,6 +26,7 @@ from utils.errors import BackgroundFailure, UserError
 from utils.io.console import survive_lost_console
 from utils.runtime.run_status import RunStatus, rank_zero
 from utils.runtime.signals import StoppedInSetup, catch_early, watch_supervisor
+from utils.runtime.threads import settle_wait
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,6 +59,7 @@ def cli_aliases(args) -> dict:
 
 
 def main(argv=None) -> int:
+    settle_wait()  # how CPU threads wait: before torch (and its OpenMP runtime) is imported
     survive_lost_console()  # a console gone (`| tee` and Ctrl-C, a killed launcher) never stops the run
     catch_early()  # from the start: a stop signal during setup (imports, data index, build) ends it cleanly
     watch_supervisor()  # under the launcher: stop as on SIGTERM once it is gone

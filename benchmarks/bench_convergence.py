@@ -50,6 +50,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from utils.runtime.threads import settle_wait
+
+settle_wait()  # how CPU threads wait: before torch (and its OpenMP runtime) is imported
+
 import torch
 
 from configs import get_model_spec, get_training_config

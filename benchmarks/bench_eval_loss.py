@@ -12,6 +12,10 @@ import argparse
 import statistics
 import time
 
+from utils.runtime.threads import settle_wait
+
+settle_wait()  # how CPU threads wait: before torch (and its OpenMP runtime) is imported
+
 import torch
 
 from utils.model.layers import ChunkedLMHeadLoss, chunked_loss_only

@@ -51,6 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
+from utils.runtime.threads import settle_wait
+
 WORKER_STARTED = time.perf_counter()  # a worker's time to first step counts from its start
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -652,6 +654,7 @@ def render(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
+    settle_wait()  # how CPU threads wait (the contenders in this process; train.py does its own)
     args = parse_args(argv)
     if args._worker:
         return worker_main(args)

@@ -15,6 +15,10 @@ import argparse
 import sys
 import time
 
+from utils.runtime.threads import settle_wait
+
+settle_wait()  # how CPU threads wait: before torch (and its OpenMP runtime) is imported
+
 import torch
 
 from configs import get_model_spec, get_training_config

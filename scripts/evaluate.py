@@ -24,6 +24,7 @@ from pathlib import Path
 
 from utils.cli import CommandLine, number_flag
 from utils.errors import UserError
+from utils.runtime.threads import settle_wait
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,6 +94,7 @@ def check_writable(path: Path) -> None:
 
 
 def main(argv=None) -> int:
+    settle_wait()  # how CPU threads wait: before torch (and its OpenMP runtime) is imported
     args = parse_args(argv)
     try:
         if args.limit < 0 or args.batch_size < 1:

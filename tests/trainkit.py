@@ -59,6 +59,12 @@ def demo_recipe_cmd(engine: Path, out: Path, data: Path, *sets: str, extra: tupl
     return cmd + [a for s in [*own, *sets] for a in ("--set", s)] + list(extra)
 
 
+# `[sys.executable, "-c", PINNED, "0,1", *cmd]` runs cmd on those CPUs (sched_setaffinity, inherited by all it
+# starts; `nproc` counts them): a test's thread counts then do not depend on the machine's cores.
+PINNED = ("import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); "
+          "os.execv(sys.argv[2], sys.argv[2:])")
+
+
 def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True,
         cwd=REPO_ROOT) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)

@@ -85,3 +85,40 @@ def test_profile_step_prints_top_operators_and_writes_a_chrome_trace(tmp_path):
     assert "tokens/s" in proc.stdout and "aten::" in proc.stdout and "Self CPU" in proc.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "train_step" for e in events)
+
+
+@pytest.mark.slow
+def test_bench_threads_prints_every_configuration_alone_and_beside_busy_loops(tmp_path, subprocess_env):
+    """benchmarks/bench_threads.py at toy size, pinned to one CPU (so every process it starts is single-threaded):
+    the real start_training.sh per configuration, one round of slices alone and beside a busy loop; the table,
+    the losses line, each run's thread line and the two checks are printed. Not a timing assertion."""
+    out = tmp_path / "threads.json"
+    cpu = str(min(__import__("os").sched_getaffinity(0)))
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_threads.py"), "--workloads", "demo",
+           "--configs", "one,spin,default", "--rounds", "1", "--slice-s", "0.3", "--busy", "1", "--cpus", cpu,
+           "--data-dir", str(tmp_path / "data"), "--set", "model=tiny", "--set", "per_device_train_batch_size=2",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, env=subprocess_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+
+    # | config | alone tok/s | beside 1 busy loops | beside/alone | vs one, beside (rounds) | vs spin, alone (rounds) |
+    rows = dict(re.findall(r"^\| (one|spin|default) \| ([\d,]+ \| [\d,]+ \| [\d.]+ \| [\d.]+ \([\d. ]+\) \| "
+                           r"[\d.]+ \([\d. ]+\)) \|$", proc.stdout, re.M))
+    assert set(rows) == {"one", "spin", "default"}, proc.stdout
+    assert rows["one"].split(" | ")[3] == "1.00 (1.00)" and rows["spin"].split(" | ")[4] == "1.00 (1.00)"
+    assert "1 thread(s): one, spin, default: losses identical at the" in proc.stdout
+    assert "default: cpu threads: 1 per process (start_training.sh: 1 core(s) / 1 process(es) per node)" in proc.stdout
+    assert "one: cpu threads: 1 per process (OMP_NUM_THREADS=1, yours)" in proc.stdout
+    assert re.search(r"^demo: default beside 1 busy loops / one thread beside them: [\d.]+x .*must be >= 0\.8$",
+                     proc.stdout, re.M)
+    assert re.search(r"^demo: default alone / 1 spinning threads alone: [\d.]+x .*must be >= 0\.9$", proc.stdout, re.M)
+    assert "on libgomp" in proc.stdout
+
+    summary = json.loads(out.read_text())
+    slices = summary["results"]["demo"]["slices"]
+    for name in ("one", "spin", "default"):
+        for scenario in ("alone", "busy"):
+            (s,) = slices[name][scenario]
+            assert s["tokens_per_s"] > 0 and s["rows"] and all(r["tokens"] > 0 for r in s["rows"])
+        assert slices[name]["alone"][0]["loop_cores"] < 0.05 < slices[name]["busy"][0]["loop_cores"]  # frozen, running
+    assert 0 < summary["checks"]["default_vs_one_busy"] < 10

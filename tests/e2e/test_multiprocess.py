@@ -7,16 +7,17 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.trainkit import REPO_ROOT, TINY, make_shards, metrics, run, train_cmd, train_rows
+from tests.trainkit import PINNED, REPO_ROOT, TINY, make_shards, metrics, run, train_cmd, train_rows
 
 
-def launch(out, data, gpus: int, *sets: str, extra: tuple = (), env=None):
-    cmd = [str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", str(gpus), "--",
+def launch(out, data, gpus: int, *sets: str, extra: tuple = (), env=None, pinned: tuple = ()):
+    cmd = [*pinned, str(REPO_ROOT / "start_training.sh"), "--config", "demo", "--cpu", "--gpus", str(gpus), "--",
            "--output-dir", str(out), "--data-dir", str(data)]
     for s in TINY + list(sets):
         cmd += ["--set", s]
@@ -27,10 +28,17 @@ def launch(out, data, gpus: int, *sets: str, extra: tuple = (), env=None):
 def test_two_ranks_match_one_process(tmp_path, subprocess_env):
     data = make_shards(tmp_path / "data")
     two, one = tmp_path / "two", tmp_path / "one"
-    env = dict(subprocess_env, NEOX_TRACE_BATCHES="1")
-    proc = launch(two, data, 2, "per_device_train_batch_size=2", "max_steps=6", "save_steps=3", env=env)
+    # the launcher's own thread count: on two CPUs (pinned, wherever the suite runs) one thread per rank
+    env = {k: v for k, v in subprocess_env.items() if k != "OMP_NUM_THREADS"}
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    pinned = (sys.executable, "-c", PINNED, ",".join(map(str, cpus)))
+    proc = launch(two, data, 2, "per_device_train_batch_size=2", "max_steps=6", "save_steps=3",
+                  env=dict(env, NEOX_TRACE_BATCHES="1"), pinned=pinned)
     assert "accelerate launch" in proc.stdout  # the launcher prints the command it runs
     assert "2 process(es) on cpu" in proc.stdout
+    assert "OMP_NUM_THREADS=1 accelerate launch" in proc.stdout
+    assert (f"cpu threads: 1 per process (start_training.sh: {len(cpus)} core(s) / 2 process(es) per node); one "
+            "thread: none waits") in proc.stdout
     run(train_cmd(one, data, "per_device_train_batch_size=4", "max_steps=6", "save_steps=3"), subprocess_env)
 
     # weights identical on both ranks at the end

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from configs import get_model_spec, get_training_config, parse_overrides
-from tests.trainkit import TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
+from tests.trainkit import PINNED, TINY, load_weights, make_shards, metrics, run, train_cmd, train_rows
 from utils.model import build_model
 from utils.observe.metrics import METRIC_KEYS
 from utils.training.schedules import ScheduleSettings
@@ -102,6 +102,37 @@ def test_run_writes_logs_metrics_tensorboard_and_export(tmp_path, subprocess_env
     # shards without a tokenizer.json (as a streamed dataset prepared elsewhere may be): said, not silent
     assert not (out / "final_model" / "tokenizer.json").exists()
     assert re.search(r"no tokenizer\.json in .*final_model has none: AutoTokenizer cannot load it", log_text)
+
+
+@pytest.mark.slow
+def test_how_cpu_threads_wait_reaches_openmp_says_why_and_changes_no_loss(tmp_path, subprocess_env):
+    """Two threads on two CPUs (the demo's model, so its matrix products really are split), once with the engine's
+    wait and once with the user's OMP_WAIT_POLICY=PASSIVE: libgomp starts with each (its OMP_DISPLAY_ENV report),
+    the run's first lines say which and why, and the losses and gradient norms are the same bit for bit."""
+    import os
+    import sys
+
+    from utils.runtime.threads import SPINCOUNT
+
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    data = make_shards(tmp_path / "data")
+    sets = ("model=demo", "seq_len=64", "per_device_train_batch_size=16", "max_steps=3", "save_steps=100")
+    env = dict(subprocess_env, OMP_NUM_THREADS="2", OMP_DISPLAY_ENV="VERBOSE")
+    pinned = [sys.executable, "-c", PINNED, ",".join(map(str, cpus))]
+    engine = run(pinned + train_cmd(tmp_path / "engine", data, *sets), env)
+    users = run(pinned + train_cmd(tmp_path / "users", data, *sets), dict(env, OMP_WAIT_POLICY="PASSIVE"))
+
+    assert f"GOMP_SPINCOUNT = '{SPINCOUNT}'" in engine.stderr, engine.stderr[-3000:]
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in users.stderr and "GOMP_SPINCOUNT = '0'" in users.stderr
+    assert (f"cpu threads: 2 per process (OMP_NUM_THREADS=2, yours); waiting: spin {SPINCOUNT:,} times, then sleep "
+            f"(GOMP_SPINCOUNT={SPINCOUNT}, the engine's default") in engine.stdout
+    assert "cpu threads: 2 per process (OMP_NUM_THREADS=2, yours); waiting: OMP_WAIT_POLICY=PASSIVE (yours)" in \
+        (tmp_path / "users" / "logs" / "training.log").read_text()
+    a, b = train_rows(tmp_path / "engine"), train_rows(tmp_path / "users")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert [(r["loss"], r["grad_norm"]) for r in a.values()] == [(r["loss"], r["grad_norm"]) for r in b.values()]
 
 
 def _one_error_line(proc) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from configs.profiles import GB
 from configs.training_config import precision_name
 from utils.observe.metrics import format_step_line, startup_line
+from utils.runtime.threads import describe as describe_threads
 from utils.settings import Settings
 
 
@@ -37,6 +38,10 @@ def describe_run(settings: ReportSettings, run) -> None:
              f"({core.parameter_counts()[0] / 1e6:.1f}M params), {world} process(es) on {parallel.device.type}, "
              f"{precision_name(settings.mixed_precision)} precision, "
              f"compile={'on' if settings.compile_model else 'off'}")
+    if parallel.device.type == "cpu":
+        import torch
+
+        log.info(f"  {describe_threads(torch.get_num_threads())}")
     weights = parallel.state_bytes(core)
     moments, what = optimizer_state_bytes(core, settings, weights)
     log.info(f"  strategy {parallel.name}, world size {world}: per-rank state {(2 * weights + moments) / GB:.2f} GB "

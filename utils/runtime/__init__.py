@@ -5,7 +5,8 @@
 - `run_status`: how a run ended, as rank 0 tells the launcher;
 - `distributed`: collectives that strand no rank (rank 0 first, barriers), local shards of DTensors, a
   process exit that no thread of torch can abort;
-- `host_memory`: CPU training keeps the large blocks it frees.
+- `host_memory`: CPU training keeps the large blocks it frees;
+- `threads`: how CPU threads wait (set before torch loads OpenMP) and the run's line on how many and why.
 
 May import: utils, utils.io.
 """
