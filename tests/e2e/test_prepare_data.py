@@ -245,6 +245,14 @@ def test_a_vocabulary_above_65536_gives_uint32_shards_that_validate_and_train(tm
     arr = np.load(bad)["input_ids"].copy()
     arr[5] = 70_001
     np.savez(bad, input_ids=arr)
+    # ...listed in dataset.json with its own size and crc32c (a tokenizer's mistake, not a corrupt file)
+    from utils.io.storage import file_crc32c
+
+    described = json.loads((data / "dataset.json").read_text())
+    for entry in described["shards"]:
+        if entry["path"] == bad.relative_to(data).as_posix():
+            entry.update(bytes=bad.stat().st_size, crc32c=file_crc32c(bad))
+    (data / "dataset.json").write_text(json.dumps(described))
     proc = run(train_cmd(tmp_path / "o2", data, "max_steps=1", "seq_len=32", "val_files=1"), subprocess_env,
                check=False)
     assert proc.returncode == 2 and f"{bad.as_posix()}: holds id 70001 but vocab_size is 70000" in proc.stderr

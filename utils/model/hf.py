@@ -466,7 +466,8 @@ class ExportTokenizer:
         return None if theirs == ours else type(loaded).__name__
 
 
-def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenizer=None, warn=None) -> Path:
+def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenizer=None, warn=None,
+              shown_as=None) -> Path:
     """Writes `state` as an HF model directory (through transformers' class), files readable by others.
 
     With a tokenizer (`tokenizer`: an ExportTokenizer, or where `ExportTokenizer.find` looks), its files are
@@ -474,7 +475,8 @@ def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenize
     and the special tokens), so `AutoTokenizer.from_pretrained(DIR)` loads that tokenizer, and config.json /
     generation_config.json carry its BOS, EOS and padding ids. Where the installed transformers' AutoTokenizer
     would still load DIR with a class of its own that encodes otherwise (a qwen2 model_type: Qwen2Tokenizer),
-    DIR/tokenizer/ holds the tokenizer alone and `warn` (default: stderr) gets one line saying so."""
+    DIR/tokenizer/ holds the tokenizer alone and `warn` (default: stderr) gets one line saying so, naming
+    `shown_as` (where DIR will be renamed to, if it is a temporary folder) rather than DIR."""
     out_dir = Path(out_dir)
     found = (tokenizer if isinstance(tokenizer, ExportTokenizer) or tokenizer is None
              else ExportTokenizer.find(tokenizer))
@@ -490,16 +492,19 @@ def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir, tokenize
     with quiet_progress():
         model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=EXPORT_SHARD_SIZE)
     if found is not None:
-        write_tokenizer(found, hf_tokenizer, out_dir, model.config.model_type, warn or _warn_on_stderr)
+        write_tokenizer(found, hf_tokenizer, out_dir, model.config.model_type, warn or _warn_on_stderr,
+                        Path(shown_as or out_dir))
     for path in [*out_dir.iterdir(), *(out_dir / TOKENIZER_ALONE).glob("*")]:
         if path.is_file():
             files.set_default_mode(path)
     return out_dir
 
 
-def write_tokenizer(found: ExportTokenizer, hf_tokenizer, out_dir: Path, model_type: str, warn) -> None:
+def write_tokenizer(found: ExportTokenizer, hf_tokenizer, out_dir: Path, model_type: str, warn,
+                    shown_as: Path) -> None:
     """The tokenizer's files into the model directory; where AutoTokenizer would load them there with a class
-    of transformers' own that encodes otherwise, also into DIR/tokenizer/ alone, said in one `warn` line."""
+    of transformers' own that encodes otherwise, also into DIR/tokenizer/ alone, said in one `warn` line that
+    names the directory as `shown_as`."""
     found.save(hf_tokenizer, out_dir)
     other = found.auto_tokenizer_class_if_other(out_dir)
     alone = out_dir / TOKENIZER_ALONE
@@ -508,10 +513,11 @@ def write_tokenizer(found: ExportTokenizer, hf_tokenizer, out_dir: Path, model_t
             files.remove_tree(alone)  # an earlier export's, needed no longer
         return
     found.save(hf_tokenizer, alone)
-    warn(f"warning: transformers' AutoTokenizer loads {out_dir} as its {other} (chosen by config.json's model_type "
+    shown_alone = shown_as / TOKENIZER_ALONE
+    warn(f"warning: transformers' AutoTokenizer loads {shown_as} as its {other} (chosen by config.json's model_type "
          f"'{model_type}', whatever tokenizer_config.json names), which does not encode text as the tokenizer this "
-         f"model was trained with; {alone} holds that tokenizer alone: AutoTokenizer.from_pretrained there, or "
-         f"lm-evaluation-harness --model_args pretrained={out_dir},tokenizer={alone} (generate.py and "
+         f"model was trained with; {shown_alone} holds that tokenizer alone: AutoTokenizer.from_pretrained there, "
+         f"or lm-evaluation-harness --model_args pretrained={shown_as},tokenizer={shown_alone} (generate.py and "
          f"scripts/evaluate.py read it themselves)")
 
 

@@ -23,7 +23,7 @@ def write_export(weights, spec, out: Path, tokenizer, warn=None, advice: str = F
     rerun into a folder that must be empty) takes for one. No room (a full disk, `ulimit -f`) or no permission
     is one line naming `out` and `advice`."""
     with files.write_guard(out, advice=advice), files.atomic_directory(out) as tmp:
-        export_hf(weights, spec, tmp, tokenizer=tokenizer, warn=warn)
+        export_hf(weights, spec, tmp, tokenizer=tokenizer, warn=warn, shown_as=out)
     return out
 
 
