@@ -41,7 +41,7 @@ def describe_run(settings: ReportSettings, run) -> None:
     if parallel.device.type == "cpu":
         import torch
 
-        log.info(f"  {describe_threads(torch.get_num_threads())}")
+        log.info(f"  {describe_threads(torch.get_num_threads(), sharing=getattr(run, 'sharing', None))}")
     weights = parallel.state_bytes(core)
     moments, what = optimizer_state_bytes(core, settings, weights)
     log.info(f"  strategy {parallel.name}, world size {world}: per-rank state {(2 * weights + moments) / GB:.2f} GB "

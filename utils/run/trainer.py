@@ -60,6 +60,7 @@ class Trainer:
         self.stopped_by, self.exit_code, self.last_checkpoint, self.export_dir = None, 0, None, None
         self.step_loss = self.grad_norm = self.input_ids = None
         self.applied = True
+        self.core_share, self.sharing = None, None  # utils/runtime/cpu_share.py, on a CPU run
 
     def run(self) -> int:
         """Trains the run to its end (or its stop); returns the exit status (docs/contracts.md)."""
@@ -225,6 +226,12 @@ class Trainer:
         from utils.run.report import ReportSettings, describe_run
 
         cfg = self.config
+        if self.device.type == "cpu":  # its threads keep to fewer cores while other programs use them
+            import torch
+
+            from utils.runtime.cpu_share import CoreShare
+
+            self.core_share, self.sharing = CoreShare.for_run(torch.get_num_threads(), self.log)
         self.log.start_trackers(self.accelerator, cfg.effective_run_name, cfg.to_dict(),
                                 self.state.step if self.resume_path else None)
         describe_run(ReportSettings.of(cfg), self)
@@ -389,6 +396,8 @@ class Trainer:
         """On every way out of the loop, an error's too: the loader's workers and fetchers, the checkpoint
         writer and uploads (whose failure makes the exit non-zero), the log and the lock; then the status record
         the launcher reads."""
+        if self.core_share is not None:
+            self.core_share.stop()
         self.loader.close()
         self.exit_code = max(self.exit_code, self.checkpointer.close())
         self.log.close()

@@ -10,14 +10,14 @@ part in the seventh digit of the loss by step 5. A count chosen from what else r
 a run's losses depend on it, and a resumed run's differ from the uninterrupted one.
 
 How they wait: torch's Linux wheels run their parallel regions on libgomp (GNU OpenMP), whose threads, between
-regions, spin `GOMP_SPINCOUNT` times before they sleep: 300,000 by default (milliseconds here), the whole
-wait for a step's small regions. Alone that is the fastest; when another program holds a core, a spinning
-thread burns the time slice its partner (or that program) needs, and the demo beside two busy loops trained
-at a third of the speed of one thread. `OMP_WAIT_POLICY=PASSIVE` (sleep at once) keeps the shared speed but
-loses a quarter alone (every wake-up is a futex call). So the engine sets `GOMP_SPINCOUNT=SPINCOUNT`: spins that
-cover a step's gaps between regions when the threads have the cores, and are over, well within a time slice,
-when they do not. `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` set by the user win (and other OpenMP runtimes, which
-read neither, keep their own defaults).
+regions, spin `GOMP_SPINCOUNT` times before they sleep. With the cores to itself a run is fastest when its
+threads spin through a step's gaps between regions (sleeping at once, `OMP_WAIT_POLICY=PASSIVE`, lost a quarter
+of the demo's speed: every wake-up is a futex call); beside other programs a spinning thread burns the time
+slice its partner needs (the demo trained at 0.15x). So the engine sets `GOMP_SPINCOUNT=SPINCOUNT` (libgomp's
+own default, said in the run's line) for the cores it has to itself, and utils/runtime/cpu_share.py changes
+the rest while other programs use the cores: the threads keep to fewer cores and libgomp's throttled wait
+(100 spins) applies. `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` set by the user win (and turn that watcher off;
+other OpenMP runtimes, which read neither, keep their own defaults).
 
 When: libgomp reads its environment once, when torch loads it, so each entry point calls `settle_wait()` at
 the top of its main, before anything imports torch (train.py, generate.py, scripts/evaluate.py, the
@@ -32,10 +32,11 @@ from __future__ import annotations
 import os
 import sys
 
-SPINCOUNT = 1_000  # GOMP_SPINCOUNT the engine sets (libgomp's default: 300,000): benchmarks/RESULTS.md
+SPINCOUNT = 300_000  # GOMP_SPINCOUNT the engine sets while the cores are the run's: benchmarks/RESULTS.md
 LAUNCHER_CHOICE = "NEOX_THREADS_CHOICE"  # set by start_training.sh with OMP_NUM_THREADS: why that many
 
 _wait: str | None = None  # what settle_wait() found or chose: the run's line says it
+_users: str | None = None  # the user's own choice of wait, as settle_wait() found it before setting its own
 
 
 def cores() -> int:
@@ -49,15 +50,15 @@ def cores() -> int:
 def settle_wait(environ=None) -> str:
     """Sets GOMP_SPINCOUNT=SPINCOUNT in `environ` (os.environ) unless the user chose how threads wait; returns
     (and keeps, for `describe`) the wait in words. Call it before torch is imported."""
-    global _wait
+    global _wait, _users
     environ = os.environ if environ is None else environ
-    _wait = _users_wait(environ)
+    _wait = _users = _users_wait(environ)
     if _wait is None and torch_imported():  # OpenMP may be running: its threads keep the wait they have
         _wait = "as OpenMP started it (torch was imported before the engine could choose)"
     if _wait is None:
         environ["GOMP_SPINCOUNT"] = str(SPINCOUNT)
-        _wait = (f"spin {SPINCOUNT:,} times, then sleep (GOMP_SPINCOUNT={SPINCOUNT}, the engine's default; "
-                 f"OMP_WAIT_POLICY or GOMP_SPINCOUNT change it)")
+        _wait = (f"spin {SPINCOUNT:,} times, then sleep (GOMP_SPINCOUNT={SPINCOUNT}, the engine's default while "
+                 f"the cores are free; OMP_WAIT_POLICY or GOMP_SPINCOUNT change it)")
     return _wait
 
 
@@ -65,13 +66,23 @@ def torch_imported() -> bool:
     return "torch" in sys.modules
 
 
+def users_wait(environ=None) -> str | None:
+    """The user's own choice of how threads wait ("OMP_WAIT_POLICY is yours"), or None: as settle_wait() found
+    it (the variable it sets is the engine's, not the user's), else as `environ` says."""
+    if _wait is not None:
+        return f"{_users.split('=')[0]} is yours" if _users else None
+    found = _users_wait(os.environ if environ is None else environ)
+    return f"{found.split('=')[0]} is yours" if found else None
+
+
 def _users_wait(environ) -> str | None:
     name = next((n for n in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if environ.get(n)), None)
     return f"{name}={environ[name]} (yours)" if name else None
 
 
-def describe(threads: int, environ=None) -> str:
-    """The run's line: how many intra-op threads (`torch.get_num_threads()`), why, and how they wait."""
+def describe(threads: int, environ=None, sharing: str | None = None) -> str:
+    """The run's line: how many intra-op threads (`torch.get_num_threads()`), why, how they wait and (`sharing`,
+    CoreShare.for_run's words) what they do while other programs use the cores."""
     environ = os.environ if environ is None else environ
     if environ.get(LAUNCHER_CHOICE):
         why = environ[LAUNCHER_CHOICE]
@@ -81,4 +92,4 @@ def describe(threads: int, environ=None) -> str:
         why = f"torch's default for the {cores()} core(s) this process may use"
     wait = _wait or _users_wait(environ) or "OpenMP's default (nothing chose it)"
     wait = "one thread: none waits" if threads == 1 else f"waiting: {wait}"
-    return f"cpu threads: {threads} per process ({why}); {wait}"
+    return f"cpu threads: {threads} per process ({why}); {wait}" + (f"; {sharing}" if sharing else "")
