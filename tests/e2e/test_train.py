@@ -107,9 +107,11 @@ def test_run_writes_logs_metrics_tensorboard_and_export(tmp_path, subprocess_env
 @pytest.mark.slow
 def test_how_cpu_threads_wait_reaches_openmp_says_why_and_changes_no_loss(tmp_path, subprocess_env):
     """Two threads on two CPUs (the demo's model, so its matrix products really are split), once with the engine's
-    wait and once with the user's OMP_WAIT_POLICY=PASSIVE: libgomp starts with each (its OMP_DISPLAY_ENV report),
-    the run's first lines say which and why, and the losses and gradient norms are the same bit for bit."""
+    wait beside a busy loop on the same CPUs (so the threads keep to one core while it runs: cpu_share.py) and once
+    with the user's OMP_WAIT_POLICY=PASSIVE: libgomp starts with each (its OMP_DISPLAY_ENV report), the run's first
+    lines say which and why, and the losses and gradient norms are the same bit for bit."""
     import os
+    import subprocess
     import sys
 
     from utils.runtime.threads import SPINCOUNT
@@ -118,20 +120,29 @@ def test_how_cpu_threads_wait_reaches_openmp_says_why_and_changes_no_loss(tmp_pa
     if len(cpus) < 2:
         pytest.skip("needs two CPUs")
     data = make_shards(tmp_path / "data")
-    sets = ("model=demo", "seq_len=64", "per_device_train_batch_size=16", "max_steps=3", "save_steps=100")
+    sets = ("model=demo", "seq_len=64", "per_device_train_batch_size=16", "max_steps=6", "save_steps=100")
     env = dict(subprocess_env, OMP_NUM_THREADS="2", OMP_DISPLAY_ENV="VERBOSE")
     pinned = [sys.executable, "-c", PINNED, ",".join(map(str, cpus))]
-    engine = run(pinned + train_cmd(tmp_path / "engine", data, *sets), env)
+    loop = subprocess.Popen(pinned + [sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        engine = run(pinned + train_cmd(tmp_path / "engine", data, *sets), env)
+    finally:
+        loop.kill()
+        loop.wait()
     users = run(pinned + train_cmd(tmp_path / "users", data, *sets), dict(env, OMP_WAIT_POLICY="PASSIVE"))
 
     assert f"GOMP_SPINCOUNT = '{SPINCOUNT}'" in engine.stderr, engine.stderr[-3000:]
     assert "OMP_WAIT_POLICY = 'PASSIVE'" in users.stderr and "GOMP_SPINCOUNT = '0'" in users.stderr
     assert (f"cpu threads: 2 per process (OMP_NUM_THREADS=2, yours); waiting: spin {SPINCOUNT:,} times, then sleep "
             f"(GOMP_SPINCOUNT={SPINCOUNT}, the engine's default") in engine.stdout
-    assert "cpu threads: 2 per process (OMP_NUM_THREADS=2, yours); waiting: OMP_WAIT_POLICY=PASSIVE (yours)" in \
-        (tmp_path / "users" / "logs" / "training.log").read_text()
+    assert "sharing the cores: while other programs use 0.5+ of them" in engine.stdout
+    assert "sharing the cores: other programs use " in engine.stdout and "keep to 1 of them" in engine.stdout, \
+        engine.stdout[-3000:]  # the busy loop: the threads kept to one core
+    users_log = (tmp_path / "users" / "logs" / "training.log").read_text()
+    assert ("cpu threads: 2 per process (OMP_NUM_THREADS=2, yours); waiting: OMP_WAIT_POLICY=PASSIVE (yours); "
+            "sharing the cores: off (OMP_WAIT_POLICY is yours)") in users_log
     a, b = train_rows(tmp_path / "engine"), train_rows(tmp_path / "users")
-    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert sorted(a) == sorted(b) == list(range(1, 7))
     assert [(r["loss"], r["grad_norm"]) for r in a.values()] == [(r["loss"], r["grad_norm"]) for r in b.values()]
 
 
