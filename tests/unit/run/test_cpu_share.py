@@ -112,7 +112,7 @@ def test_busy_others_pin_every_thread_to_fewer_cores_and_free_cores_spread_them_
             run_for(1, others=len(cpus) - 0.5, own=0.5)
         assert share.kept is not None and len(share.kept) == 1, share.kept
         assert affinity_of_every_thread() == {frozenset(share.kept)}
-        assert len(said) == 1 and said[0].startswith(f"sharing the cores: other programs use ")
+        assert len(said) == 1 and said[0].startswith("sharing the cores: other programs use ")
         # a thread started while pinned inherits it; the spread reaches it too
         ready, done = threading.Event(), threading.Event()
         late = threading.Thread(target=lambda: (ready.set(), done.wait(10)))
