@@ -27,8 +27,10 @@ Configurations (`--configs`: names below, or NAME=VAR=VALUE+VAR=VALUE for anothe
   one       OMP_NUM_THREADS=1
   spin      OMP_NUM_THREADS={T} OMP_WAIT_POLICY=ACTIVE (threads spin while they wait)
   passive   OMP_NUM_THREADS={T} OMP_WAIT_POLICY=PASSIVE (threads sleep at once)
-  before    OMP_NUM_THREADS={T} GOMP_SPINCOUNT=300000 (libgomp's own default wait: what runs got before issue 51)
-  default   nothing set: the engine's own choice (utils/runtime/threads.py)
+  before    OMP_NUM_THREADS={T} GOMP_SPINCOUNT=300000 (libgomp's own default wait, set by the user, which turns the
+            core sharing off: what runs got before issue 51)
+  default   nothing set: the engine's own choice (utils/runtime/threads.py: the same 300,000 spins while the cores
+            are free; utils/runtime/cpu_share.py: fewer cores and libgomp's throttled wait while others use them)
 
 `--cpus 0` pins the benchmark and everything it starts to those CPUs (the cores then counted; the test runs it
 on one). `--json OUT` writes every slice. Linux only (/proc, SIGSTOP).
