@@ -338,10 +338,15 @@ fi
 supervisor_script="$SCRIPT_DIR/utils/runtime/launch.py"
 catches_stops() {  # whether process $1 is the supervisor with its handlers for SIGTERM and SIGINT (bits 14 and 1
     # of /proc's SigCgt). Past its exec only: the shell forked to start it shows this script's traps until it execs.
-    local argv=() mask
+    # Builtins only, no command substitution: a signal whose trap runs while bash parses a `$(...)` here (this
+    # loop is where a stop signal meets the script once the supervisor exists) left bash's parser broken ("trap:
+    # line 2: unexpected EOF while looking for matching `)'") and the held signal lost: the run trained on.
+    local argv=() line mask=""
     { mapfile -d '' argv < "/proc/$1/cmdline"; } 2>/dev/null || return 1
     [[ " ${argv[*]} " == *" $supervisor_script "* ]] || return 1
-    mask="$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null)" || return 1
+    { while IFS= read -r line; do
+        if [[ "$line" == SigCgt:* ]]; then mask="${line#SigCgt:}"; mask="${mask//[[:space:]]/}"; break; fi
+    done < "/proc/$1/status"; } 2>/dev/null || return 1
     [[ -n "$mask" ]] && (( (16#$mask >> 14) & 1 )) && (( (16#$mask >> 1) & 1 ))
 }
 set +e
