@@ -587,49 +587,77 @@ def test_init_from_an_hf_directory_trains_and_exports_the_same_class(runs, tmp_p
     assert json.loads((out / "final_model" / "config.json").read_text())["model_type"] == reference.config.model_type
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", CASES)
-def test_evaluate_py_equals_lm_evaluation_harness_per_choice(name, tmp_path, subprocess_env):
-    """A toy transformers model of the family (random, confident weights; the demo's tokenizer; for the
-    families that have them head_dim other than hidden / heads and a sliding window shorter than the
-    contexts), scored by lm-eval's CLI (`--model hf`) and by scripts/evaluate.py: equal acc and acc_norm, each
-    choice's log-likelihood within 1e-4."""
+# lm-evaluation-harness scores every family's model in one process (its Python API, as its CLI runs it: the
+# `hf` model, the task from --include_path, --log_samples): one start-up of lm-eval and its datasets for all of them
+LM_EVAL_ALL = """
+import json, sys
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+
+models, yamls, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+manager = TaskManager(include_path=yamls)
+scored = {}
+for name, path in models.items():
+    got = simple_evaluate(model="hf", model_args=f"pretrained={path},dtype=float32", tasks=["toy_next_line"],
+                          task_manager=manager, device="cpu", batch_size=8, log_samples=True)
+    rows = sorted(got["samples"]["toy_next_line"], key=lambda r: r["doc_id"])
+    scored[name] = {"results": got["results"]["toy_next_line"],
+                    "loglikelihoods": [[float(resp[0]) for resp in row["filtered_resps"]] for row in rows]}
+with open(out, "w") as f:
+    json.dump(scored, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def lm_eval_scores(tmp_path_factory):
+    """For every family: a toy transformers model (random, confident weights; the demo's tokenizer; for the
+    families that have them head_dim other than hidden / heads and a sliding window shorter than the contexts)
+    in an HF directory, the toy task, and lm-evaluation-harness's scores of each choice (one lm-eval process)."""
+    from tests.conftest import make_subprocess_env
     from utils.data.demo import read_stdlib_corpus, train_tokenizer
     from utils.evals.demo_task import build_next_line_task
     from utils.model.hf import ExportTokenizer
 
-    tokenizer_dir = tmp_path / "tokenizer"
+    root = tmp_path_factory.mktemp("lm_eval")
+    tokenizer_dir = root / "tokenizer"
     tokenizer_dir.mkdir()
     train_tokenizer(read_stdlib_corpus(300_000)[1], 512).save(str(tokenizer_dir / "tokenizer.json"))
-    spec = replace(get_model_spec(CASES[name].preset), max_position_embeddings=256)
     found = ExportTokenizer.find(tokenizer_dir)
-    hf_tokenizer = found.hf_tokenizer(spec.max_position_embeddings)
-    reference = reference_model(spec, seed=7, loud=0.3)
-    reference.config.update(found.special_ids(hf_tokenizer))
-    reference.save_pretrained(tmp_path / "model")
-    hf_tokenizer.save_pretrained(tmp_path / "model")
-    task = tmp_path / "next_line.jsonl"
+    task = root / "next_line.jsonl"
     build_next_line_task(task, count=24)
-    lengths = [len(hf_tokenizer(json.loads(line)["context"])["input_ids"]) for line in task.read_text().splitlines()]
-    assert min(lengths) > (spec.sliding_window or 0), lengths  # the window is shorter than every context
-    yamls = tmp_path / "lm_eval_tasks"
+    models = {}
+    for name in CASES:
+        spec = replace(get_model_spec(CASES[name].preset), max_position_embeddings=256)
+        hf_tokenizer = found.hf_tokenizer(spec.max_position_embeddings)
+        lengths = [len(hf_tokenizer(json.loads(line)["context"])["input_ids"])
+                   for line in task.read_text().splitlines()]
+        assert min(lengths) > (spec.sliding_window or 0), lengths  # the window is shorter than every context
+        reference = reference_model(spec, seed=7, loud=0.3)
+        reference.config.update(found.special_ids(hf_tokenizer))
+        reference.save_pretrained(root / name)
+        hf_tokenizer.save_pretrained(root / name)
+        models[name] = str(root / name)
+    yamls = root / "lm_eval_tasks"
     yamls.mkdir()
     (yamls / "next_line.yaml").write_text(
         f"task: toy_next_line\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {task}\n"
         f"test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{{{context}}}}\"\ndoc_to_choice: choices\n"
         f"doc_to_target: gold\ntarget_delimiter: \"\"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
-    env = subprocess_env | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                            "HF_HOME": str(tmp_path / "hf_home"), "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets")}
-    run([str(Path(sys.executable).parent / "lm_eval"), "run", "--model", "hf", "--model_args",
-         f"pretrained={tmp_path / 'model'},dtype=float32", "--tasks", "toy_next_line", "--include_path", str(yamls),
-         "--device", "cpu", "--batch_size", "8", "--log_samples", "--output_path", str(tmp_path / "lm_eval_out")],
-        env, timeout=600)
-    results = json.loads(next((tmp_path / "lm_eval_out").rglob("results_*.json")).read_text())["results"]
-    rows = sorted((json.loads(line) for line in
-                   next((tmp_path / "lm_eval_out").rglob("samples_toy_next_line_*.jsonl")).read_text().splitlines()),
-                  key=lambda r: r["doc_id"])
-    theirs = [[float(resp[0]) for resp in row["filtered_resps"]] for row in rows]
-    evaluated = run([sys.executable, str(REPO_ROOT / "scripts" / "evaluate.py"), str(tmp_path / "model"), "--json",
+    env = make_subprocess_env() | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                                   "HF_HOME": str(root / "hf_home"), "HF_DATASETS_CACHE": str(root / "hf_datasets")}
+    run([sys.executable, "-c", LM_EVAL_ALL, json.dumps(models), str(yamls), str(root / "scores.json")], env,
+        timeout=900)
+    return {"task": task, "models": models, "scores": json.loads((root / "scores.json").read_text())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CASES)
+def test_evaluate_py_equals_lm_evaluation_harness_per_choice(name, lm_eval_scores, tmp_path, subprocess_env):
+    """The family's toy model (lm_eval_scores), scored by lm-evaluation-harness and by scripts/evaluate.py:
+    equal acc and acc_norm, each choice's log-likelihood within 1e-4."""
+    task, model = lm_eval_scores["task"], lm_eval_scores["models"][name]
+    results, theirs = lm_eval_scores["scores"][name]["results"], lm_eval_scores["scores"][name]["loglikelihoods"]
+    evaluated = run([sys.executable, str(REPO_ROOT / "scripts" / "evaluate.py"), model, "--json",
                      "--batch-size", "5", "--samples", str(tmp_path / "samples.jsonl"), f"--task=next_line={task}"],
                     subprocess_env)
     ours = json.loads(evaluated.stdout)["next_line"]
@@ -640,7 +668,7 @@ def test_evaluate_py_equals_lm_evaluation_harness_per_choice(name, tmp_path, sub
     spread = max(abs(a - b) for m in mine for a, b in zip(m, m[1:]))
     assert spread > 1.0, spread  # confident weights: the choices' scores differ, so a wrong mask would show
     for metric in ("acc", "acc_norm"):
-        assert ours[metric] == results["toy_next_line"][f"{metric},none"], metric
+        assert ours[metric] == results[f"{metric},none"], metric
 
 
 # --------------------------------------------------------------------------- what one family has of its own
