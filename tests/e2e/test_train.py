@@ -113,6 +113,7 @@ def test_how_cpu_threads_wait_reaches_openmp_says_why_and_changes_no_loss(tmp_pa
     import os
     import subprocess
     import sys
+    import time
 
     from utils.runtime.threads import SPINCOUNT
 
@@ -123,12 +124,23 @@ def test_how_cpu_threads_wait_reaches_openmp_says_why_and_changes_no_loss(tmp_pa
     sets = ("model=demo", "seq_len=64", "per_device_train_batch_size=16", "max_steps=6", "save_steps=100")
     env = dict(subprocess_env, OMP_NUM_THREADS="2", OMP_DISPLAY_ENV="VERBOSE")
     pinned = [sys.executable, "-c", PINNED, ",".join(map(str, cpus))]
+    # the busy loop until the run says its threads keep to one core (then the cores are free again: they spread)
     loop = subprocess.Popen(pinned + [sys.executable, "-c", "while True: pass"], start_new_session=True)
-    try:
-        engine = run(pinned + train_cmd(tmp_path / "engine", data, *sets), env)
-    finally:
-        loop.kill()
-        loop.wait()
+    said = tmp_path / "engine" / "logs" / "training.log"
+    with open(tmp_path / "engine.out", "w") as out, open(tmp_path / "engine.err", "w") as err:
+        proc = subprocess.Popen(pinned + train_cmd(tmp_path / "engine", data, *sets), env=env, stdout=out,
+                                stderr=err, text=True)
+        try:
+            deadline = time.monotonic() + 300
+            while proc.poll() is None and time.monotonic() < deadline and not (
+                    said.is_file() and "sharing the cores: other programs use" in said.read_text()):
+                time.sleep(0.1)
+        finally:
+            loop.kill()
+            loop.wait()
+        assert proc.wait(timeout=600) == 0, (tmp_path / "engine.err").read_text()[-3000:]
+    engine = subprocess.CompletedProcess(proc.args, 0, (tmp_path / "engine.out").read_text(),
+                                         (tmp_path / "engine.err").read_text())
     users = run(pinned + train_cmd(tmp_path / "users", data, *sets), dict(env, OMP_WAIT_POLICY="PASSIVE"))
 
     assert f"GOMP_SPINCOUNT = '{SPINCOUNT}'" in engine.stderr, engine.stderr[-3000:]
