@@ -153,7 +153,9 @@ class CoreShare:
                         self._keep(cores_to_keep(len(self.cpus), others), per_cpu, others)
                     else:
                         self._spread()
-        except (OSError, ValueError) as exc:  # /proc changed under us: the threads stay as they are
+        except (OSError, ValueError) as exc:  # /proc changed under us: the threads spread out and stay so
+            if self.kept is not None:
+                self._spread()
             self._say(f"sharing the cores: stopped watching ({exc})")
 
     def _keep(self, count: int, per_cpu: dict[int, int], others: float) -> None:
