@@ -177,6 +177,43 @@ Root Cause (first observed failure):
     assert sink.getvalue() == b"Step 7: a line another process wrote in between\n"
     assert f.killed_rank == (1, 12234, signal.SIGKILL)
     assert f.peer_lost.startswith("RuntimeError: ") and "Connection closed by peer" in f.peer_lost
+    closing = b"W1124 03:51:04.913000 11963 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process "
+    tie = recorded.replace(closing + b"12233 closing signal SIGTERM\n", b"")  # both had ended: none to stop
+    assert tie != recorded
+    tie = tie[:tie.index(b"Failures:")] + b"""Failures:
+[1]:
+  time      : 2026-11-24_03:51:04
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 12234)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 12234
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-24_03:51:04
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 12233)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+=======================================================
+"""
+    # torchrun saw both ranks ended in one poll and its "first observed failure" (timestamps in whole seconds,
+    # a tie to the lower rank) is rank 0's lost connection: the SIGKILLed rank is still the cause, and torchrun's
+    # line for rank 0's exit status 1 is not shown either
+    tie = tie.replace(b"failed (exitcode: -9) local_rank: 1 (pid: 12234)", b"failed (exitcode: 1) local_rank: 0 "
+                      b"(pid: 12233)")
+    sink = io.BytesIO()
+    f = StderrFilter(sink)
+    f.feed(tie)
+    f.close()
+    assert sink.getvalue() == b"Step 7: a line another process wrote in between\n"
+    assert f.killed_rank == (1, 12234, signal.SIGKILL)
+    closed = StderrFilter(io.BytesIO())  # a rank torchrun itself SIGTERMed is never the cause
+    closed.feed(recorded.replace(b"exitcode  : -9 (pid: 12234)  (SIGKILL)", b"exitcode  : 1 (pid: 12234)"))
+    closed.close()
+    assert closed.killed_rank is None
     one_process = StderrFilter(io.BytesIO())  # accelerate's launch of a single process
     one_process.feed(b"Traceback (most recent call last):\n  File x\nsubprocess.CalledProcessError: Command "
                      b"'['python', 'train.py']' died with <Signals.SIGKILL: 9>.\n")

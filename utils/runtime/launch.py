@@ -107,7 +107,7 @@ class StderrFilter:
     accelerate or `...ChildFailedError` from torchrun) and everything after it (torchrun's failure report,
     read for the rank a signal killed: `killed_rank`), a rank's traceback for a peer it lost (the rank that
     died is named instead; its last line is kept in `peer_lost`), torchrun's log lines about stopping the
-    other ranks and about a rank's exit status 2 (a user error, said by the rank) or a signal, an `error:`
+    other ranks and about a rank's exit status (the rank said why) or a signal, an `error:`
     line another rank already printed, C++ stack dumps (`Exception raised from ...` and its `frame #N`
     lines), and, on a node whose ranks all finished, torchrun's traceback for an exit barrier that node 0's
     launcher left first (it ended the run with another status): one line says that instead. Other
@@ -117,7 +117,7 @@ class StderrFilter:
     LAUNCHER_ERRORS = (b"subprocess.CalledProcessError:",
                        b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
     NOISE = re.compile(rb"torch/distributed/elastic/multiprocessing/api\.py:\d+\] "
-                       rb"(Sending process \d+ closing signal|failed \(exitcode: (2|-\d+)\))")
+                       rb"(Sending process (\d+) closing signal|failed \(exitcode: -?\d+\))")
     RANK_PREFIX = re.compile(rb"^\[rank\d+\]: ")  # torch's excepthook, once a process group exists
     PARTIAL_RANK_PREFIX = re.compile(rb"\[(r(a(n(k(\d+(\](:)?)?)?)?)?)?)?")
     PEER_LOST = re.compile(rb"Connection (closed|reset) by peer")  # gloo's words for a rank that died
@@ -141,6 +141,8 @@ class StderrFilter:
         self.killed_rank: tuple[int, int | None, int] | None = None  # (rank, pid, signal) of the root cause
         self.peer_lost: str | None = None
         self._in_root_cause, self._report_rank = False, None
+        self._closed_pids: set[int] = set()  # ranks torchrun itself signalled after the first failure it saw
+        self._other_kills: list[tuple[int, int, int]] = []  # the report's other failures by a signal
 
     def feed(self, data: bytes) -> None:
         lines = (self.partial + data).split(b"\n")
@@ -191,26 +193,41 @@ class StderrFilter:
         prefix = prefix.group(0) if prefix else b""
         if self.held is None and text[len(prefix):].startswith(self.START):
             self.held, self.held_prefix = [line], prefix
-        elif text.startswith(b"error: ") and text in self.errors_shown or self.NOISE.search(text):
+        elif text.startswith(b"error: ") and text in self.errors_shown:
             pass
+        elif noise := self.NOISE.search(text):
+            if noise.group(2):
+                self._closed_pids.add(int(noise.group(2)))
         else:
             if text.startswith(b"error: "):
                 self.errors_shown.add(text)
             self._write(line)
 
     def _read_failure_report(self, text: bytes) -> None:
-        """torchrun's report after its traceback: the root cause's rank, pid and exit code (negative: the
-        signal that killed it)."""
+        """torchrun's report after its traceback: the rank, pid and exit code (negative: the signal that killed
+        it) of each failure. The root cause is the one named, unless it exited with a status while another rank
+        was killed by a signal torchrun did not send: torchrun picks its "first observed failure" by a timestamp
+        in whole seconds, so a rank SIGKILLed and the rank whose collective then failed ("Connection reset by
+        peer", exit 1) tie, and the tie goes to the lower rank: the killed one is the cause."""
         if text.startswith(self.ROOT_CAUSE):
             self._in_root_cause = True
         field = self.REPORT_FIELD.match(text)
-        if not (field and self._in_root_cause):
+        if not field:
             return
         value, extra = int(field.group(2)), int(field.group(3))
         if field.group(1) == b"rank":
             self._report_rank = value
-        elif value < 0 and self._report_rank is not None:
+            return
+        if self._report_rank is None:
+            return
+        if not self._in_root_cause:
+            if value < 0 and extra not in self._closed_pids:
+                self._other_kills.append((self._report_rank, extra, -value))
+        elif value < 0:
             self.killed_rank = (self._report_rank, extra, -value)
+        elif self._other_kills:
+            self.killed_rank = self._other_kills[0]
+        self._report_rank = None
 
     def _torch_noise(self, text: bytes) -> bool:
         """C++ stack dumps and an unmet exit barrier's report (see the class docstring): dropped."""
