@@ -782,22 +782,43 @@ def tool_cases(tmp: Path) -> list[tuple[str, list]]:
 
 @pytest.mark.slow
 def test_no_entry_point_shows_a_traceback_for_bad_input(tmp_path):
+    """Every case: something said on stderr, no traceback, a non-zero exit. The Python commands run as processes forked
+    from warm interpreters (tests/warm_python.py: their imports done once, not 80 times), the shell ones as they
+    are."""
     import time
     from concurrent.futures import ThreadPoolExecutor
+
+    from tests.warm_python import WarmPython
 
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                STORAGE_EMULATOR_HOST="http://127.0.0.1:9", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
 
+    cases = guard_cases(tmp_path)
+    warm = [WarmPython(env, tmp_path / f"warm-{i}") for i in range(2)]  # the Python commands: forked, see there
+    idle = list(warm)
+
     def one(case):
         what, argv = case
         started = time.monotonic()
-        proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        if argv[0] == sys.executable:
+            python = idle.pop()
+            try:
+                proc = python.run(argv[1:], cwd=REPO_ROOT, timeout=300)
+            finally:
+                idle.append(python)
+        else:
+            proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
         print(f"{time.monotonic() - started:5.1f} s  {what}")
         return what, proc
 
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(one, guard_cases(tmp_path)))
+    try:
+        with ThreadPoolExecutor(len(warm)) as pool:
+            results = list(pool.map(one, cases))
+    finally:
+        for python in warm:
+            python.close()
+    assert sum(python.count for python in warm) >= len(cases) - 10
     bad = [f"{what} (exit {p.returncode}):\n{p.stderr[-1500:]}" for what, p in results
            if "Traceback" in p.stderr or p.returncode == 0 or not p.stderr.strip()]
     assert not bad, "\n\n".join(bad)
