@@ -153,10 +153,13 @@ class CoreShare:
                         self._keep(cores_to_keep(len(self.cpus), others), per_cpu, others)
                     else:
                         self._spread()
-        except (OSError, ValueError) as exc:  # /proc changed under us: the threads spread out and stay so
-            if self.kept is not None:
-                self._spread()
-            self._say(f"sharing the cores: stopped watching ({exc})")
+        except Exception as exc:  # noqa: BLE001 (/proc changed under us, or worse): spread out, one line, train on
+            try:
+                if self.kept is not None:
+                    self._spread()
+            finally:
+                self._say(f"sharing the cores: stopped watching ({type(exc).__name__}: {exc}); the threads use "
+                          f"every core from now on")
 
     def _keep(self, count: int, per_cpu: dict[int, int], others: float) -> None:
         if count >= len(self.cpus):
@@ -195,10 +198,16 @@ class CoreShare:
         started = threading.Event()
 
         def team() -> None:
-            import torch
+            try:
+                import torch
 
-            torch.empty(1 << 17).fill_(0.0)  # a parallel region from this thread: its own team, left docked
-            started.set()
+                torch.empty(1 << 17).fill_(0.0)  # a parallel region from this thread: its own team, left docked
+            except Exception as exc:  # noqa: BLE001 (the pinning alone still helps): one line, not a traceback
+                self._say(f"sharing the cores: no idle OpenMP team ({type(exc).__name__}: {exc}); the threads keep "
+                          f"to fewer cores, waiting as before")
+                return
+            finally:
+                started.set()
             release.wait()  # the team lives as long as this thread
 
         threading.Thread(target=team, name="cpu-share-team", daemon=True).start()

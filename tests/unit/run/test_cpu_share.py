@@ -149,6 +149,49 @@ def test_a_stat_file_that_goes_away_stops_the_watcher_with_one_line(tmp_path):
     share.stop()
 
 
+def test_a_helper_thread_that_fails_is_one_line_and_the_threads_spread_out(tmp_path, monkeypatch):
+    """An error in the watcher's decision (here: cores_to_keep raising) or in the idle OpenMP team's start (its
+    torch call raising) is one line through the run's log, no thread traceback; the threads use every core."""
+    import torch
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    cpus = sorted(os.sched_getaffinity(0))
+    said = []
+
+    class Log:
+        info = said.append
+
+    def no_team(*args, **kwargs):
+        raise RuntimeError("no OpenMP here")
+
+    monkeypatch.setattr(torch, "empty", no_team)
+    share = CoreShare(Log, mode="auto", period_s=0.02)
+    share._throttle()
+    assert said == ["sharing the cores: no idle OpenMP team (RuntimeError: no OpenMP here); the threads keep to fewer "
+                    "cores, waiting as before"]
+    share._spread()
+
+    def broken(count, others):
+        raise KeyError("cores")
+
+    fake = FakeProc(tmp_path, cpus, os.sysconf("SC_CLK_TCK"), 0.02)
+    monkeypatch.setattr(cpu_share, "cores_to_keep", broken)
+    said.clear()
+    share = CoreShare(Log, mode="pin", period_s=0.02, stat=str(fake.stat), self_stat=str(fake.self_stat))
+    share.start()
+    try:
+        deadline = time.monotonic() + 10
+        while share._thread.is_alive() and time.monotonic() < deadline:
+            fake.tick(len(cpus) - 0.5, 0.5)
+            time.sleep(0.02)
+        assert not share._thread.is_alive()
+    finally:
+        share.stop()
+    assert said == ["sharing the cores: stopped watching (KeyError: 'cores'); the threads use every core from now on"]
+    assert raised == [] and affinity_of_every_thread() == {frozenset(cpus)}
+
+
 def test_for_run_says_what_it_does_and_why_not(monkeypatch):
     monkeypatch.setattr(cpu_share.CoreShare, "start", lambda self: None)
     monkeypatch.setattr(threads, "_wait", None)
