@@ -180,25 +180,17 @@ Root Cause (first observed failure):
     closing = b"W1124 03:51:04.913000 11963 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process "
     tie = recorded.replace(closing + b"12233 closing signal SIGTERM\n", b"")  # both had ended: none to stop
     assert tie != recorded
-    tie = tie[:tie.index(b"Failures:")] + b"""Failures:
-[1]:
-  time      : 2026-11-24_03:51:04
-  host      : localhost
-  rank      : 1 (local_rank: 1)
-  exitcode  : -9 (pid: 12234)  (SIGKILL)
-  error_file: <N/A>
-  traceback : Signal 9 (SIGKILL) received by PID 12234
--------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-24_03:51:04
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : 1 (pid: 12233)
-  error_file: <N/A>
-  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
-=======================================================
-"""
+    # the report's two entries swapped: rank 1's SIGKILL among the failures, rank 0 (exit status 1) the root cause
+    head, failures = tie.split(b"Failures:\n")
+    rank0, rest = failures.split(b"-------------------------------------------------------\n", 1)
+    root_header, rank1 = rest.split(b"\n", 1)
+    rank1, end = rank1.split(b"=====", 1)
+    rank0 = rank0.replace(b"exitcode  : -15 (pid: 12233)  (SIGTERM)", b"exitcode  : 1 (pid: 12233)").replace(
+        b"Signal 15 (SIGTERM) received by PID 12233", b"To enable traceback see: https://pytorch.org/docs/stable/"
+        b"elastic/errors.html")
+    tie = (head + b"Failures:\n" + rank1.replace(b"[0]:", b"[1]:") + b"-" * 55 + b"\n" + root_header + b"\n" +
+           rank0.replace(b"[1]:", b"[0]:") + b"=====" + end)
+    assert b"rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 12233)\n" in tie.split(root_header)[1]
     # torchrun saw both ranks ended in one poll and its "first observed failure" (timestamps in whole seconds,
     # a tie to the lower rank) is rank 0's lost connection: the SIGKILLed rank is still the cause, and torchrun's
     # line for rank 0's exit status 1 is not shown either
