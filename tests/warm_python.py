@@ -16,7 +16,6 @@ import select
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "accelerate", "safetensors.torch", "tokenizers", "transformers",
@@ -82,15 +81,6 @@ for line in requests:
 '''
 
 
-@dataclass
-class Finished:
-    """What subprocess.run(..., capture_output=True, text=True) would give."""
-    args: list
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 class WarmPython:
     """One warm interpreter (the environment `env`, given once), running one command at a time."""
 
@@ -102,7 +92,7 @@ class WarmPython:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
                                      bufsize=0)  # unbuffered: select() sees every reply line not yet read
 
-    def run(self, argv: list[str], cwd: Path, timeout: float) -> Finished:
+    def run(self, argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
         """`argv` = [script, args...] (a Python script's path, relative to `cwd` or absolute), as `python script
         args` would run it in `cwd`; killed (SIGKILL) past `timeout` seconds."""
         self.count += 1
@@ -116,7 +106,7 @@ class WarmPython:
         except TimeoutError:
             os.kill(pid, signal.SIGKILL)
             code = json.loads(self._reply(60))["code"]
-        return Finished(argv, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+        return subprocess.CompletedProcess(argv, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
     def _reply(self, timeout: float) -> bytes:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
