@@ -1,9 +1,14 @@
 """Helpers for tests that run the real train.py / start_training.sh in subprocesses on tiny data."""
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -65,9 +70,66 @@ PINNED = ("import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(',
           "os.execv(sys.argv[2], sys.argv[2:])")
 
 
-def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True,
-        cwd=REPO_ROOT) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+# What libraries read once, when they are imported (OpenMP's threads and wait, torch's and transformers' switches,
+# the interpreter's own): commands whose environments differ in one of these are forked from different interpreters.
+IMPORT_TIME = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "TRANSFORMERS_", "HF_",
+               "TOKENIZERS_", "ACCELERATE_", "PYTHON", "LD_", "CUDA_", "NVIDIA_", "TF_", "TRITON_")
+WARM_SERVERS = 3  # warm interpreters a test worker keeps, one per such environment, the least recently used closed
+_warm: dict = {}  # this process's warm interpreters (WarmPython), by the environment's import-time variables
+_warm_lock = threading.Lock()
+
+
+def _import_time(env: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME)))
+
+
+def _warm_python(cmd: list[str], env: dict, cwd):
+    """The warm interpreter (tests/warm_python.py) to fork `cmd` from, or None (start it cold): for `python
+    SCRIPT.py ...` of this repo (an earlier engine's copy imports its own modules, not the ones preloaded), on one
+    thread; one interpreter for each set of the variables libraries read at import (IMPORT_TIME)."""
+    if len(cmd) < 2 or cmd[0] != sys.executable or not cmd[1].endswith(".py"):
+        return None
+    script = (Path(cwd) / cmd[1]).resolve()
+    if REPO_ROOT not in script.parents or not script.is_file() or os.environ.get("NEOX_TESTS_COLD"):
+        return None
+    if env.get("OMP_NUM_THREADS") != "1":  # OpenMP's threads do not survive a fork: one thread, none to start
+        return None
+    key = _import_time(env)
+    python = _warm.pop(key, None)
+    if python is None:
+        from tests.warm_python import PRELOAD, WarmPython
+
+        if len(_warm) >= WARM_SERVERS:
+            _warm.pop(next(iter(_warm))).close()
+        python = WarmPython(env, Path(tempfile.mkdtemp(prefix="warm-python-")), PRELOAD)
+        atexit.register(shutil.rmtree, python.workdir, True)
+        atexit.register(python.close)
+    _warm[key] = python  # the most recently used last
+    return python
+
+
+def forked_runs() -> int:
+    """How many commands this test worker's warm interpreters have run."""
+    return sum(python.count for python in _warm.values())
+
+
+def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True, cwd=REPO_ROOT,
+        cold: bool = False) -> subprocess.CompletedProcess:
+    """Runs `cmd` to its end. A Python script of this repo is forked from a warm interpreter (its imports done once
+    per test worker: tests/warm_python.py) unless `cold` (a test of what a fresh interpreter does: its imports, the
+    threads' wait it chooses before torch loads) or it computes on more than one thread; anything else starts cold,
+    as subprocess.run starts it."""
+    cmd = [str(c) for c in cmd]
+    if not cold and _warm_lock.acquire(blocking=False):  # one command at a time; another thread's starts cold
+        try:
+            python = _warm_python(cmd, env, cwd)
+            proc = None if python is None else python.run(cmd[1:], cwd=cwd, timeout=timeout, env=env)
+        finally:
+            _warm_lock.release()
+    else:
+        proc = None
+    if proc is None:
+        proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
                              f"stderr:\n{proc.stderr[-4000:]}")
