@@ -124,6 +124,9 @@ def run(cmd: list[str], env: dict, timeout: float = 300, check: bool = True, cwd
         try:
             python = _warm_python(cmd, env, cwd)
             proc = None if python is None else python.run(cmd[1:], cwd=cwd, timeout=timeout, env=env)
+        except RuntimeError:  # the warm interpreter itself ended: the next command starts another
+            _warm.pop(_import_time(env), None)
+            raise
         finally:
             _warm_lock.release()
     else:

@@ -134,7 +134,7 @@ class WarmPython:
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
         out.unlink()
         err.unlink()
-        if code == -signal.SIGKILL and timed_out:
+        if timed_out:
             raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
         return subprocess.CompletedProcess(argv, code, stdout, stderr)
 
