@@ -2,6 +2,7 @@
 (its losses, its checkpoint, its export, its exit status and what it says), and what it cannot be is run cold."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -45,11 +46,10 @@ def test_a_forked_run_is_the_cold_run(tmp_path, subprocess_env):
     assert refused[0].stderr == refused[1].stderr and refused[0].stderr.startswith("error:")
 
 
-def test_what_libraries_read_at_import_and_scripts_elsewhere_run_cold(tmp_path, subprocess_env):
-    """A command whose OpenMP, torch or Python variables differ from the warm interpreter's, a `python -c`, a
-    script outside the repo: each a process of its own, started as subprocess.run starts it."""
+def test_a_command_on_more_than_one_thread_a_python_c_and_cold_true_start_cold(subprocess_env):
+    """Each a process of its own, started as subprocess.run starts it, saying what the forked one says."""
     pid = [sys.executable, "-c", "import os; print(os.getppid())"]
-    assert int(run(pid, subprocess_env).stdout) == __import__("os").getpid()
+    assert int(run(pid, subprocess_env).stdout) == os.getpid()
     script = REPO_ROOT / "scripts" / "memory_plan.py"
     before = trainkit.forked_runs()
     warm = run([sys.executable, str(script), "--help"], subprocess_env)
