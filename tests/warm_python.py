@@ -23,8 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent  # the warm interpreter imports the engine from here, as a
-#                                                     script of the repo does
+from tests.trainkit import REPO_ROOT  # the warm interpreter imports the engine from there, as the repo's scripts do
 
 PRELOAD = ("numpy", "yaml", "configs", "configs.settle", "torch", "torch._dynamo", "torch.utils.tensorboard",
            "accelerate", "safetensors.torch", "tokenizers", "transformers", "transformers.modeling_utils",
