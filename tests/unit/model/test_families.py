@@ -463,16 +463,26 @@ def launch(out: Path, data: Path, gpus: int, strategy: str, *sets: str):
     return run(cmd, ENV, timeout=600)
 
 
+# DDP wraps the whole model whatever its family (one all-reduce of every gradient): one family's 2 DDP ranks prove
+# it beside that family's one process (tests/e2e/test_multiprocess.py does for the tiny GPT-NeoX, untied), and this
+# one ties its embeddings (one parameter used twice) and scales them. FSDP2 shards each family's blocks and
+# embeddings its own way: every family runs it.
+DDP_FAMILY = "gemma3"
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def runs(request, tmp_path_factory):
     """One family's preset through train.py: global batch 4, 6 steps, checkpoints at 3 and 6. fsdp2: 2 FSDP
-    ranks (micro 1 x accumulation 2); ddp2: 2 DDP ranks (the same); one: 1 process (micro 2 x accumulation 2)."""
+    ranks (micro 1 x accumulation 2); ddp2 (DDP_FAMILY only): 2 DDP ranks (the same); one: 1 process (micro 2 x
+    accumulation 2)."""
     name = request.param
     model = f"model={CASES[name].preset}"
     root = tmp_path_factory.mktemp(name)
     data = make_shards(root / "data")
     out = {"name": name, "model": model, "root": root, "data": data}
     for kind, gpus, strategy in (("fsdp2", 2, "fsdp"), ("ddp2", 2, "ddp")):
+        if kind == "ddp2" and name != DDP_FAMILY:
+            continue
         out[kind] = root / kind
         launch(out[kind], data, gpus, strategy, model, *STEPS, "per_device_train_batch_size=1",
                "gradient_accumulation_steps=2")
@@ -484,11 +494,13 @@ def runs(request, tmp_path_factory):
 
 @pytest.mark.slow
 def test_one_process_learns_and_ranks_and_strategies_agree(runs):
-    one, ddp2, fsdp2 = (train_rows(runs[k]) for k in ("one", "ddp2", "fsdp2"))
-    assert sorted(one) == sorted(ddp2) == sorted(fsdp2) == list(range(1, 7))
+    one = train_rows(runs["one"])
+    others = [train_rows(runs[k]) for k in ("ddp2", "fsdp2") if k in runs]
+    assert len(others) == (2 if runs["name"] == DDP_FAMILY else 1)
+    assert all(sorted(other) == sorted(one) == list(range(1, 7)) for other in others)
     assert one[6]["loss"] < one[1]["loss"] - 0.1, (one[1]["loss"], one[6]["loss"])  # it learns
     for step in range(1, 7):
-        for other in (ddp2, fsdp2):
+        for other in others:
             assert close(other[step]["loss"], one[step]["loss"]), (step, other[step]["loss"], one[step]["loss"])
             assert close(other[step]["grad_norm"], one[step]["grad_norm"]), step
 
