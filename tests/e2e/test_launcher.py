@@ -310,21 +310,6 @@ def test_bad_config_or_option_stops_before_launching(launcher, subprocess_env, a
 
 
 @pytest.mark.slow
-def test_a_real_launch_has_no_defaults_used_warning(launcher, subprocess_env, tmp_path):
-    from tests.trainkit import TINY, make_shards
-
-    data = make_shards(tmp_path / "data")
-    cmd = [str(launcher), "--config", "demo", "--cpu", "--gpus", "2"]
-    for s in TINY + ["max_steps=2", "save_steps=100"]:
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd + ["--", "--output-dir", str(tmp_path / "out"), "--data-dir", str(data)],
-                          env=subprocess_env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "were not passed to `accelerate launch`" not in proc.stdout + proc.stderr
-    assert "start_training.sh: finished after step 2" in proc.stdout
-
-
-@pytest.mark.slow
 def test_torchrun_runs_train_py_directly(subprocess_env, tmp_path, repo_root):
     """`torchrun --nproc-per-node 2 train.py ...` (no launcher): two CPU ranks train, in sync."""
     from tests.trainkit import TINY, make_shards, train_rows
