@@ -287,8 +287,11 @@ total=$((per_node * nodes))
 env_args=()
 threads_choice=""
 launch=()
-if [[ -x "$(dirname "$(command -v python3 || echo /nonexistent)")/accelerate" ]]; then
-    launch=(accelerate launch)
+# accelerate-launch: accelerate's own entry point for `accelerate launch` (the same parser and launch), without
+# the `accelerate` CLI's other commands: its `estimate-memory` imports transformers, ~1.3 CPU-s at every launch
+# and restart
+if [[ -x "$(dirname "$(command -v python3 || echo /nonexistent)")/accelerate-launch" ]]; then
+    launch=(accelerate-launch)
 else
     command -v python3 >/dev/null 2>&1 && python3 -c 'import importlib.util as u, sys; sys.exit(u.find_spec("accelerate") is None)' \
         || fail "no .venv here and python3 on PATH has no accelerate; run ./setup.sh first"

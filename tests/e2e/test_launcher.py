@@ -95,11 +95,16 @@ def printed_command(stdout: str) -> list[str]:
 
 
 def accelerate_args(argv: list[str]):
-    """Parse the printed command with accelerate's own parser: proves every flag exists in this version."""
+    """Parse the printed command with accelerate's own parser: proves every flag exists in this version. The
+    program is accelerate's `accelerate-launch` entry point: the `launch` of its CLI (the same parser and
+    launch_command) without the CLI's other commands."""
+    from importlib.metadata import entry_points
+
     from accelerate.commands.launch import launch_command_parser
 
-    i = argv.index("launch")
-    assert argv[i - 1].endswith("accelerate")
+    i = next(i for i, word in enumerate(argv) if word.endswith("accelerate-launch"))
+    (script,) = entry_points(group="console_scripts", name="accelerate-launch")
+    assert script.value == "accelerate.commands.launch:main"
     args = launch_command_parser().parse_args(argv[i + 1:])
     modes = [m for m in ("cpu", "multi_gpu", "use_fsdp", "use_deepspeed", "tpu") if getattr(args, m)]
     assert len(modes) <= 1, f"accelerate refuses more than one of {modes}"
@@ -306,7 +311,7 @@ def test_set_is_passed_and_the_precision_reaches_accelerate(launcher, subprocess
 def test_bad_config_or_option_stops_before_launching(launcher, subprocess_env, argv, fragment):
     proc = subprocess.run([str(launcher), *argv, "--cpu"], env=subprocess_env, capture_output=True, text=True)
     assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr
-    assert "accelerate launch" not in proc.stdout and "Traceback" not in proc.stderr
+    assert "accelerate-launch" not in proc.stdout and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

@@ -34,12 +34,12 @@ def test_two_ranks_match_one_process(tmp_path, subprocess_env):
     pinned = (sys.executable, "-c", PINNED, ",".join(map(str, cpus)))
     proc = launch(two, data, 2, "per_device_train_batch_size=2", "max_steps=6", "save_steps=3",
                   env=dict(env, NEOX_TRACE_BATCHES="1"), pinned=pinned)
-    assert "accelerate launch" in proc.stdout  # the launcher prints the command it runs
+    assert "accelerate-launch" in proc.stdout  # the launcher prints the command it runs
     # every setting accelerate would otherwise default (and warn of) is on its command line
     assert "were not passed to `accelerate launch`" not in proc.stdout + proc.stderr
     assert "start_training.sh: finished after step 6" in proc.stdout
     assert "2 process(es) on cpu" in proc.stdout
-    assert "OMP_NUM_THREADS=1 accelerate launch" in proc.stdout
+    assert "OMP_NUM_THREADS=1 accelerate-launch" in proc.stdout
     assert (f"cpu threads: 1 per process (start_training.sh: {len(cpus)} core(s) / 2 process(es) per node); one "
             "thread: none waits") in proc.stdout
     run(train_cmd(one, data, "per_device_train_batch_size=4", "max_steps=6", "save_steps=3"), subprocess_env)
