@@ -11,6 +11,11 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# The suite's own processes compute on one thread, as every process it starts does (make_subprocess_env): its
+# workers share the cores with each other and with those processes, where torch's OpenMP threads would spin waiting
+# for each other (README: "CPU threads"). Set before any test module imports torch; a value given wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def free_port() -> int:
     with socket.socket() as s:
