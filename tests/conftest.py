@@ -12,8 +12,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # The suite's own processes compute on one thread, as every process it starts does (make_subprocess_env): its
-# workers share the cores with each other and with those processes, where torch's OpenMP threads would spin waiting
-# for each other (README: "CPU threads"). Set before any test module imports torch; a value given wins.
+# workers share the cores with each other and with those processes, where torch's OpenMP threads would spin
+# waiting for each other (benchmarks/RESULTS.md, "CPU threads on a shared machine"). Set before any test module
+# imports torch; a value given wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
