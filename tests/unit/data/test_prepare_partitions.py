@@ -126,6 +126,27 @@ def test_output_straight_to_a_bucket_holds_the_same_bytes_and_inputs_can_come_fr
     assert shards(tree(tmp_path / "from-bucket")) == shards(reference) and len(shards(reference)) >= 5
 
 
+def cmdline(process) -> list[str]:
+    """A psutil process's command line; none for one that has ended or is a zombie by now (a Ray process may end
+    between being listed and being read)."""
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def running(process) -> bool:
+    """Whether a psutil process still runs (not ended, not a zombie waiting for its parent)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def ray_task_workers(root_pid: int) -> list[int]:
     """Processes under `root_pid` running a Ray partition task right now (Ray titles them by the task)."""
     parents, titles = {}, {}
@@ -207,9 +228,9 @@ def test_a_killed_ray_driver_leaves_no_ray_process(
             assert proc.poll() is None and time.time() < deadline, "no Ray task was seen running"
             time.sleep(0.2)
         started = psutil.Process(proc.pid).children(recursive=True)
-        sessions = {arg.split("/session_")[0].split("=")[-1] for p in started for arg in p.cmdline()
+        sessions = {arg.split("/session_")[0].split("=")[-1] for p in started for arg in cmdline(p)
                     if "/session_" in arg}
-        assert len(sessions) == 1 and len(started) >= 4, (sessions, [p.cmdline()[:2] for p in started])
+        assert len(sessions) == 1 and len(started) >= 4, (sessions, [cmdline(p)[:2] for p in started])
         (session,) = sessions
         proc.send_signal(sig)
         signalled = time.time()
@@ -222,16 +243,15 @@ def test_a_killed_ray_driver_leaves_no_ray_process(
             proc.kill()
 
     def left() -> list:
-        alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         named = [p for p in psutil.process_iter(["cmdline"]) if session in " ".join(p.info["cmdline"] or ())]
-        return alive + [p for p in named if p.status() != psutil.STATUS_ZOMBIE]
+        return [p for p in started + named if running(p)]
 
     deadline = time.time() + 30
     while left() and time.time() < deadline:
         time.sleep(0.5)
     still = left()
     try:
-        assert not still, [(p.pid, " ".join(p.cmdline())[:120]) for p in still]
+        assert not still, [(p.pid, " ".join(cmdline(p))[:120]) for p in still]
         assert not Path(session).exists(), f"{session} was left"
     finally:
         for p in still:  # never leave a stray Ray for the tests after this one
